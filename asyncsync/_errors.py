@@ -1,0 +1,163 @@
+"""The one exception tree of asyncsync.
+
+Every error raised by the SDK derives from :class:`AsyncSyncError` and carries, where
+known, the server URL, the route, the HTTP status and an excerpt of the response body,
+so that a failure in a fleet of many servers can be traced to one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "AsyncSyncError",
+    "GenerationError",
+    "ProtocolError",
+    "PublishError",
+    "ServerError",
+    "ServerTimeout",
+    "ServerUnavailable",
+]
+
+_BODY_EXCERPT_CHARS = 500
+
+
+def _excerpt(body: str | None) -> str | None:
+    if body is None:
+        return None
+    body = body.strip()
+    if len(body) > _BODY_EXCERPT_CHARS:
+        return body[:_BODY_EXCERPT_CHARS] + f"... [{len(body) - _BODY_EXCERPT_CHARS} more chars]"
+    return body
+
+
+class AsyncSyncError(Exception):
+    """Base class of every asyncsync error.
+
+    Attributes:
+        server: base URL of the server involved, if any.
+        route: HTTP route (e.g. ``"/update_weights"``), if any.
+        status: HTTP status code, if a response was received.
+        body: excerpt of the response body, if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        server: str | None = None,
+        route: str | None = None,
+        status: int | None = None,
+        body: str | None = None,
+    ) -> None:
+        self.message = message
+        self.server = server
+        self.route = route
+        self.status = status
+        self.body = _excerpt(body)
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        where = []
+        if self.server is not None:
+            where.append(self.server)
+        if self.route is not None:
+            where.append(self.route)
+        text = self.message
+        if where:
+            text = f"{text} [{' '.join(where)}]"
+        if self.status is not None:
+            text = f"{text} (HTTP {self.status})"
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep keyword-only context across pickling (process pools, multiprocessing).
+        return (
+            _rebuild,
+            (type(self), self.message, self.server, self.route, self.status, self.body),
+        )
+
+
+def _rebuild(
+    cls: type[AsyncSyncError],
+    message: str,
+    server: str | None,
+    route: str | None,
+    status: int | None,
+    body: str | None,
+) -> AsyncSyncError:
+    err = cls.__new__(cls)
+    AsyncSyncError.__init__(err, message, server=server, route=route, status=status, body=body)
+    return err
+
+
+class ServerError(AsyncSyncError):
+    """The server answered with a non-2xx status, or with a 2xx body that is not the
+    JSON the route promises (never mistaken for a success)."""
+
+
+class ServerTimeout(AsyncSyncError, TimeoutError):
+    """A call exceeded its deadline (connect, control, update or generate phase)."""
+
+
+class ServerUnavailable(AsyncSyncError):
+    """The server could not be reached (connection refused, reset, DNS, closed client)."""
+
+
+class ProtocolError(AsyncSyncError):
+    """The request or response does not fit the protocol: a route the server's vLLM
+    version lacks, a parameter name, shape or dtype mismatch, an unsupported version."""
+
+
+class GenerationError(AsyncSyncError):
+    """A generation request failed or its response could not be interpreted."""
+
+
+class PublishError(AsyncSyncError):
+    """A weight-sync round failed on at least one server.
+
+    Attributes:
+        version: the version the round tried to publish.
+        outcomes: per-server outcome objects, keyed by server URL.
+        needs_resync: URLs of servers left mid-update (dirty) that need a later
+            successful round before they serve generations again.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        version: str | None = None,
+        outcomes: Mapping[str, Any] | None = None,
+        needs_resync: Sequence[str] = (),
+        server: str | None = None,
+        route: str | None = None,
+        status: int | None = None,
+        body: str | None = None,
+    ) -> None:
+        super().__init__(message, server=server, route=route, status=status, body=body)
+        self.version = version
+        self.outcomes: dict[str, Any] = dict(outcomes or {})
+        self.needs_resync: tuple[str, ...] = tuple(needs_resync)
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.needs_resync:
+            text = f"{text}; needs resync: {', '.join(self.needs_resync)}"
+        return text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_publish,
+            (self.message, self.version, self.outcomes, self.needs_resync),
+        )
+
+
+def _rebuild_publish(
+    message: str,
+    version: str | None,
+    outcomes: dict[str, Any],
+    needs_resync: tuple[str, ...],
+) -> PublishError:
+    return PublishError(message, version=version, outcomes=outcomes, needs_resync=needs_resync)

@@ -1,0 +1,44 @@
+"""Event-loop selection: uvloop when installed, unless opted out."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["run", "uvloop_enabled"]
+
+T = TypeVar("T")
+
+#: Set to 1/true/yes to use the standard asyncio loop even when uvloop is installed.
+NO_UVLOOP_ENV = "ASYNCSYNC_NO_UVLOOP"
+
+
+def uvloop_enabled(use_uvloop: bool | None = None) -> bool:
+    """Whether :func:`run` will use uvloop: ``use_uvloop`` if given, else installed and
+    not disabled by ``ASYNCSYNC_NO_UVLOOP``."""
+    if use_uvloop is None:
+        use_uvloop = os.environ.get(NO_UVLOOP_ENV, "").strip().lower() not in {"1", "true", "yes"}
+    if not use_uvloop:
+        return False
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool | None = None, debug: bool = False) -> T:
+    """Run ``main`` to completion in a new event loop (uvloop when enabled).
+
+    For scripts and CLIs; inside a running loop (a notebook) use ``await`` or
+    :mod:`asyncsync.blocking` instead.
+    """
+    if uvloop_enabled(use_uvloop):
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop, debug=debug) as runner:
+            return runner.run(main)
+    with asyncio.Runner(debug=debug) as runner:
+        return runner.run(main)

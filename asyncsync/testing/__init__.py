@@ -1,0 +1,34 @@
+"""Test helpers for asyncsync users and for asyncsync's own suite.
+
+- :func:`make_tiny_model` writes a tiny deterministic Qwen2 model (no downloads).
+- :class:`LocalVLLMServer` runs a real vLLM server as a subprocess.
+- :func:`reference_greedy` / :func:`reference_logprobs` compute transformers' ground truth.
+
+Importing this module needs neither vLLM nor torch; they are imported when used.
+"""
+
+from asyncsync.testing._model import (
+    TINY_MODEL_CONFIG,
+    make_tiny_model,
+    reference_greedy,
+    reference_logprobs,
+)
+from asyncsync.testing._server import (
+    BACKEND_NAMES,
+    LocalVLLMServer,
+    ServerStartError,
+    free_port,
+    process_group_members,
+)
+
+__all__ = [
+    "BACKEND_NAMES",
+    "TINY_MODEL_CONFIG",
+    "LocalVLLMServer",
+    "ServerStartError",
+    "free_port",
+    "make_tiny_model",
+    "process_group_members",
+    "reference_greedy",
+    "reference_logprobs",
+]

@@ -1,0 +1,337 @@
+"""A real vLLM OpenAI-compatible server, started as a subprocess for tests and demos."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+__all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError"]
+
+#: Short names accepted by ``LocalVLLMServer(backend=...)`` and the vLLM weight-transfer
+#: backend each one selects. Any other string is passed to vLLM unchanged.
+BACKEND_NAMES: dict[str, str] = {"shm": "asyncsync_shm", "nccl": "nccl", "ipc": "ipc"}
+
+_LOG_TAIL_LINES = 40
+
+
+class ServerStartError(RuntimeError):
+    """The vLLM server did not become healthy (it exited, or the deadline passed)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<log unreadable: {exc}>"
+    return "\n".join(data.splitlines()[-lines:])
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """PIDs of live (non-zombie) processes in process group ``pgid`` (Linux /proc)."""
+    members: list[int] = []
+    proc = Path("/proc")
+    if not proc.is_dir():  # pragma: no cover - non-Linux fallback
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        return [pgid]
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state ppid pgrp ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+class LocalVLLMServer:
+    """A real vLLM server (``python -m vllm.entrypoints.openai.api_server``) as a subprocess.
+
+    Use it as an async context manager (``async with LocalVLLMServer(d) as server``) or,
+    in scripts, as a plain context manager / with :meth:`start` and :meth:`stop`.
+
+    The server runs in its own process group (session) with ``VLLM_SERVER_DEV_MODE=1``,
+    so the RL routes exist, and with ``--enable-scale-out`` so that
+    ``/inference/v1/generate`` is served. Startup waits for ``GET /health`` within
+    ``startup_timeout`` seconds while checking that the process is alive; on failure a
+    :class:`ServerStartError` carries the last lines of the server log. Stopping
+    terminates the whole process group (vLLM renames its children, so never by name)
+    and waits until no process of the group is left.
+
+    Args:
+        model_dir: a local model directory (see :func:`make_tiny_model`).
+        backend: weight-transfer backend: ``"shm"`` (asyncsync's CPU shared-memory
+            engine), ``"nccl"``, ``"ipc"`` or any registered vLLM backend name;
+            ``None`` starts the server without a weight-transfer engine.
+        tokenizer: load the tokenizer beside the model; ``False`` serves token-only
+            (``--skip-tokenizer-init``: ``/v1/completions`` then answers 400).
+        port: TCP port; a free one is picked when ``None``.
+        extra_args: more command-line arguments for the vLLM server.
+        env: extra environment variables for the server process.
+        startup_timeout: seconds to wait for ``/health``.
+        max_model_len: passed as ``--max-model-len``.
+        log_path: where the server's stdout/stderr go (a temp file by default).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        backend: str | None = None,
+        tokenizer: bool = True,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        startup_timeout: float = 600.0,
+        stop_timeout: float = 30.0,
+        max_model_len: int = 256,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be > 0, got {startup_timeout!r}")
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {self.model_dir} (config.json missing)")
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.host = host
+        self._requested_port = port
+        self.port: int | None = None
+        self.extra_args = tuple(extra_args)
+        self.env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.max_model_len = max_model_len
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._log_file: Any = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8123``."""
+        if self.port is None:
+            raise RuntimeError("LocalVLLMServer is not started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        """Path of the server's combined stdout/stderr log."""
+        if self._log_path is None:
+            raise RuntimeError("LocalVLLMServer is not started")
+        return self._log_path
+
+    @property
+    def weight_transfer_backend(self) -> str | None:
+        """The vLLM backend name passed in ``--weight-transfer-config``."""
+        if self.backend is None:
+            return None
+        return BACKEND_NAMES.get(self.backend, self.backend)
+
+    def command(self) -> list[str]:
+        """The full command line that starts the server."""
+        assert self.port is not None
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--dtype",
+            "float32",
+            "--enable-scale-out",
+            "--disable-log-stats",
+        ]
+        if not self.tokenizer:
+            cmd.append("--skip-tokenizer-init")
+        if self.backend is not None:
+            cmd += [
+                "--weight-transfer-config",
+                json.dumps({"backend": self.weight_transfer_backend}),
+            ]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.update(self.env)
+        return env
+
+    # ----------------------------------------------------------------- lifecycle
+    def _spawn(self) -> None:
+        if self.process is not None:
+            raise RuntimeError("LocalVLLMServer already started")
+        self.port = self._requested_port or free_port(self.host)
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        self._log_file = self._log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self._environment(),
+            start_new_session=True,
+        )
+
+    def _failure(self, reason: str) -> ServerStartError:
+        return ServerStartError(
+            f"vLLM server {self.url} {reason}. Last lines of {self.log_path}:\n"
+            f"{_tail(self.log_path)}"
+        )
+
+    async def astart(self) -> LocalVLLMServer:
+        """Start the server and wait until ``/health`` answers 200."""
+        started = time.monotonic()
+        self._spawn()
+        assert self.process is not None
+        deadline = started + self.startup_timeout
+        try:
+            timeout = aiohttp.ClientTimeout(total=5)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                while True:
+                    code = self.process.poll()
+                    if code is not None:
+                        raise self._failure(f"exited with code {code} during startup")
+                    try:
+                        async with session.get(f"{self.url}/health") as resp:
+                            if resp.status == 200:
+                                break
+                    except (TimeoutError, aiohttp.ClientError):
+                        pass
+                    if time.monotonic() > deadline:
+                        raise self._failure(
+                            f"did not become healthy within {self.startup_timeout:.0f} s"
+                        )
+                    await asyncio.sleep(0.5)
+        except BaseException:
+            await asyncio.shield(self.astop())
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    async def astop(self) -> None:
+        """Terminate the server's process group and wait for every member to exit."""
+        proc = self.process
+        if proc is None:
+            return
+        pgid = proc.pid
+        try:
+            self._signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + self.stop_timeout
+            # Polling: no event tells when the last member of a process group exits.
+            while time.monotonic() < deadline:
+                proc.poll()
+                if proc.returncode is not None and not process_group_members(pgid):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                self._signal_group(pgid, signal.SIGKILL)
+                while process_group_members(pgid) or proc.poll() is None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            self._close_log()
+            self.process = None
+
+    @staticmethod
+    def _signal_group(pgid: int, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    # ----------------------------------------------------------------- async CM
+    async def __aenter__(self) -> LocalVLLMServer:
+        return await self.astart()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.shield(self.astop())
+
+    # ----------------------------------------------------------------- sync use
+    def start(self) -> LocalVLLMServer:
+        """Blocking :meth:`astart` for scripts (works inside a running loop, too)."""
+        from anyio.from_thread import start_blocking_portal
+
+        with start_blocking_portal() as portal:
+            return portal.call(self.astart)
+
+    def stop(self) -> None:
+        """Blocking :meth:`astop`."""
+        from anyio.from_thread import start_blocking_portal
+
+        with start_blocking_portal() as portal:
+            portal.call(self.astop)
+
+    def __enter__(self) -> LocalVLLMServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.process is not None else "stopped"
+        where = self.url if self.port is not None else "-"
+        return (
+            f"<LocalVLLMServer {where} model={self.model_dir.name} backend={self.backend} {state}>"
+        )

