@@ -1,0 +1,180 @@
+"""Wire format of the ``asyncsync_shm`` weight-transfer backend (plain JSON, no pickle).
+
+Shared by the trainer side (:mod:`asyncsync.backends.shm`) and the worker side
+(:mod:`asyncsync.vllm_plugin`). It imports neither torch nor vLLM.
+
+A round is ``start -> update(chunk 0) ... update(chunk n-1) -> finish``. Each update_info
+is a JSON object:
+
+``{"round": str, "chunk": int, "num_chunks": int, "segment": str, "segment_size": int,
+"names": [...], "dtype_names": [...], "shapes": [[...]], "offsets": [...],
+"manifest": {...} | None, "abort": false}``
+
+- ``segment`` names a POSIX shared-memory segment (``/dev/shm/<segment>``) owned by the
+  trainer; the tensor ``names[i]`` lies at byte ``offsets[i]`` with ``dtype_names[i]`` and
+  ``shapes[i]``, C-contiguous.
+- Chunk 0 carries the ``manifest`` of the whole round (every name with its dtype and
+  shape), so that a worker validates the round *before it loads anything*.
+- ``{"abort": true, "round": ...}`` ends a round that the trainer gave up on: the worker
+  restores what it can and fails the call, which makes vLLM clear its active-update flag.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "ALIGNMENT",
+    "BACKEND_NAME",
+    "DTYPE_SIZES",
+    "Manifest",
+    "ShmFormatError",
+    "align",
+    "validate_chunk_layout",
+]
+
+#: vLLM ``--weight-transfer-config`` backend name under which the plugin registers.
+BACKEND_NAME = "asyncsync_shm"
+
+#: Byte alignment of every tensor inside a segment.
+ALIGNMENT = 64
+
+#: Element size of each dtype name accepted on the wire (vLLM's dtype naming).
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "bool": 1,
+}
+
+
+class ShmFormatError(ValueError):
+    """An update_info does not fit the shm wire format or the model it targets."""
+
+
+def align(n: int, alignment: int = ALIGNMENT) -> int:
+    """Round ``n`` up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment
+
+
+def numel(shape: Sequence[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= int(dim)
+    return total
+
+
+def nbytes(dtype_name: str, shape: Sequence[int]) -> int:
+    try:
+        size = DTYPE_SIZES[dtype_name]
+    except KeyError:
+        raise ShmFormatError(
+            f"unsupported dtype {dtype_name!r}; supported: {sorted(DTYPE_SIZES)}"
+        ) from None
+    return size * numel(shape)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Every parameter of one round: name -> (dtype name, shape)."""
+
+    names: tuple[str, ...]
+    dtype_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise ShmFormatError(
+                f"manifest lists differ in length: {len(self.names)} names, "
+                f"{len(self.dtype_names)} dtype_names, {len(self.shapes)} shapes"
+            )
+        for i, name in enumerate(self.names):
+            if name in self._index:
+                raise ShmFormatError(f"parameter {name!r} appears twice in the manifest")
+            self._index[name] = i
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[tuple[str, str, Sequence[int]]]) -> Manifest:
+        names, dtypes, shapes = [], [], []
+        for name, dtype_name, shape in entries:
+            names.append(name)
+            dtypes.append(dtype_name)
+            shapes.append(tuple(int(d) for d in shape))
+        return cls(tuple(names), tuple(dtypes), tuple(shapes))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        try:
+            names = [str(n) for n in data["names"]]
+            dtypes = [str(d) for d in data["dtype_names"]]
+            shapes = [tuple(int(x) for x in s) for s in data["shapes"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShmFormatError(f"malformed manifest: {exc!r}") from exc
+        return cls(tuple(names), tuple(dtypes), tuple(shapes))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "names": list(self.names),
+            "dtype_names": list(self.dtype_names),
+            "shapes": [list(s) for s in self.shapes],
+        }
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def entry(self, name: str) -> tuple[str, tuple[int, ...]]:
+        i = self._index[name]
+        return self.dtype_names[i], self.shapes[i]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes(d, s) for d, s in zip(self.dtype_names, self.shapes, strict=True))
+
+
+def validate_chunk_layout(
+    names: Sequence[str],
+    dtype_names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    segment_size: int,
+) -> None:
+    """Check that a chunk's tensors are well-formed, aligned, inside the segment and
+    do not overlap. Raises :class:`ShmFormatError` naming the offending parameter."""
+    n = len(names)
+    if not (len(dtype_names) == len(shapes) == len(offsets) == n):
+        raise ShmFormatError(
+            f"chunk lists differ in length: {n} names, {len(dtype_names)} dtype_names, "
+            f"{len(shapes)} shapes, {len(offsets)} offsets"
+        )
+    spans = []
+    for name, dtype_name, shape, offset in zip(names, dtype_names, shapes, offsets, strict=True):
+        if any(int(d) < 0 for d in shape):
+            raise ShmFormatError(f"parameter {name!r}: negative dimension in shape {list(shape)}")
+        size = nbytes(dtype_name, shape)
+        if offset < 0 or offset % ALIGNMENT:
+            raise ShmFormatError(f"parameter {name!r}: offset {offset} is not {ALIGNMENT}-aligned")
+        if offset + size > segment_size:
+            raise ShmFormatError(
+                f"parameter {name!r}: bytes [{offset}, {offset + size}) exceed the "
+                f"segment size {segment_size}"
+            )
+        spans.append((offset, offset + size, name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise ShmFormatError(f"parameters {first!r} and {second!r} overlap in the segment")

@@ -1,0 +1,63 @@
+"""``asyncsync_shm`` for vLLM 0.23's engine contract (the worker owns layerwise reload
+and calls ``receive_weights(update_info, load_weights)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+from asyncsync.vllm_plugin.engine_v032 import ShmInitInfo, ShmUpdateInfo
+from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
+
+__all__ = ["ShmWeightTransferEngineV023"]
+
+
+def _current_model_config() -> Any:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return get_current_vllm_config().model_config
+    except Exception:  # no config in scope: validate without the checkpoint table
+        return None
+
+
+class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def __init__(self, config: Any, parallel_config: Any, model: torch.nn.Module) -> None:
+        super().__init__(config, parallel_config, model)  # 0.23 signature
+        model_config = _current_model_config()
+        table = None
+        if model_config is not None:
+            served = str(model_config.dtype).removeprefix("torch.")
+            table = CheckpointTable.from_model_path(str(model_config.model), served)
+        self.receiver = ShmReceiver(model, table)
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        return None
+
+    def receive_weights(
+        self,
+        update_info: ShmUpdateInfo,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+    ) -> None:
+        info = dataclasses.asdict(update_info)
+        if info.get("chunk", 0) == 0 and not info.get("abort"):
+            self.receiver.begin_round()  # 0.23 has no engine-level start hook
+        self.receiver.receive(info, load_weights, restore=None)
+
+    def shutdown(self) -> None:
+        self.receiver.close()
+
+    @staticmethod
+    def trainer_send_weights(
+        iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: Any
+    ) -> None:
+        from asyncsync.backends.shm import trainer_send_weights
+
+        trainer_send_weights(iterator, trainer_args)

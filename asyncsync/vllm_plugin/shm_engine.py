@@ -1,0 +1,366 @@
+"""Worker side of the ``asyncsync_shm`` weight-transfer backend (runs inside vLLM).
+
+The trainer packs tensors into POSIX shared-memory segments that it owns; this engine
+maps a segment read-only-in-effect (a private mapping, never written), builds zero-copy
+tensor views at the announced offsets and hands them to ``model.load_weights``.
+
+Guarantees:
+- Every update is validated before it is loaded: unknown parameter names, shape or dtype
+  mismatches against the served checkpoint, duplicates, out-of-bounds or overlapping
+  offsets fail the call with an error naming the parameter. Chunk 0 carries the manifest
+  of the whole round, so a bad round is refused before anything is loaded, and the model
+  keeps its previous weights.
+- Layerwise reload runs once per round (``start ... every chunk ... finish``).
+- A round must deliver every checkpoint parameter exactly once; an incomplete round is
+  never reported as a success.
+- Tensors that vLLM's layerwise loader keeps pending across chunks are copied out of the
+  segment, so the trainer may reuse its buffers as soon as a chunk was acknowledged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncsync.backends._shm_format import (
+    BACKEND_NAME,
+    Manifest,
+    ShmFormatError,
+    nbytes,
+    validate_chunk_layout,
+)
+
+logger = logging.getLogger("asyncsync.vllm_plugin")
+
+__all__ = ["CheckpointTable", "ShmReceiver"]
+
+_SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+@dataclass
+class CheckpointTable:
+    """Names, dtypes and shapes of the checkpoint the server loaded (from the
+    safetensors headers: a few KB read, no tensor data)."""
+
+    entries: dict[str, tuple[str, tuple[int, ...]]]
+    served_dtype: str | None = None
+
+    @classmethod
+    def from_model_path(cls, model_path: str, served_dtype: str | None) -> CheckpointTable | None:
+        path = Path(model_path)
+        if not path.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+
+                path = Path(snapshot_download(model_path, local_files_only=True))
+            except Exception:  # the hub cache may be absent: validation degrades, loudly
+                logger.warning(
+                    "asyncsync_shm: cannot read the checkpoint of %r; updates are checked "
+                    "for consistency but not against the checkpoint's names and shapes",
+                    model_path,
+                )
+                return None
+        entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            with file.open("rb") as fh:
+                (length,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(length))
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"].lower())
+                entries[name] = (dtype, tuple(int(d) for d in meta["shape"]))
+        if not entries:
+            return None
+        return cls(entries, served_dtype)
+
+    def check(self, name: str, dtype_name: str, shape: tuple[int, ...]) -> None:
+        if name not in self.entries:
+            raise ShmFormatError(
+                f"unknown parameter {name!r}: the served model has no such checkpoint tensor"
+            )
+        want_dtype, want_shape = self.entries[name]
+        if tuple(shape) != want_shape:
+            raise ShmFormatError(
+                f"parameter {name!r}: shape {list(shape)} does not match the served "
+                f"model's {list(want_shape)}"
+            )
+        allowed = {want_dtype} | ({self.served_dtype} if self.served_dtype else set())
+        if dtype_name not in allowed:
+            raise ShmFormatError(
+                f"parameter {name!r}: dtype {dtype_name} does not match the served "
+                f"model's {' or '.join(sorted(allowed))}"
+            )
+
+    def missing(self, received: Iterable[str]) -> list[str]:
+        got = set(received)
+        return [n for n in self.entries if n not in got]
+
+
+@dataclass
+class _Round:
+    round_id: str
+    manifest: Manifest | None
+    next_chunk: int = 0
+    received: set[str] = field(default_factory=set)
+    loaded_any: bool = False
+    complete: bool = False
+
+
+class _Mapping:
+    """A private mapping of a trainer-owned shm segment (the segment is never unlinked
+    or written here; the trainer owns its lifetime)."""
+
+    def __init__(self, segment: str, size: int) -> None:
+        path = Path("/dev/shm") / segment.lstrip("/")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ShmFormatError(
+                    f"segment {segment!r} has {actual} bytes, update_info says {size}"
+                )
+            self.mm = mmap.mmap(
+                fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(fd)
+        self.size = size
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8, count=size)
+        self.ptr = int(self.base.data_ptr())
+
+    def view(self, offset: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        count = nbytes(dtype_name, shape)
+        flat = self.base[offset : offset + count]
+        return flat.view(_TORCH_DTYPES[dtype_name]).view(shape)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        try:
+            ptr = int(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return False
+        return self.ptr <= ptr < self.ptr + self.size
+
+    def close(self) -> None:
+        del self.base
+        try:
+            self.mm.close()
+        except BufferError:  # a view is still referenced somewhere: let GC close it
+            logger.debug("asyncsync_shm: mapping still referenced; left to GC")
+
+
+class ShmReceiver:
+    """Version-neutral receive logic shared by the vLLM 0.32 and 0.23 engine adapters."""
+
+    #: mappings kept across rounds (the trainer reuses its segments between rounds)
+    max_cached_mappings = 4
+
+    def __init__(self, model: torch.nn.Module, table: CheckpointTable | None) -> None:
+        self.model = model
+        self.table = table
+        self.round: _Round | None = None
+        self._mappings: dict[tuple[str, int], _Mapping] = {}
+        self._used_this_round: set[tuple[str, int]] = set()
+
+    # ------------------------------------------------------------------ rounds
+    def begin_round(self) -> None:
+        self.round = None
+        self._used_this_round.clear()
+
+    def receive(
+        self,
+        info: Mapping[str, Any],
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+        restore: Callable[[], None] | None,
+    ) -> None:
+        """Validate one update and load it. On failure: restore the previous weights
+        when nothing was loaded yet this round, and raise with the reason."""
+        try:
+            self._receive(info, load_weights)
+        except BaseException as exc:
+            loaded = self.round is not None and self.round.loaded_any
+            self.round = None
+            if restore is not None:
+                restore()
+            state = (
+                "the model is partially updated; publish a full round to repair it"
+                if loaded
+                else "nothing was loaded; the model keeps its previous weights"
+            )
+            raise RuntimeError(f"{BACKEND_NAME}: {exc} ({state})") from exc
+
+    def _receive(
+        self,
+        info: Mapping[str, Any],
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+    ) -> None:
+        if info.get("abort"):
+            raise ShmFormatError(f"round {info.get('round')!r} aborted by the trainer")
+        round_id = str(info.get("round") or "")
+        chunk = int(info.get("chunk", 0))
+        if self.round is None:
+            if chunk != 0:
+                raise ShmFormatError(
+                    f"chunk {chunk} of round {round_id!r} arrived before chunk 0 "
+                    "(was start_weight_update called, or did an earlier chunk fail?)"
+                )
+            manifest_json = info.get("manifest")
+            manifest = Manifest.from_json(manifest_json) if manifest_json else None
+            if manifest is not None:
+                self._check_manifest(manifest)
+            self.round = _Round(round_id, manifest)
+        rnd = self.round
+        if round_id != rnd.round_id:
+            raise ShmFormatError(
+                f"update belongs to round {round_id!r} but round {rnd.round_id!r} is active"
+            )
+        if chunk != rnd.next_chunk:
+            raise ShmFormatError(f"expected chunk {rnd.next_chunk}, got chunk {chunk}")
+
+        names = [str(n) for n in info.get("names", [])]
+        dtype_names = [str(d) for d in info.get("dtype_names", [])]
+        shapes = [tuple(int(x) for x in s) for s in info.get("shapes", [])]
+        offsets = [int(o) for o in info.get("offsets", [])]
+        segment = str(info.get("segment", ""))
+        segment_size = int(info.get("segment_size", 0))
+        validate_chunk_layout(names, dtype_names, shapes, offsets, segment_size)
+        for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+            if name in rnd.received:
+                raise ShmFormatError(f"parameter {name!r} sent twice in round {round_id!r}")
+            if rnd.manifest is not None:
+                if name not in rnd.manifest:
+                    raise ShmFormatError(f"parameter {name!r} is not in the round's manifest")
+                if rnd.manifest.entry(name) != (dtype_name, shape):
+                    raise ShmFormatError(f"parameter {name!r} differs from the round's manifest")
+            elif self.table is not None:
+                self.table.check(name, dtype_name, shape)
+
+        last = bool(info.get("last", False))
+        if last:
+            # Completeness is decided before the last chunk loads anything.
+            pending = set(rnd.received) | set(names)
+            expected: list[str] = (
+                list(rnd.manifest.names)
+                if rnd.manifest is not None
+                else (list(self.table.entries) if self.table is not None else [])
+            )
+            missing = [n for n in expected if n not in pending]
+            if missing:
+                shown = ", ".join(repr(n) for n in missing[:5])
+                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+                raise ShmFormatError(f"round is incomplete: missing {shown}{more}")
+
+        if names:
+            mapping = self._mapping(segment, segment_size)
+            views = [
+                (name, mapping.view(off, dt, shape))
+                for name, dt, shape, off in zip(names, dtype_names, shapes, offsets, strict=True)
+            ]
+            rnd.loaded_any = True
+            load_weights(views)
+            del views
+            self._pin_pending(mapping)
+        rnd.received.update(names)
+        rnd.next_chunk += 1
+        rnd.complete = last
+
+    def end_round(self) -> None:
+        """Called at finish: the round must be complete."""
+        rnd = self.round
+        self.round = None
+        self._drop_unused_mappings()
+        if rnd is None:
+            if self.table is not None:
+                raise ShmFormatError("finish_weight_update called but no update arrived")
+            return
+        if not rnd.complete:
+            raise ShmFormatError(
+                f"round {rnd.round_id!r} finished before its last chunk "
+                f"({len(rnd.received)} parameters received)"
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def _check_manifest(self, manifest: Manifest) -> None:
+        if self.table is None:
+            return
+        for name, dtype_name, shape in zip(
+            manifest.names, manifest.dtype_names, manifest.shapes, strict=True
+        ):
+            self.table.check(name, dtype_name, shape)
+        missing = self.table.missing(manifest.names)
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ShmFormatError(f"the round does not update {shown}{more}")
+
+    def _mapping(self, segment: str, size: int) -> _Mapping:
+        key = (segment, size)
+        mapping = self._mappings.get(key)
+        if mapping is None:
+            if len(self._mappings) >= self.max_cached_mappings:
+                self._drop_unused_mappings()
+            mapping = _Mapping(segment, size)
+            self._mappings[key] = mapping
+        self._used_this_round.add(key)
+        return mapping
+
+    def _drop_unused_mappings(self) -> None:
+        for key in list(self._mappings):
+            if key not in self._used_this_round:
+                self._mappings.pop(key).close()
+        self._used_this_round.clear()
+
+    def _pin_pending(self, mapping: _Mapping) -> None:
+        """Copy out any segment view that vLLM's layerwise loader still buffers (a layer
+        whose weights are not complete yet), since the trainer reuses the segment."""
+        try:
+            from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        except ImportError:  # pragma: no cover - older vLLM without layerwise reload
+            return
+        for info in LAYERWISE_INFO.values():
+            for _, bound in getattr(info, "loaded_weights", ()):
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and mapping.owns(value):
+                        bound.arguments[key] = value.clone()
+
+    def close(self) -> None:
+        for mapping in self._mappings.values():
+            mapping.close()
+        self._mappings.clear()
