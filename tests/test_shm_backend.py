@@ -1,0 +1,256 @@
+"""The shm backend's pieces without a server: planning, segments, streaming, receiving."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from asyncsync.backends._segments import Segment, leaked_segments
+from asyncsync.backends._shm_format import Manifest, ShmFormatError, validate_chunk_layout
+from asyncsync.backends.shm import (
+    RoundCancelled,
+    ShmBuffers,
+    manifest_of,
+    plan_chunks,
+    stream_chunks,
+)
+from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
+
+
+def _params(layers: int = 3, width: int = 16) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    out = [("model.embed_tokens.weight", torch.randn(32, width, generator=gen))]
+    for i in range(layers):
+        out.append((f"model.layers.{i}.q.weight", torch.randn(width, width, generator=gen)))
+        out.append((f"model.layers.{i}.norm.weight", torch.randn(width, generator=gen)))
+    out.append(("lm_head.weight", torch.randn(32, width, generator=gen)))
+    return out
+
+
+def _manifest(params: list[tuple[str, torch.Tensor]]) -> Manifest:
+    return Manifest.from_entries(
+        (n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in params
+    )
+
+
+class _Source:
+    def __init__(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        self.params = params
+
+    def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        return [(n, t.dtype, tuple(t.shape)) for n, t in self.params]
+
+    def __iter__(self) -> Any:
+        return iter(self.params)
+
+
+class _Worker:
+    """A worker-side receiver over a plain dict model, as vLLM would drive it."""
+
+    def __init__(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.restores = 0
+        table = CheckpointTable(
+            {n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in params},
+            served_dtype="float32",
+        )
+        self.receiver = ShmReceiver(torch.nn.Module(), table)
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, view in weights:
+            self.loaded[name] = view.clone()  # vLLM's loaders copy into parameters
+
+    def restore(self) -> None:
+        self.restores += 1
+
+    def send(self, info: dict[str, Any]) -> None:
+        self.receiver.receive(info, self.load, self.restore)
+
+
+def test_plan_respects_buffer_and_layer_groups() -> None:
+    params = _params(layers=3, width=16)
+    manifest = _manifest(params)
+    layer_bytes = 16 * 16 * 4 + 16 * 4 + 64  # one layer group, aligned
+    buffer_bytes = 32 * 16 * 4 + 64  # the embedding fits; two layer groups do not
+    assert 2 * layer_bytes > buffer_bytes
+    chunks = plan_chunks(manifest, buffer_bytes=buffer_bytes)
+    assert [n for c in chunks for n in c.names] == list(manifest.names)
+    for chunk in chunks:
+        assert chunk.nbytes <= buffer_bytes
+        layers = {n.split(".")[2] for n in chunk.names if n.startswith("model.layers.")}
+        assert len(layers) <= 1, chunk.names  # a layer group is never split here
+
+
+def test_plan_rejects_tensor_larger_than_buffer() -> None:
+    manifest = Manifest.from_entries([("big", "float32", [2048])])
+    with pytest.raises(ValueError, match="'big' needs 8192 bytes"):
+        plan_chunks(manifest, buffer_bytes=4096)
+
+
+def test_layout_validation_names_the_parameter() -> None:
+    with pytest.raises(ShmFormatError, match="'b'.*overlap|'a'.*'b'.*overlap"):
+        validate_chunk_layout(["a", "b"], ["float32", "float32"], [[16], [16]], [0, 0], 4096)
+    with pytest.raises(ShmFormatError, match="'a': bytes"):
+        validate_chunk_layout(["a"], ["float32"], [[2048]], [0], 4096)
+    with pytest.raises(ShmFormatError, match="unsupported dtype 'complex64'"):
+        validate_chunk_layout(["a"], ["complex64"], [[2]], [0], 4096)
+
+
+def test_segment_is_unlinked_on_close_and_on_gc() -> None:
+    seg = Segment(8192)
+    assert seg.name in leaked_segments()
+    seg.close()
+    assert seg.name not in leaked_segments()
+    seg.close()  # idempotent
+    other = Segment(8192)
+    name = other.name
+    del other
+    gc.collect()
+    assert name not in leaked_segments()
+
+
+def test_stream_round_trip_is_exact_and_double_buffered() -> None:
+    params = _params(layers=4, width=32)
+    worker = _Worker(params)
+    segments_used: list[str] = []
+
+    def send(info: dict[str, Any]) -> None:
+        segments_used.append(info["segment"])
+        worker.send(info)
+
+    with ShmBuffers(buffer_bytes=8192) as buffers:
+        stats = stream_chunks(iter(params), _manifest(params), buffers, send)
+        assert stats.chunks >= 3
+        assert stats.params == len(params)
+        assert len(set(segments_used)) == 2  # exactly two buffers, alternating
+        assert all(a != b for a, b in zip(segments_used, segments_used[1:], strict=False))
+        assert buffers.allocated_bytes == 2 * 8192  # bounded by the buffers, not the model
+    worker.receiver.end_round()
+    for name, tensor in params:
+        assert torch.equal(worker.loaded[name], tensor), name
+    assert not [s for s in leaked_segments() if s in segments_used]
+
+
+def test_stream_without_metadata_cuts_greedily() -> None:
+    params = _params(layers=2, width=32)
+    worker = _Worker(params)
+    infos: list[dict[str, Any]] = []
+
+    def send(info: dict[str, Any]) -> None:
+        infos.append(info)
+        worker.send(info)
+
+    with ShmBuffers(buffer_bytes=8192) as buffers:
+        stream_chunks((p for p in params), None, buffers, send)
+    assert infos[0]["manifest"] is None
+    assert [i["last"] for i in infos] == [False] * (len(infos) - 1) + [True]
+    worker.receiver.end_round()
+    assert set(worker.loaded) == {n for n, _ in params}
+
+
+def test_wrong_shape_is_refused_before_anything_loads() -> None:
+    params = _params()
+    worker = _Worker(params)
+    bad = [(n, t if i != 3 else t[:-1]) for i, (n, t) in enumerate(params)]
+    with ShmBuffers(buffer_bytes=8192) as buffers, pytest.raises(RuntimeError) as info:
+        stream_chunks(iter(bad), _manifest(bad), buffers, worker.send)
+    message = str(info.value)
+    assert "model.layers.1.q.weight" in message
+    assert "does not match" in message
+    assert "nothing was loaded" in message
+    assert worker.loaded == {}
+    assert worker.restores == 1
+
+
+def test_unknown_name_and_dtype_mismatch_are_named() -> None:
+    params = _params()
+    worker = _Worker(params)
+    renamed = [
+        ("model.layers.0.k.weight" if n == "model.layers.0.q.weight" else n, t) for n, t in params
+    ]
+    with (
+        ShmBuffers(buffer_bytes=8192) as buffers,
+        pytest.raises(RuntimeError, match="unknown parameter 'model.layers.0.k.weight'"),
+    ):
+        stream_chunks(iter(renamed), _manifest(renamed), buffers, worker.send)
+    doubled = [(n, t.double() if n == "lm_head.weight" else t) for n, t in params]
+    with (
+        ShmBuffers(buffer_bytes=8192) as buffers,
+        pytest.raises(RuntimeError, match="'lm_head.weight': dtype float64"),
+    ):
+        stream_chunks(iter(doubled), _manifest(doubled), buffers, worker.send)
+
+
+def test_missing_parameter_is_refused() -> None:
+    params = _params()
+    worker = _Worker(params)
+    partial = params[:-1]
+    with (
+        ShmBuffers(buffer_bytes=8192) as buffers,
+        pytest.raises(RuntimeError, match="does not update 'lm_head.weight'"),
+    ):
+        stream_chunks(iter(partial), _manifest(partial), buffers, worker.send)
+    # Without a manifest the gap is found at the last chunk, before it loads.
+    worker2 = _Worker(params)
+    with (
+        ShmBuffers(buffer_bytes=8192) as buffers,
+        pytest.raises(RuntimeError, match="incomplete: missing 'lm_head.weight'"),
+    ):
+        stream_chunks(iter(partial), None, buffers, worker2.send)
+
+
+def test_order_must_match_metadata() -> None:
+    params = _params()
+    swapped = [params[1], params[0], *params[2:]]
+    with (
+        ShmBuffers(buffer_bytes=8192) as buffers,
+        pytest.raises(ValueError, match="iteration order"),
+    ):
+        stream_chunks(iter(swapped), _manifest(params), buffers, lambda info: None)
+
+
+def test_cancel_stops_at_a_chunk_boundary() -> None:
+    params = _params(layers=6, width=32)
+    cancel = threading.Event()
+    sent: list[int] = []
+
+    def send(info: dict[str, Any]) -> None:
+        sent.append(info["chunk"])
+        cancel.set()  # cancelled while the first chunk is being delivered
+
+    with ShmBuffers(buffer_bytes=8192) as buffers, pytest.raises(RoundCancelled):
+        stream_chunks(iter(params), _manifest(params), buffers, send, cancel=cancel)
+    assert sent == [0]
+
+
+def test_non_sender_rank_only_iterates() -> None:
+    params = _params()
+    seen: list[str] = []
+
+    def items() -> Any:
+        for name, tensor in params:
+            seen.append(name)
+            yield name, tensor
+
+    with ShmBuffers(buffer_bytes=8192) as buffers:
+        stats = stream_chunks(items(), _manifest(params), buffers, None)
+        assert buffers.allocated_bytes == 0
+    assert seen == [n for n, _ in params]
+    assert stats.chunks == 0
+
+
+def test_manifest_of_module_source() -> None:
+    module = torch.nn.Linear(4, 3)
+
+    class Src:
+        def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+            return [(n, p.dtype, tuple(p.shape)) for n, p in module.named_parameters()]
+
+    manifest = manifest_of(Src())
+    assert manifest is not None
+    assert manifest.names == ("weight", "bias")
+    assert manifest.entry("weight") == ("float32", (3, 4))
