@@ -5,6 +5,7 @@ Everything users import lives in this namespace; see ``__all__``.
 
 from asyncsync._errors import (
     AsyncSyncError,
+    FleetError,
     GenerationError,
     ProtocolError,
     PublishError,
@@ -12,16 +13,29 @@ from asyncsync._errors import (
     ServerTimeout,
     ServerUnavailable,
 )
+from asyncsync._retry import RetryPolicy
+from asyncsync._timeouts import Timeouts
+from asyncsync.client import AsyncVLLMClient, WeightComparison
+from asyncsync.fleet import Fleet, FleetResult, Outcome, ServerState
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSyncError",
+    "AsyncVLLMClient",
+    "Fleet",
+    "FleetError",
+    "FleetResult",
     "GenerationError",
+    "Outcome",
     "ProtocolError",
     "PublishError",
+    "RetryPolicy",
     "ServerError",
+    "ServerState",
     "ServerTimeout",
     "ServerUnavailable",
+    "Timeouts",
+    "WeightComparison",
     "__version__",
 ]

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "AsyncSyncError",
+    "FleetError",
     "GenerationError",
     "ProtocolError",
     "PublishError",
@@ -161,3 +162,82 @@ def _rebuild_publish(
     needs_resync: tuple[str, ...],
 ) -> PublishError:
     return PublishError(message, version=version, outcomes=outcomes, needs_resync=needs_resync)
+
+
+class FleetError(ExceptionGroup[Exception], AsyncSyncError):  # type: ignore[override]
+    """A fleet call failed on at least one server.
+
+    An :class:`ExceptionGroup` of the per-server errors (each an
+    :class:`AsyncSyncError` naming its server), so ``except* ServerTimeout:`` works, and
+    an :class:`AsyncSyncError`, so ``except AsyncSyncError:`` does too.
+
+    Attributes:
+        operation: the fleet method that failed (e.g. ``"update_weights"``).
+        outcomes: every targeted server's outcome, keyed by URL, successes included.
+        failed: URLs of the servers that failed, in fleet order.
+        succeeded: URLs of the servers that succeeded, in fleet order.
+    """
+
+    # BaseExceptionGroup owns ``message``; the AsyncSyncError context fields are class
+    # defaults here because a fleet error is about many servers, not one.
+    server: str | None = None
+    route: str | None = None
+    status: int | None = None
+    body: str | None = None
+
+    def __new__(
+        cls,
+        message: str,
+        exceptions: Sequence[Exception],
+        *,
+        operation: str | None = None,
+        outcomes: Mapping[str, Any] | None = None,
+    ) -> FleetError:
+        return super().__new__(cls, message, exceptions)
+
+    def __init__(
+        self,
+        message: str,
+        exceptions: Sequence[Exception],
+        *,
+        operation: str | None = None,
+        outcomes: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message, exceptions)
+        self.operation = operation
+        self.outcomes: dict[str, Any] = dict(outcomes or {})
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(url for url, o in self.outcomes.items() if not getattr(o, "ok", False))
+
+    @property
+    def succeeded(self) -> tuple[str, ...]:
+        return tuple(url for url, o in self.outcomes.items() if getattr(o, "ok", False))
+
+    def derive(self, excs: Sequence[Exception]) -> FleetError:  # type: ignore[override]
+        # Used by ``except*`` and ``split``: keep the type and the outcomes of the
+        # servers whose errors remain in the subgroup.
+        servers = {getattr(e, "server", None) for e in excs}
+        outcomes = {
+            url: o for url, o in self.outcomes.items() if getattr(o, "ok", False) or url in servers
+        }
+        return FleetError(self.message, excs, operation=self.operation, outcomes=outcomes)
+
+    def __str__(self) -> str:
+        return BaseExceptionGroup.__str__(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_fleet,
+            (self.message, tuple(self.exceptions), self.operation, self.outcomes),
+        )
+
+
+def _rebuild_fleet(
+    message: str,
+    exceptions: tuple[Exception, ...],
+    operation: str | None,
+    outcomes: dict[str, Any],
+) -> FleetError:
+    return FleetError(message, exceptions, operation=operation, outcomes=outcomes)

@@ -11,12 +11,21 @@ import asyncsync.testing
 
 EXPECTED_PUBLIC = {
     "AsyncSyncError",
+    "AsyncVLLMClient",
+    "Fleet",
+    "FleetError",
+    "FleetResult",
     "GenerationError",
+    "Outcome",
     "ProtocolError",
     "PublishError",
+    "RetryPolicy",
     "ServerError",
+    "ServerState",
     "ServerTimeout",
     "ServerUnavailable",
+    "Timeouts",
+    "WeightComparison",
     "__version__",
 }
 

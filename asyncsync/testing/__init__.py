@@ -2,11 +2,13 @@
 
 - :func:`make_tiny_model` writes a tiny deterministic Qwen2 model (no downloads).
 - :class:`LocalVLLMServer` runs a real vLLM server as a subprocess.
+- :class:`FakeVLLMServer` fakes vLLM's RL routes (0.23 or 0.32) and injects faults.
 - :func:`reference_greedy` / :func:`reference_logprobs` compute transformers' ground truth.
 
 Importing this module needs neither vLLM nor torch; they are imported when used.
 """
 
+from asyncsync.testing._fake import FakeVLLMServer, Fault, RecordedRequest
 from asyncsync.testing._model import (
     TINY_MODEL_CONFIG,
     make_tiny_model,
@@ -24,7 +26,10 @@ from asyncsync.testing._server import (
 __all__ = [
     "BACKEND_NAMES",
     "TINY_MODEL_CONFIG",
+    "FakeVLLMServer",
+    "Fault",
     "LocalVLLMServer",
+    "RecordedRequest",
     "ServerStartError",
     "free_port",
     "make_tiny_model",

@@ -1,0 +1,68 @@
+"""JSON encoding for request payloads: orjson when installed, the standard library otherwise.
+
+Payloads are encoded to ``bytes`` once and the same bytes are sent to every server of a
+fan-out. Values that are not JSON but commonly appear in weight metadata are converted:
+``torch.Size`` and other tuples become lists, integer-like scalars (``__index__``) become
+ints, and ``torch.dtype`` becomes its vLLM name (``torch.bfloat16`` -> ``"bfloat16"``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["BACKEND", "dumps", "json_safe", "loads"]
+
+
+def _default(obj: Any) -> Any:
+    """Convert the non-JSON values that weight metadata carries; reject everything else."""
+    if isinstance(obj, (tuple, list)):  # tuple subclasses such as torch.Size under orjson
+        return [_default(v) if not isinstance(v, (int, float, str, bool)) else v for v in obj]
+    type_name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if type_name == "torch.dtype":
+        return str(obj).removeprefix("torch.")
+    if hasattr(obj, "__index__"):
+        return obj.__index__()
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, (set, frozenset)):
+        raise TypeError(f"a set is not JSON (order is undefined): {obj!r}")
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes, bytearray)):
+        return list(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+try:
+    import orjson
+
+    BACKEND = "orjson"
+
+    def dumps(obj: Any) -> bytes:
+        """Encode ``obj`` as compact UTF-8 JSON bytes."""
+        return bytes(orjson.dumps(obj, default=_default))
+
+    def loads(data: bytes | str) -> Any:
+        """Decode JSON bytes or text."""
+        return orjson.loads(data)
+
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    BACKEND = "json"
+
+    _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_default)
+
+    def dumps(obj: Any) -> bytes:
+        """Encode ``obj`` as compact UTF-8 JSON bytes."""
+        return _encoder.encode(obj).encode("utf-8")
+
+    def loads(data: bytes | str) -> Any:
+        """Decode JSON bytes or text."""
+        return json.loads(data)
+
+
+def json_safe(obj: Any) -> Any:
+    """A copy of ``obj`` made of JSON types only (see the module docstring for conversions).
+
+    Useful to inspect exactly what will be sent; encoding does the same conversion itself.
+    """
+    return loads(dumps(obj))

