@@ -104,7 +104,9 @@ class Fault:
     ) -> Fault:
         """Answer with an error body in one of vLLM's shapes: ``collective`` (500, a
         worker failure), ``openai`` (``{"error": {...}}``), ``string`` (``{"error": "..."}``),
-        ``detail`` (FastAPI's ``{"detail": "..."}``) or ``text`` (not JSON)."""
+        ``detail`` (FastAPI's ``{"detail": "..."}``) or ``text`` (not JSON). A
+        ``collective`` failure of ``/update_weights`` also ends the active update, as in
+        vLLM."""
         return cls("error", status=status, shape=shape, message=message)
 
     @classmethod
@@ -251,14 +253,22 @@ class FakeVLLMServer:
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: a hung handler is cancelled when the client goes away,
         # so tests can see that a cancelled client closed its connection.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1
+        )
+        await runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self._port))
-        self._port = int(sock.getsockname()[1])
-        self._site = web.SockSite(self._runner, sock, shutdown_timeout=0.1)
-        await self._site.start()
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self._port))
+            self._port = int(sock.getsockname()[1])
+            site = web.SockSite(runner, sock)
+            await site.start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        self._runner, self._site = runner, site
         self._alive = True
         return self
 
@@ -361,6 +371,8 @@ class FakeVLLMServer:
         if fault.kind == "hang":
             await self._hang_forever.wait()
         if fault.kind == "error":
+            if fault.shape == "collective" and request.path == "/update_weights":
+                self.update_active = False  # as vLLM does after a worker failure there
             return self._error_response(fault)
         if fault.kind == "malformed":
             return web.Response(status=200, body=fault.body, content_type=fault.content_type)

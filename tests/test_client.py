@@ -1,0 +1,462 @@
+"""AsyncVLLMClient against FakeVLLMServer: payloads per vLLM generation, errors, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+import asyncsync as az
+from asyncsync.testing import FakeVLLMServer, Fault
+
+pytestmark = pytest.mark.asyncio
+
+FAST = az.Timeouts(connect=2.0, control=2.0, update=2.0, generate=2.0)
+UPDATE_INFO = {
+    "names": ["model.embed_tokens.weight", "lm_head.weight"],
+    "dtype_names": ["float32", "bfloat16"],
+    "shapes": [[512, 128], [512, 128]],
+}
+
+
+@pytest_asyncio.fixture
+async def fake32() -> AsyncIterator[FakeVLLMServer]:
+    async with FakeVLLMServer(version="0.32.0") as server:
+        yield server
+
+
+@pytest_asyncio.fixture
+async def fake23() -> AsyncIterator[FakeVLLMServer]:
+    async with FakeVLLMServer(version="0.23.0") as server:
+        yield server
+
+
+async def test_lifecycle_state_machine(fake32: FakeVLLMServer) -> None:
+    client = az.AsyncVLLMClient(fake32.url + "/", retry=None)
+    assert client.state == "unopened"
+    assert client.base_url == fake32.url
+    async with client:
+        assert client.state == "open"
+        await client.health()
+    assert client.state == "closed"
+    with pytest.raises(az.ServerUnavailable, match="closed") as info:
+        await client.health()
+    assert info.value.server == fake32.url
+    with pytest.raises(RuntimeError, match="closed"):
+        async with client:
+            pass
+    await client.aclose()  # idempotent
+
+
+async def test_lazy_session_without_context_manager(fake32: FakeVLLMServer) -> None:
+    client = az.AsyncVLLMClient(fake32.url)
+    assert client.state == "unopened"
+    assert await client.version() == "0.32.0"
+    assert client.state == "open"
+    await client.aclose()
+    assert client.state == "closed"
+
+
+async def test_borrowed_session_is_not_closed(fake32: FakeVLLMServer) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with az.AsyncVLLMClient(fake32.url, session=session) as client:
+            await client.health()
+        assert not session.closed
+        async with session.get(fake32.url + "/health") as resp:
+            assert resp.status == 200
+
+
+async def test_invalid_arguments() -> None:
+    with pytest.raises(ValueError, match="http"):
+        az.AsyncVLLMClient("localhost:8000")
+    with pytest.raises(TypeError, match="Timeouts"):
+        az.AsyncVLLMClient("http://x", timeouts=5)  # type: ignore[arg-type]
+
+
+async def test_version_is_read_once_and_cached(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        versions = await asyncio.gather(*(client.server_version() for _ in range(5)))
+        assert versions == ["0.32.0"] * 5
+        assert await client.protocol() == "0.32"
+        await client.start_weight_update()
+    assert len(fake32.requests_to("/version")) == 1
+
+
+async def test_vllm_version_override_skips_probe(fake23: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake23.url, vllm_version="0.23.1") as client:
+        await client.start_weight_update()
+    assert fake23.requests_to("/version") == []
+
+
+async def test_bearer_token_on_every_request(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url, api_key="sekret") as client:
+        await client.health()
+        await client.pause("wait")
+        await client.start_weight_update()
+    assert fake32.requests
+    assert all(r.headers.get("Authorization") == "Bearer sekret" for r in fake32.requests)
+
+
+async def test_control_routes_032(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        assert await client.is_paused() is False
+        for mode in ("abort", "wait", "keep"):
+            await client.pause(mode)  # type: ignore[arg-type]
+            assert await client.is_paused() is True
+            await client.resume()
+            assert await client.is_paused() is False
+        await client.pause("keep", clear_cache=False)
+        await client.resume()
+        assert await client.abort_requests() == 0
+        assert await client.abort_requests(["a", "b"]) == 2
+        assert await client.weight_info() == "default"
+        await client.update_weight_version("v7")
+        assert await client.weight_info() == "v7"
+        assert client.weight_version == "v7"
+        assert await client.get_world_size() == 1
+        assert await client.get_world_size(include_dp=False) == 1
+        assert await client.reset_prefix_cache() is True
+        checksums = await client.weight_checksums()
+        assert checksums == fake32.checksums()
+        same = await client.compare_weights(checksums)
+        assert same == az.WeightComparison(match=True, mismatches=())
+        diff = await client.compare_weights({"extra": "0"})
+        assert diff.match is False
+        assert "extra" in diff.mismatches
+        await client.shutdown_weight_transfer_engine()
+    pauses = fake32.requests_to("/pause")
+    assert [p.query for p in pauses] == [
+        {"mode": "abort"},
+        {"mode": "wait"},
+        {"mode": "keep"},
+        {"mode": "keep", "clear_cache": "false"},
+    ]
+    assert [r.json for r in fake32.requests_to("/abort_requests")] == [
+        {},
+        {"request_ids": ["a", "b"]},
+    ]
+    assert fake32.requests_to("/get_world_size")[1].query == {"include_dp": "false"}
+
+
+async def test_weight_round_payloads_032(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        await client.init_weight_transfer_engine({"segment": "x"})
+        await client.start_weight_update()
+        await client.update_weights(UPDATE_INFO)
+        await client.update_weights([UPDATE_INFO])  # one dict per worker rank
+        await client.finish_weight_update("step-1")
+        assert client.weight_version == "step-1"
+        assert await client.weight_info() == "step-1"
+        await client.start_weight_update()
+        await client.finish_weight_update()  # no version: the server keeps its own
+        assert await client.weight_info() == "step-1"
+    assert fake32.requests_to("/init_weight_transfer_engine")[0].json == {
+        "init_info": {"segment": "x"}
+    }
+    assert [r.body for r in fake32.requests_to("/start_weight_update")] == [b"", b""]
+    assert [r.json for r in fake32.requests_to("/update_weights")] == [
+        {"update_info": UPDATE_INFO},
+        {"update_info": [UPDATE_INFO]},
+    ]
+    finishes = fake32.requests_to("/finish_weight_update")
+    assert finishes[0].json == {"weight_version": "step-1"}
+    assert finishes[1].body == b""
+    # The weight routes ask for a fresh connection: see Call.close_connection.
+    assert fake32.requests_to("/update_weights")[0].headers.get("Connection") == "close"
+
+
+async def test_weight_round_payloads_023(fake23: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake23.url) as client:
+        assert await client.protocol() == "0.23"
+        await client.init_weight_transfer_engine({"master_address": "127.0.0.1"})
+        await client.start_weight_update()
+        await client.update_weights(UPDATE_INFO, packed=True)
+        await client.finish_weight_update("step-1")
+        assert client.weight_version == "step-1"
+        await client.start_weight_update(is_checkpoint_format=False)
+        await client.update_weights(UPDATE_INFO)
+        await client.finish_weight_update()
+        assert client.weight_version == "step-1"
+    starts = [r.json for r in fake23.requests_to("/start_weight_update")]
+    assert starts == [{"is_checkpoint_format": True}, {"is_checkpoint_format": False}]
+    updates = [r.json for r in fake23.requests_to("/update_weights")]
+    assert updates == [
+        {"update_info": {**UPDATE_INFO, "packed": True}},
+        {"update_info": UPDATE_INFO},
+    ]
+    # 0.23 ignores the finish body: no version goes over the wire.
+    assert [r.body for r in fake23.requests_to("/finish_weight_update")] == [b"", b""]
+    assert fake23.weight_version == "default"
+    assert fake23.finished == 2
+
+
+async def test_routes_missing_on_023_raise_protocol_error(fake23: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake23.url) as client:
+        for call in (
+            client.weight_info(),
+            client.update_weight_version("v"),
+            client.weight_checksums(),
+            client.compare_weights({}),
+            client.shutdown_weight_transfer_engine(),
+        ):
+            with pytest.raises(az.ProtocolError, match=r"needs vLLM >= 0\.32") as info:
+                await call
+            assert info.value.server == fake23.url
+        with pytest.raises(az.ProtocolError, match="per-rank update_info list"):
+            await client.update_weights([UPDATE_INFO])
+        # Without --tokens-only, 0.23 has no /abort_requests: a 404 becomes ProtocolError.
+        with pytest.raises(az.ProtocolError, match="--tokens-only") as nf:
+            await client.abort_requests()
+        assert nf.value.status == 404
+    # Only /version and /abort_requests reached the server; the rest failed client-side.
+    assert [r.path for r in fake23.requests] == ["/version", "/abort_requests"]
+
+
+async def test_abort_requests_on_023_tokens_only() -> None:
+    async with FakeVLLMServer(version="0.23.0", tokens_only=True) as fake:
+        async with az.AsyncVLLMClient(fake.url) as client:
+            assert await client.abort_requests(["r1"]) == 1
+
+
+async def test_version_specific_options_are_rejected(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.ProtocolError, match="is_checkpoint_format"):
+            await client.start_weight_update(is_checkpoint_format=True)
+        with pytest.raises(az.ProtocolError, match="packed belongs in init_info"):
+            await client.update_weights(UPDATE_INFO, packed=True)
+        with pytest.raises(ValueError, match="pause mode"):
+            await client.pause("later")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="update_info"):
+            await client.update_weights("names")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="request_ids"):
+            await client.abort_requests("r1")
+        with pytest.raises(TypeError, match="weight version"):
+            await client.finish_weight_update("")
+    assert [r.path for r in fake32.requests] == ["/version"]
+
+
+async def test_unsupported_version() -> None:
+    async with FakeVLLMServer(version="0.10.2") as fake:
+        async with az.AsyncVLLMClient(fake.url) as client:
+            with pytest.raises(az.ProtocolError, match=r"not supported.*>= 0\.23"):
+                await client.start_weight_update()
+
+
+async def test_worker_failure_becomes_server_error(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.ServerError) as info:
+            await client.update_weights(UPDATE_INFO)  # no start first
+    err = info.value
+    assert err.status == 500
+    assert err.server == fake32.url
+    assert err.route == "/update_weights"
+    assert "start_weight_update must be called before update_weights" in err.message
+    assert err.message.startswith("InternalServerError: Call to collective_rpc method failed")
+    assert err.body is not None
+    assert "collective_rpc" in err.body
+    text = str(err)
+    assert fake32.url in text
+    assert "(HTTP 500)" in text
+
+
+async def test_no_backend_and_validation_errors() -> None:
+    async with FakeVLLMServer(backend=None) as fake:
+        async with az.AsyncVLLMClient(fake.url) as client:
+            with pytest.raises(az.ServerError, match="Weight transfer not configured") as info:
+                await client.start_weight_update()
+            assert info.value.status == 500
+            # The client must not reuse the connection the 500 came on (vLLM closes it).
+            await client.resume()
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (Fault.error(500, "boom", shape="collective"), "Call to collective_rpc method failed"),
+        (Fault.error(400, "bad thing", shape="openai"), "Bad Request: bad thing"),
+        (Fault.error(500, "Failed to pause generation: x", shape="string"), "Failed to pause"),
+        (Fault.error(409, "conflict here", shape="detail"), "conflict here"),
+        (Fault.error(502, "<html>bad gateway</html>", shape="text"), "HTTP 502 Bad Gateway"),
+    ],
+)
+async def test_all_error_shapes_are_parsed(
+    fake32: FakeVLLMServer, fault: Fault, expected: str
+) -> None:
+    fake32.inject("/pause", fault)
+    async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
+        with pytest.raises(az.ServerError, match=expected) as info:
+            await client.pause()
+    assert info.value.status == fault.status
+    assert info.value.route == "/pause"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"<html>oops</html>", b"", b'{"status": "resting"}', b"[1, 2]", b'{"is_paused": "no"}'],
+)
+async def test_malformed_200_is_an_error(fake32: FakeVLLMServer, body: bytes) -> None:
+    fake32.inject("/pause", Fault.malformed(body))
+    fake32.inject("/is_paused", Fault.malformed(body), times=None)
+    async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
+        with pytest.raises(az.ServerError, match="malformed 200 response") as info:
+            await client.pause()
+        assert info.value.status == 200
+        with pytest.raises(az.ServerError, match=r"expected \{\"is_paused\": bool\}"):
+            await client.is_paused()
+
+
+async def test_hang_times_out_within_the_deadline(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/update_weights", Fault.hang())
+    timeouts = az.Timeouts(control=5.0, update=0.3)
+    async with az.AsyncVLLMClient(fake32.url, timeouts=timeouts) as client:
+        await client.start_weight_update()
+        started = time.monotonic()
+        with pytest.raises(az.ServerTimeout, match=r"no response within 0\.3 s") as info:
+            await client.update_weights(UPDATE_INFO)
+        elapsed = time.monotonic() - started
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.route == "/update_weights"
+    assert 0.3 <= elapsed < 1.0
+    # The hung handler saw its client go away: the connection was closed.
+    for _ in range(100):
+        if fake32.cancelled:
+            break
+        await asyncio.sleep(0.01)
+    assert fake32.cancelled == ["/update_weights"]
+
+
+async def test_connection_refused_is_unavailable() -> None:
+    async with FakeVLLMServer() as fake:
+        url = fake.url
+    async with az.AsyncVLLMClient(url, retry=None) as client:
+        with pytest.raises(az.ServerUnavailable, match="cannot connect") as info:
+            await client.pause()
+    assert info.value.server == url
+    assert isinstance(info.value.__cause__, aiohttp.ClientConnectorError)
+
+
+async def test_connection_drop_is_unavailable(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/start_weight_update", Fault.drop())
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+            await client.start_weight_update()
+        await client.start_weight_update()  # the server is still there
+
+
+async def test_server_dying_mid_request(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/finish_weight_update", Fault.die())
+    async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
+        await client.start_weight_update()
+        with pytest.raises(az.ServerUnavailable, match="connection lost"):
+            await client.finish_weight_update("v1")
+        with pytest.raises(az.ServerUnavailable, match="cannot connect"):
+            await client.health()
+    assert not fake32.alive
+
+
+async def test_idempotent_calls_are_retried(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/weight_info", Fault.error(503, "busy", shape="openai"), times=2)
+    policy = az.RetryPolicy(attempts=3, base_delay=0.01)
+    async with az.AsyncVLLMClient(fake32.url, retry=policy) as client:
+        assert await client.weight_info() == "default"
+    assert len(fake32.requests_to("/weight_info")) == 3
+
+
+async def test_retry_gives_up_after_attempts_and_honours_off(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/is_paused", Fault.error(503, "busy", shape="string"), times=None)
+    async with az.AsyncVLLMClient(
+        fake32.url, retry=az.RetryPolicy(attempts=2, base_delay=0.0)
+    ) as client:
+        with pytest.raises(az.ServerError, match="busy"):
+            await client.is_paused()
+    assert len(fake32.requests_to("/is_paused")) == 2
+    async with az.AsyncVLLMClient(fake32.url, retry=az.RetryPolicy.off()) as client:
+        with pytest.raises(az.ServerError):
+            await client.is_paused()
+    assert len(fake32.requests_to("/is_paused")) == 3
+
+
+async def test_retry_after_header_is_honoured(fake32: FakeVLLMServer) -> None:
+    from aiohttp import web
+
+    calls: list[float] = []
+
+    @web.middleware
+    async def busy_once(request: web.Request, handler: object) -> web.StreamResponse:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return web.json_response({"error": "busy"}, status=503, headers={"Retry-After": "0.2"})
+        return web.json_response({"version": "0.32.0"})
+
+    app = web.Application(middlewares=[busy_once])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        policy = az.RetryPolicy(attempts=2, base_delay=0.0)
+        async with az.AsyncVLLMClient(f"http://127.0.0.1:{port}", retry=policy) as client:
+            assert await client.version() == "0.32.0"
+    finally:
+        await runner.cleanup()
+    assert calls[1] - calls[0] >= 0.19
+
+
+async def test_non_idempotent_calls_are_never_retried(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/pause", Fault.error(503, "busy", shape="string"))
+    async with az.AsyncVLLMClient(fake32.url, retry=az.RetryPolicy(base_delay=0.0)) as client:
+        with pytest.raises(az.ServerError, match="busy"):
+            await client.pause()
+    assert len(fake32.requests_to("/pause")) == 1
+
+
+async def test_unknown_route_404_names_dev_mode(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/resume", Fault.error(404, "Not Found", shape="detail"))
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.ProtocolError, match="VLLM_SERVER_DEV_MODE=1") as info:
+            await client.resume()
+    assert info.value.status == 404
+
+
+async def test_tensor_metadata_is_made_json_safe(fake32: FakeVLLMServer) -> None:
+    torch = pytest.importorskip("torch")
+    info = {
+        "names": ["w"],
+        "dtype_names": [torch.bfloat16],
+        "shapes": [torch.Size([4, 8])],
+        "numel": torch.tensor(32).item(),
+    }
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        await client.start_weight_update()
+        await client.update_weights(info)
+    sent = fake32.requests_to("/update_weights")[0].json
+    assert sent == {
+        "update_info": {
+            "names": ["w"],
+            "dtype_names": ["bfloat16"],
+            "shapes": [[4, 8]],
+            "numel": 32,
+        }
+    }
+
+
+async def test_cancelled_call_closes_its_connection(fake32: FakeVLLMServer) -> None:
+    fake32.inject("/pause", Fault.hang())
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        task = asyncio.create_task(client.pause())
+        while not fake32.requests_to("/pause"):
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if fake32.cancelled:
+                break
+            await asyncio.sleep(0.01)
+        assert fake32.cancelled == ["/pause"]
+        await client.resume()  # the client is still usable

@@ -1,0 +1,130 @@
+"""FakeVLLMServer's own behaviour: raw HTTP answers, faults, 0.23 mode, separate process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncsync.testing import FakeVLLMServer, Fault
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _raw(
+    session: aiohttp.ClientSession, method: str, url: str, body: Any = None
+) -> tuple[int, Any]:
+    async with session.request(method, url, json=body) as resp:
+        text = await resp.text()
+        return resp.status, json.loads(text) if text else None
+
+
+async def test_weight_lifecycle_errors_match_vllm() -> None:
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
+        u = fake.url
+        status, body = await _raw(s, "POST", u + "/finish_weight_update")
+        assert status == 500
+        assert body["error"]["message"] == (
+            "Call to collective_rpc method failed: Worker failed with error "
+            "'finish_weight_update called without a matching start_weight_update.', "
+            "please check the stack trace above for the root cause"
+        )
+        assert body["error"]["type"] == "InternalServerError"
+        assert (await _raw(s, "POST", u + "/start_weight_update"))[0] == 200
+        status, body = await _raw(s, "POST", u + "/start_weight_update")
+        assert status == 500
+        assert "already active" in body["error"]["message"]
+        status, body = await _raw(s, "POST", u + "/shutdown_weight_transfer_engine")
+        assert status == 500
+        status, body = await _raw(s, "POST", u + "/update_weights", {"update_info": {"packed": 1}})
+        assert status == 500
+        assert "unexpected keyword argument 'packed'" in body["error"]["message"]
+        assert not fake.update_active  # a failed update ends the active update
+        status, body = await _raw(s, "POST", u + "/update_weights", {})
+        assert (status, body["error"]["param"]) == (400, "body.update_info")
+
+
+async def test_023_mode() -> None:
+    async with FakeVLLMServer(version="0.23.0") as fake, aiohttp.ClientSession() as s:
+        u = fake.url
+        assert await _raw(s, "GET", u + "/version") == (200, {"version": "0.23.0"})
+        for path in ("/weight_info", "/abort_requests", "/weight_checker"):
+            method = "GET" if path == "/weight_info" else "POST"
+            assert await _raw(s, method, u + path, {}) == (404, {"detail": "Not Found"})
+        status, _ = await _raw(s, "POST", u + "/start_weight_update")
+        assert status == 400  # 0.23 requires a JSON body on start
+        assert (await _raw(s, "POST", u + "/start_weight_update", {}))[0] == 200
+        status, _ = await _raw(s, "POST", u + "/update_weights", {"update_info": [{}]})
+        assert status == 400  # one dict only
+        assert (await _raw(s, "POST", u + "/update_weights", {"update_info": {"packed": True}}))[
+            0
+        ] == 200
+        await _raw(s, "POST", u + "/finish_weight_update", {"weight_version": "ignored"})
+        assert fake.weight_version == "default"
+        assert fake.finished == 1
+
+
+async def test_requests_are_recorded() -> None:
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
+        await _raw(s, "POST", fake.url + "/pause?mode=wait")
+        await _raw(s, "POST", fake.url + "/abort_requests", {"request_ids": ["a"]})
+    first, second = fake.requests
+    assert (first.method, first.path, first.query, first.json) == (
+        "POST",
+        "/pause",
+        {"mode": "wait"},
+        None,
+    )
+    assert second.json == {"request_ids": ["a"]}
+    assert fake.requests_to("/pause") == [first]
+
+
+async def test_faults_are_consumed_in_order() -> None:
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
+        fake.inject("/resume", Fault.error(503, "busy", shape="string"), times=2)
+        fake.inject("*", Fault.delay(0.01))
+        statuses = [(await _raw(s, "POST", fake.url + "/resume"))[0] for _ in range(3)]
+        assert statuses == [503, 503, 200]
+        assert (await _raw(s, "GET", fake.url + "/is_paused"))[0] == 200  # the "*" delay
+        fake.clear_faults()
+        with pytest.raises(ValueError, match="times"):
+            fake.inject("/resume", Fault.hang(), times=0)
+
+
+async def test_die_stops_the_whole_server() -> None:
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
+        fake.inject("/pause", Fault.die())
+        with pytest.raises(aiohttp.ClientError):
+            await _raw(s, "POST", fake.url + "/pause")
+        assert not fake.alive
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await _raw(s, "GET", fake.url + "/health")
+
+
+async def test_fake_servers_in_another_process() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "asyncsync.testing._fake",
+        "--count",
+        "3",
+        "--delay",
+        "0.01",
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
+        urls = json.loads(line)["urls"]
+        assert len(urls) == 3
+        async with aiohttp.ClientSession() as s:
+            for url in urls:
+                assert await _raw(s, "GET", url + "/version") == (200, {"version": "0.32.0"})
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
