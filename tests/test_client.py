@@ -217,9 +217,9 @@ async def test_routes_missing_on_023_raise_protocol_error(fake23: FakeVLLMServer
 
 
 async def test_abort_requests_on_023_tokens_only() -> None:
-    async with FakeVLLMServer(version="0.23.0", tokens_only=True) as fake:
-        async with az.AsyncVLLMClient(fake.url) as client:
-            assert await client.abort_requests(["r1"]) == 1
+    fake = FakeVLLMServer(version="0.23.0", tokens_only=True)
+    async with fake, az.AsyncVLLMClient(fake.url) as client:
+        assert await client.abort_requests(["r1"]) == 1
 
 
 async def test_version_specific_options_are_rejected(fake32: FakeVLLMServer) -> None:
@@ -240,10 +240,9 @@ async def test_version_specific_options_are_rejected(fake32: FakeVLLMServer) -> 
 
 
 async def test_unsupported_version() -> None:
-    async with FakeVLLMServer(version="0.10.2") as fake:
-        async with az.AsyncVLLMClient(fake.url) as client:
-            with pytest.raises(az.ProtocolError, match=r"not supported.*>= 0\.23"):
-                await client.start_weight_update()
+    async with FakeVLLMServer(version="0.10.2") as fake, az.AsyncVLLMClient(fake.url) as client:
+        with pytest.raises(az.ProtocolError, match=r"not supported.*>= 0\.23"):
+            await client.start_weight_update()
 
 
 async def test_worker_failure_becomes_server_error(fake32: FakeVLLMServer) -> None:
@@ -264,13 +263,12 @@ async def test_worker_failure_becomes_server_error(fake32: FakeVLLMServer) -> No
 
 
 async def test_no_backend_and_validation_errors() -> None:
-    async with FakeVLLMServer(backend=None) as fake:
-        async with az.AsyncVLLMClient(fake.url) as client:
-            with pytest.raises(az.ServerError, match="Weight transfer not configured") as info:
-                await client.start_weight_update()
-            assert info.value.status == 500
-            # The client must not reuse the connection the 500 came on (vLLM closes it).
-            await client.resume()
+    async with FakeVLLMServer(backend=None) as fake, az.AsyncVLLMClient(fake.url) as client:
+        with pytest.raises(az.ServerError, match="Weight transfer not configured") as info:
+            await client.start_weight_update()
+        assert info.value.status == 500
+        # The client must not reuse the connection the 500 came on (vLLM closes it).
+        await client.resume()
 
 
 @pytest.mark.parametrize(
@@ -449,7 +447,9 @@ async def test_cancelled_call_closes_its_connection(fake32: FakeVLLMServer) -> N
     fake32.inject("/pause", Fault.hang())
     async with az.AsyncVLLMClient(fake32.url) as client:
         task = asyncio.create_task(client.pause())
-        while not fake32.requests_to("/pause"):
+        for _ in range(200):
+            if fake32.requests_to("/pause"):
+                break
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -30,8 +30,8 @@ async def fakes() -> AsyncIterator[list[FakeVLLMServer]]:
         yield [await stack.enter_async_context(FakeVLLMServer()) for _ in range(3)]
 
 
-async def _wait_for(predicate: Callable[[], bool], timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
+async def _wait_for(predicate: Callable[[], bool], within: float = 2.0) -> None:
+    deadline = time.monotonic() + within
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
@@ -58,7 +58,9 @@ async def test_round_fans_out_and_tracks_state(fakes: list[FakeVLLMServer]) -> N
             assert state.weight_version == "step-1"
             assert state.vllm_version == "0.32.0"
             assert state.protocol == "0.32"
-            assert not state.updating and not state.dirty and not state.paused
+            assert not state.updating
+            assert not state.dirty
+            assert not state.paused
             assert state.available
             assert state.outstanding == 0
         info = await fleet.weight_info()
@@ -136,10 +138,12 @@ async def test_one_dead_server_of_three_raises_fleet_error(fakes: list[FakeVLLMS
         assert err.outcomes[urls[0]].ok
         assert err.outcomes[urls[2]].ok
         # The others did pause, and the fleet knows it.
-        assert fleet.state(urls[0]).paused and fleet.state(urls[2]).paused
+        assert fleet.state(urls[0]).paused
+        assert fleet.state(urls[2]).paused
         assert not fleet.state(dead.url).healthy
         assert not fleet.state(dead.url).paused
-        assert fakes[0].paused and fakes[2].paused
+        assert fakes[0].paused
+        assert fakes[2].paused
 
 
 async def test_except_star_splits_by_error_type(fakes: list[FakeVLLMServer]) -> None:
@@ -199,7 +203,9 @@ async def test_update_failure_marks_dirty_and_finish_cleans(fakes: list[FakeVLLM
             await fleet.update_weights(UPDATE_INFO)
         assert info.value.failed == (urls[2],)
         bad = fleet.state(urls[2])
-        assert bad.dirty and not bad.updating and bad.healthy
+        assert bad.dirty
+        assert not bad.updating
+        assert bad.healthy
         assert fleet.where(lambda s: s.dirty) == [urls[2]]
         await fleet.finish_weight_update("v1", targets=urls[:2])
         # A later round that succeeds on it makes it clean again.
@@ -233,20 +239,18 @@ async def test_expected_rejection_clears_active_update(fakes: list[FakeVLLMServe
         if isinstance(info, dict) and info.get("abort"):
             raise RuntimeError("round aborted")
 
-    async with FakeVLLMServer(update_hook=reject_abort) as fake:
-        async with az.Fleet([fake.url, fakes[0].url]) as fleet:
-            await fleet.start_weight_update()
-            result = await fleet.update_weights(
-                {"abort": True}, targets=[fake.url], expect_failure=True
-            )
-            assert result.ok
-            assert not fake.update_active
-            assert not fleet.state(fake.url).updating
-            # The plain fake accepts it: that is the failure under expect_failure.
-            with pytest.raises(az.FleetError, match="accepted an update"):
-                await fleet.update_weights(
-                    {"abort": True}, targets=[fakes[0].url], expect_failure=True
-                )
+    fake = FakeVLLMServer(update_hook=reject_abort)
+    async with fake, az.Fleet([fake.url, fakes[0].url]) as fleet:
+        await fleet.start_weight_update()
+        result = await fleet.update_weights(
+            {"abort": True}, targets=[fake.url], expect_failure=True
+        )
+        assert result.ok
+        assert not fake.update_active
+        assert not fleet.state(fake.url).updating
+        # The plain fake accepts it: that is the failure under expect_failure.
+        with pytest.raises(az.FleetError, match="accepted an update"):
+            await fleet.update_weights({"abort": True}, targets=[fakes[0].url], expect_failure=True)
 
 
 async def test_per_server_init_info(fakes: list[FakeVLLMServer]) -> None:
