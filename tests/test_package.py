@@ -12,6 +12,7 @@ import asyncsync.testing
 EXPECTED_PUBLIC = {
     "AsyncSyncError",
     "AsyncVLLMClient",
+    "AsyncWeightPublisher",
     "Fleet",
     "FleetError",
     "FleetResult",
@@ -19,8 +20,10 @@ EXPECTED_PUBLIC = {
     "Outcome",
     "ProtocolError",
     "PublishError",
+    "PublishReport",
     "RetryPolicy",
     "ServerError",
+    "ServerOutcome",
     "ServerState",
     "ServerTimeout",
     "ServerUnavailable",

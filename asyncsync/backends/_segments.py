@@ -18,7 +18,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Segment", "leaked_segments"]
+__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Segment", "leaked_segments", "sweep_stale_segments"]
 
 SHM_DIR = Path("/dev/shm")
 #: Every segment asyncsync creates is named ``asyncsync-<pid>-<random>``.
@@ -43,6 +43,7 @@ class Segment:
     def __init__(self, size: int, *, populate: bool = True) -> None:
         if size <= 0:
             raise ValueError(f"segment size must be > 0, got {size}")
+        sweep_stale_segments()
         self.size = size
         self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
         self.path = SHM_DIR / self.name
@@ -96,6 +97,32 @@ class Segment:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<Segment {self.name} {self.size} bytes {state}>"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def sweep_stale_segments() -> list[str]:
+    """Unlink asyncsync segments whose creating process no longer exists.
+
+    A trainer killed with SIGKILL (or SIGTERM without a handler) cannot unlink its
+    segments; the next :class:`Segment` created on the machine removes them. Returns the
+    names removed.
+    """
+    removed = []
+    for name in leaked_segments():
+        pid_text = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            _unlink(SHM_DIR / name)
+            removed.append(name)
+    return removed
 
 
 def leaked_segments(pid: int | None = None) -> list[str]:

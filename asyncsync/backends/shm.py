@@ -423,6 +423,7 @@ class ShmTrainerEngine:
         self.is_sender = is_sender
         self.buffers = buffers
         self.cancel = cancel
+        self.on_chunk: Callable[[int, int], None] | None = None
         self.last_stats: ChunkStats | None = None
 
     @classmethod
@@ -459,7 +460,12 @@ class ShmTrainerEngine:
             return
         self.client.start_weight_update()
         self.last_stats = stream_chunks(
-            items, manifest, self.buffers, self.client.update_weights, cancel=self.cancel
+            items,
+            manifest,
+            self.buffers,
+            self.client.update_weights,
+            cancel=self.cancel,
+            on_chunk=self.on_chunk,
         )
         self.client.finish_weight_update()
 
@@ -494,6 +500,7 @@ class ShmTrainerSendWeightsArgs:
     manifest: Manifest | None = None
     cancel: threading.Event | None = None
     stats: ChunkStats | None = None
+    on_chunk: Callable[[int, int], None] | None = None
 
 
 def trainer_send_weights(
@@ -503,7 +510,12 @@ def trainer_send_weights(
     """0.23-style static send: every rank iterates, rank 0 packs and calls send_mode."""
     send = trainer_args.send_mode if trainer_args.rank == 0 else None
     stats = stream_chunks(
-        iterator, trainer_args.manifest, trainer_args.buffers, send, cancel=trainer_args.cancel
+        iterator,
+        trainer_args.manifest,
+        trainer_args.buffers,
+        send,
+        cancel=trainer_args.cancel,
+        on_chunk=trainer_args.on_chunk,
     )
     if trainer_args.stats is not None:
         trainer_args.stats.__dict__.update(stats.__dict__)

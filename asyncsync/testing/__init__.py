@@ -9,6 +9,7 @@ Importing this module needs neither vLLM nor torch; they are imported when used.
 """
 
 from asyncsync.testing._fake import FakeVLLMServer, Fault, RecordedRequest
+from asyncsync.testing._lag import LoopLagMonitor
 from asyncsync.testing._model import (
     TINY_MODEL_CONFIG,
     make_tiny_model,
@@ -29,6 +30,7 @@ __all__ = [
     "FakeVLLMServer",
     "Fault",
     "LocalVLLMServer",
+    "LoopLagMonitor",
     "RecordedRequest",
     "ServerStartError",
     "free_port",

@@ -101,6 +101,9 @@ class LocalVLLMServer:
         env: extra environment variables for the server process.
         startup_timeout: seconds to wait for ``/health``.
         max_model_len: passed as ``--max-model-len``.
+        cpu_cores: CPU cores for vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``,
+            e.g. ``"1"`` or ``"0-3"``). Give servers sharing a small machine different
+            cores: two servers bound to the same core slow each other down many times.
         log_path: where the server's stdout/stderr go (a temp file by default).
     """
 
@@ -117,6 +120,7 @@ class LocalVLLMServer:
         startup_timeout: float = 600.0,
         stop_timeout: float = 30.0,
         max_model_len: int = 256,
+        cpu_cores: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if startup_timeout <= 0:
@@ -134,6 +138,7 @@ class LocalVLLMServer:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.max_model_len = max_model_len
+        self.cpu_cores = cpu_cores
         self._log_path = Path(log_path) if log_path is not None else None
         self._log_file: Any = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -200,6 +205,11 @@ class LocalVLLMServer:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        # Idle OpenMP threads sleep instead of spinning, so that servers (and the
+        # trainer) sharing a few cores do not starve each other.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if self.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         env.update(self.env)
         return env
 

