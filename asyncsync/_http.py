@@ -54,10 +54,6 @@ class Call(Generic[T]):
     params: tuple[tuple[str, str], ...] = ()
     idempotent: bool = False
     json_response: bool = True
-    #: Ask the server not to keep the connection alive. Set on routes whose failures
-    #: escape vLLM's handlers: uvicorn then closes the connection right after the 500,
-    #: and a pooled connection would fail the next request with "connection reset".
-    close_connection: bool = False
     #: Weight version the client records when the call succeeds.
     record_version: str | None = None
     #: A hint added to the message when the server answers 404.
@@ -175,6 +171,7 @@ async def send(
     *,
     headers: Mapping[str, str],
     timeouts: Timeouts,
+    after_server_error: bool = False,
 ) -> T:
     """Send ``call`` to ``server`` once and return the parsed response.
 
@@ -183,13 +180,42 @@ async def send(
     raised ``from`` the aiohttp error; a 2xx whose body does not parse is a
     :class:`~asyncsync.ServerError`, never a success. Cancellation propagates untouched
     and aiohttp closes the connection of an unfinished request.
+
+    ``after_server_error``: the previous answer from this server was a 5xx. When vLLM
+    fails with an exception its handlers do not catch (every worker failure,
+    "Call to collective_rpc method failed: ..."), uvicorn sends the 500 and then closes
+    the connection; aiohttp has already put that connection back in its pool, and the
+    next request written on it fails at once with "Server disconnected" or "Connection
+    reset", unread by the server. In that one situation the request is sent once more,
+    on a fresh connection; it is safe because the server never read the first copy.
     """
+    try:
+        return await _send_once(session, server, call, body, headers, timeouts)
+    except ServerUnavailable as err:
+        if not (after_server_error and _is_stale_connection(err.__cause__)):
+            raise
+    return await _send_once(session, server, call, body, headers, timeouts)
+
+
+def _is_stale_connection(exc: BaseException | None) -> bool:
+    """An error aiohttp raises when a pooled connection was closed by the server."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in {errno.ECONNRESET, errno.EPIPE}
+
+
+async def _send_once(
+    session: aiohttp.ClientSession,
+    server: str,
+    call: Call[T],
+    body: bytes | None,
+    headers: Mapping[str, str],
+    timeouts: Timeouts,
+) -> T:
     deadline = timeouts.for_phase(call.phase)
     request_headers = dict(headers)
     if body is not None:
         request_headers["Content-Type"] = "application/json"
-    if call.close_connection:
-        request_headers["Connection"] = "close"
     request_headers.update(call.extra_headers)
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
     try:

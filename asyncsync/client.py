@@ -264,7 +264,6 @@ def plan_update_weight_version(
         "update_weight_version", "POST", "/update_weight_version", "control",
         _version_parser(new_version), '{"success": true, "new_version": str}',
         payload={"new_version": new_version}, record_version=new_version,
-        close_connection=True,
     )  # fmt: skip
 
 
@@ -274,7 +273,7 @@ def plan_weight_checksums(
     _needs_current("/weight_checker", protocol, server)
     return Call(
         "weight_checksums", "POST", "/weight_checker", "control", _parse_checksums,
-        '{"checksums": {str: str}}', payload={"action": "checksum"}, close_connection=True,
+        '{"checksums": {str: str}}', payload={"action": "checksum"},
     )  # fmt: skip
 
 
@@ -285,7 +284,7 @@ def plan_compare_weights(
     return Call(
         "compare_weights", "POST", "/weight_checker", "control", _parse_comparison,
         '{"match": bool, "mismatches": [str]}',
-        payload={"action": "compare", "baseline": dict(baseline)}, close_connection=True,
+        payload={"action": "compare", "baseline": dict(baseline)},
     )  # fmt: skip
 
 
@@ -317,7 +316,7 @@ def plan_init_weight_transfer_engine(init_info: Mapping[str, Any]) -> Call[None]
         raise TypeError(f"init_info must be a mapping, got {type(init_info).__name__}")
     return Call(
         "init_weight_transfer_engine", "POST", "/init_weight_transfer_engine", "update",
-        _parse_message, _MESSAGE, payload={"init_info": init_info}, close_connection=True,
+        _parse_message, _MESSAGE, payload={"init_info": init_info},
     )  # fmt: skip
 
 
@@ -339,7 +338,7 @@ def plan_start_weight_update(
         payload = NO_BODY
     return Call(
         "start_weight_update", "POST", "/start_weight_update", "update", _parse_message,
-        _MESSAGE, payload=payload, close_connection=True,
+        _MESSAGE, payload=payload,
     )  # fmt: skip
 
 
@@ -378,7 +377,7 @@ def plan_update_weights(
         info = {**info, "packed": packed}
     return Call(
         "update_weights", "POST", route, "update", _parse_message, _MESSAGE,
-        payload={"update_info": info}, close_connection=True,
+        payload={"update_info": info},
     )  # fmt: skip
 
 
@@ -392,7 +391,7 @@ def plan_finish_weight_update(
         payload = {"weight_version": weight_version}
     return Call(
         "finish_weight_update", "POST", "/finish_weight_update", "update", _parse_message,
-        _MESSAGE, payload=payload, record_version=weight_version, close_connection=True,
+        _MESSAGE, payload=payload, record_version=weight_version,
     )  # fmt: skip
 
 
@@ -402,7 +401,7 @@ def plan_shutdown_weight_transfer_engine(
     _needs_current("/shutdown_weight_transfer_engine", protocol, server)
     return Call(
         "shutdown_weight_transfer_engine", "POST", "/shutdown_weight_transfer_engine",
-        "update", _parse_message, _MESSAGE, close_connection=True,
+        "update", _parse_message, _MESSAGE,
     )  # fmt: skip
 
 
@@ -474,6 +473,7 @@ class AsyncVLLMClient:
             protocol_for_version(vllm_version) if vllm_version is not None else None
         )
         self._version_lock = asyncio.Lock()
+        self._after_server_error = False  # the last answer was a 5xx (see _http.send)
         self._headers: dict[str, str] = {"Accept": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -565,15 +565,23 @@ class AsyncVLLMClient:
         while True:
             try:
                 result = await send(
-                    session, self._url, call, body, headers=self._headers, timeouts=self._timeouts
+                    session,
+                    self._url,
+                    call,
+                    body,
+                    headers=self._headers,
+                    timeouts=self._timeouts,
+                    after_server_error=self._after_server_error,
                 )
             except AsyncSyncError as err:
+                self._after_server_error = err.status is not None and err.status >= 500
                 retries += 1
                 if retries >= policy.attempts or not is_retryable(err, policy):
                     raise
                 await asyncio.sleep(retry_delay(retries, err, policy))
                 session = self._get_session()
             else:
+                self._after_server_error = False
                 if call.record_version is not None:
                     self.weight_version = call.record_version
                 return result

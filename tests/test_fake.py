@@ -25,7 +25,9 @@ async def _raw(
 
 
 async def test_weight_lifecycle_errors_match_vllm() -> None:
-    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
+    # Fresh connections: like vLLM, the fake closes the connection after a worker failure.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession(connector=connector) as s:
         u = fake.url
         status, body = await _raw(s, "POST", u + "/finish_weight_update")
         assert status == 500
@@ -47,6 +49,19 @@ async def test_weight_lifecycle_errors_match_vllm() -> None:
         assert not fake.update_active  # a failed update ends the active update
         status, body = await _raw(s, "POST", u + "/update_weights", {})
         assert (status, body["error"]["param"]) == (400, "body.update_info")
+
+
+async def test_connection_closes_after_a_worker_failure() -> None:
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
+        async with s.post(fake.url + "/finish_weight_update") as resp:
+            assert resp.status == 500
+            assert "Connection" not in resp.headers  # as uvicorn: no header, just a close
+            await resp.read()
+        await asyncio.sleep(0.05)
+        assert fake.open_connections == 0
+        async with s.post(fake.url + "/resume") as resp:
+            assert resp.status == 200
+        assert fake.open_connections == 1  # other answers keep the connection alive
 
 
 async def test_023_mode() -> None:
@@ -110,7 +125,7 @@ async def test_fake_servers_in_another_process() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "asyncsync.testing._fake",
+        "asyncsync.testing._fake_cli",
         "--count",
         "3",
         "--delay",

@@ -13,7 +13,7 @@ the same error bodies, and injects faults on demand. Users run it in their own t
 Run it in another process (many servers per process; the URLs are printed as one JSON
 line on stdout)::
 
-    python -m asyncsync.testing._fake --count 64 --delay 0.05
+    python -m asyncsync.testing._fake_cli --count 64 --delay 0.05
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from types import TracebackType
 from typing import Any, Literal
 
 from aiohttp import web
+
+from asyncsync import _json
 
 __all__ = ["FakeVLLMServer", "Fault", "RecordedRequest"]
 
@@ -154,8 +156,23 @@ def _validation(loc: str, kind: str, msg: str, value: Any, ctx: str | None = Non
     return _openai(400, f"1 validation error:\n  {err!r}", "Bad Request", loc)
 
 
-def _worker_failure(message: str) -> web.Response:
-    return _openai(500, _collective(message), "InternalServerError")
+class _ClosingResponse(web.Response):
+    """A response after which the connection is closed, without a ``Connection: close``
+    header: what uvicorn does when an exception escapes vLLM's handlers."""
+
+
+def _worker_failure(message: str, status: int = 500) -> web.Response:
+    """A worker failure as vLLM sends it: 500 "Call to collective_rpc method failed: ..."
+    and then the connection is closed (see :class:`_ClosingResponse`)."""
+    body = {
+        "error": {
+            "message": _collective(message),
+            "type": "InternalServerError",
+            "param": None,
+            "code": status,
+        }
+    }
+    return _ClosingResponse(text=json.dumps(body), status=status, content_type="application/json")
 
 
 def _not_found() -> web.Response:
@@ -354,11 +371,14 @@ class FakeVLLMServer:
             if self.delay:
                 await asyncio.sleep(self.delay)
             fault = self._take_fault(request.path)
+            result: web.StreamResponse | None = None
             if fault is not None:
-                response = await self._apply(fault, request)
-                if response is not None:
-                    return response
-            result: web.StreamResponse = await handler(request)
+                result = await self._apply(fault, request)
+            if result is None:
+                result = await handler(request)
+            if isinstance(result, _ClosingResponse):
+                # Close once this response is sent, without a "Connection: close" header.
+                request.protocol.close()
             return result
         except asyncio.CancelledError:
             self.cancelled.append(request.path)
@@ -444,7 +464,7 @@ class FakeVLLMServer:
         if not raw:
             return False, None
         try:
-            return True, json.loads(raw)
+            return True, _json.loads(raw)
         except ValueError:
             return False, None
 
@@ -672,7 +692,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Serve ``--count`` fake servers in this process until SIGTERM/SIGINT."""
-    parser = argparse.ArgumentParser(prog="python -m asyncsync.testing._fake")
+    parser = argparse.ArgumentParser(prog="python -m asyncsync.testing._fake_cli")
     parser.add_argument("--count", type=int, default=1, help="servers in this process")
     parser.add_argument("--port", type=int, default=0, help="first port (0: free ports)")
     parser.add_argument("--host", default="127.0.0.1")
