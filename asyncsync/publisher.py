@@ -37,6 +37,7 @@ from asyncsync.backends.shm import (
     ShmTrainerEngine,
     ShmTrainerSendWeightsArgs,
     manifest_of,
+    plan_chunks,
     trainer_send_weights,
 )
 
@@ -490,14 +491,20 @@ class AsyncWeightPublisher:
                     _barrier()
                 assert engine.last_stats is not None
                 return engine.last_stats
-            # 0.23 style: the loop drives start/finish; the thread only streams chunks.
+            # 0.23 style: the caller drives start/finish (start from this thread through
+            # the bridge); the backend's static send only streams chunks to send_mode.
             stats = ChunkStats()
             meta = src.metadata()
+            manifest = manifest_of(_ManifestSource(src)) if meta is not None else None
+            if manifest is not None:
+                plan_chunks(manifest, self._buffers.buffer_bytes)  # bad input: before start
+            client.started = True
+            bridge.call(start)
             args = ShmTrainerSendWeightsArgs(
                 send_mode=client.update_weights,
                 buffers=self._buffers,
                 rank=0,
-                manifest=manifest_of(_ManifestSource(src)) if meta is not None else None,
+                manifest=manifest,
                 cancel=cancel,
                 stats=stats,
                 on_chunk=reporter,
@@ -516,7 +523,7 @@ class AsyncWeightPublisher:
                 seconds["pause"] = time.perf_counter() - t0
             send_future = loop.run_in_executor(
                 self._executor,
-                run_send if self.api == "engine" else _chain(bridge, start, run_send),
+                run_send,
             )
             try:
                 stats = await asyncio.shield(send_future)
@@ -544,6 +551,8 @@ class AsyncWeightPublisher:
                 bar.close()
             if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | RoundCancelled):
                 raise
+            if isinstance(exc, ValueError | TypeError) and not client.started:
+                raise  # bad input, refused before any server was touched
             raise self._publish_error(version, outcomes, exc) from exc
         if paused:
             t0 = time.perf_counter()
@@ -628,18 +637,6 @@ class AsyncWeightPublisher:
             outcomes=outcomes,
             needs_resync=dirty,
         )
-
-
-def _chain(
-    bridge: LoopBridge, start: Callable[[], Any], send: Callable[[], ChunkStats]
-) -> Callable[[], ChunkStats]:
-    """0.23 style: start on the loop (from the thread), then stream."""
-
-    def run() -> ChunkStats:
-        bridge.call(start)
-        return send()
-
-    return run
 
 
 def _barrier() -> None:

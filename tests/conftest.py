@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from anyio.from_thread import start_blocking_portal
 
+import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
@@ -85,3 +87,22 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             yield fleet
         finally:
             portal.call(stop_all)
+
+
+@pytest_asyncio.fixture
+async def fleet(vllm_fleet: VLLMFleet) -> AsyncIterator[az.Fleet]:
+    async with az.Fleet(vllm_fleet.urls) as fleet:
+        yield fleet
+
+
+@pytest_asyncio.fixture
+async def original_weights_restored(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> AsyncIterator[None]:
+    """Publishes the original checkpoint again after the test (other tests expect it)."""
+    yield
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    async with az.Fleet(vllm_fleet.urls) as fleet, az.AsyncWeightPublisher(fleet) as pub:
+        await pub.publish(weights, version="original")

@@ -5,18 +5,15 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 import asyncsync as az
 from asyncsync.backends._segments import leaked_segments
 from asyncsync.testing import reference_greedy, reference_logprobs
-from tests.conftest import VLLMFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -55,25 +52,6 @@ async def _generate(fleet: az.Fleet, url: str, prompt: list[int], n: int) -> dic
     choice = body["choices"][0]
     assert isinstance(choice, dict)
     return choice
-
-
-@pytest_asyncio.fixture
-async def fleet(vllm_fleet: VLLMFleet) -> AsyncIterator[az.Fleet]:
-    async with az.Fleet(vllm_fleet.urls) as fleet:
-        yield fleet
-
-
-@pytest_asyncio.fixture
-async def original_weights_restored(
-    vllm_fleet: VLLMFleet, tiny_model_dir: Path
-) -> AsyncIterator[None]:
-    """Publishes the original checkpoint again after the test (other tests expect it)."""
-    yield
-    from safetensors.torch import load_file
-
-    weights = load_file(tiny_model_dir / "model.safetensors")
-    async with az.Fleet(vllm_fleet.urls) as fleet, az.AsyncWeightPublisher(fleet) as pub:
-        await pub.publish(weights, version="original")
 
 
 @pytest.mark.usefixtures("original_weights_restored")

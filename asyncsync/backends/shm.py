@@ -458,6 +458,8 @@ class ShmTrainerEngine:
         if not self.is_sender:
             self.last_stats = stream_chunks(items, manifest, self.buffers, None)
             return
+        if manifest is not None:
+            plan_chunks(manifest, self.buffers.buffer_bytes)  # refuse bad input before start
         self.client.start_weight_update()
         self.last_stats = stream_chunks(
             items,
