@@ -22,6 +22,17 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind() -> Iterator[None]:
+    """After the whole suite, no asyncsync segment may remain in /dev/shm (a segment of
+    a trainer killed on purpose is swept, as the next publisher on a machine would)."""
+    from asyncsync.backends._segments import leaked_segments, sweep_stale_segments
+
+    yield
+    sweep_stale_segments()
+    assert leaked_segments() == []
+
+
 def _core(index: int) -> str:
     """One core per server (two servers bound to one core slow each other down)."""
     return str(index % (os.cpu_count() or 1))
