@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "AsyncSyncError",
     "FleetError",
+    "GenerationAborted",
     "GenerationError",
     "ProtocolError",
     "PublishError",
@@ -113,6 +114,60 @@ class ProtocolError(AsyncSyncError):
 
 class GenerationError(AsyncSyncError):
     """A generation request failed or its response could not be interpreted."""
+
+
+class GenerationAborted(GenerationError):
+    """The server aborted a generation before it finished (``finish_reason == "abort"``),
+    typically because the server was paused with ``mode="abort"`` for a weight update.
+
+    Retryable: nothing is wrong with the request. The tokens sampled before the abort are
+    kept, exact and version-tagged, so a caller may resend the prompt or continue from
+    ``prompt + completion.token_ids``.
+
+    Attributes:
+        completions: one partial :class:`~asyncsync.Completion` per sample (``n``), in
+            order; each has ``finish_reason == "abort"`` or its real reason.
+        retryable: always True.
+    """
+
+    retryable = True
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        completions: Sequence[Any] = (),
+        server: str | None = None,
+        route: str | None = None,
+        status: int | None = None,
+        body: str | None = None,
+    ) -> None:
+        super().__init__(message, server=server, route=route, status=status, body=body)
+        self.completions: tuple[Any, ...] = tuple(completions)
+
+    @property
+    def completion(self) -> Any:
+        """The first (for ``n == 1`` the only) partial completion."""
+        return self.completions[0] if self.completions else None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_aborted,
+            (self.message, self.completions, self.server, self.route, self.status, self.body),
+        )
+
+
+def _rebuild_aborted(
+    message: str,
+    completions: tuple[Any, ...],
+    server: str | None,
+    route: str | None,
+    status: int | None,
+    body: str | None,
+) -> GenerationAborted:
+    return GenerationAborted(
+        message, completions=completions, server=server, route=route, status=status, body=body
+    )
 
 
 class PublishError(AsyncSyncError):

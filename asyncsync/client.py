@@ -21,15 +21,25 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 import aiohttp
 
 from asyncsync import _json
-from asyncsync._errors import AsyncSyncError, ProtocolError, ServerUnavailable
-from asyncsync._http import NO_BODY, Call, Malformed, send
+from asyncsync._errors import AsyncSyncError, ProtocolError, ServerTimeout, ServerUnavailable
+from asyncsync._http import NO_BODY, Call, Malformed, _transport_error, send
 from asyncsync._retry import NO_RETRY, RetryPolicy, is_retryable, retry_delay
 from asyncsync._timeouts import Timeouts
+
+if TYPE_CHECKING:
+    from asyncsync.generation import (
+        Completion,
+        CompletionStream,
+        PromptScores,
+        Route,
+        Tokenizer,
+        _GenerationState,
+    )
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -480,6 +490,7 @@ class AsyncVLLMClient:
         self.weight_version: str | None = None
         """The last weight version this client finished or set on the server. On vLLM
         0.23 servers, which do not store versions, this is the only record."""
+        self._generation: _GenerationState | None = None  # see asyncsync.generation
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -557,8 +568,11 @@ class AsyncVLLMClient:
         return self._session
 
     # --------------------------------------------------------------- transport
-    async def _send(self, call: Call[T], body: bytes | None) -> T:
-        """Send a planned call (with ``body`` already encoded), retrying if idempotent."""
+    async def _send(
+        self, call: Call[T], body: bytes | None, *, timeouts: Timeouts | None = None
+    ) -> T:
+        """Send a planned call (with ``body`` already encoded), retrying if idempotent.
+        ``timeouts`` overrides the client's deadlines for this call."""
         session = self._get_session()
         policy = self._retry if call.idempotent else NO_RETRY
         retries = 0
@@ -570,7 +584,7 @@ class AsyncVLLMClient:
                     call,
                     body,
                     headers=self._headers,
-                    timeouts=self._timeouts,
+                    timeouts=timeouts or self._timeouts,
                     after_server_error=self._after_server_error,
                 )
             except AsyncSyncError as err:
@@ -588,6 +602,38 @@ class AsyncVLLMClient:
 
     async def _run(self, call: Call[T]) -> T:
         return await self._send(call, call.encode())
+
+    async def _open_stream(
+        self, call: Call[Any], body: bytes, deadline: float | None
+    ) -> aiohttp.ClientResponse:
+        """Send ``call`` and return the open response (headers read, body not), for
+        streamed routes. ``deadline`` is an absolute loop time (None: no limit). The
+        caller releases the response."""
+        session = self._get_session()
+        headers = dict(self._headers)
+        headers["Content-Type"] = "application/json"
+        headers["Accept"] = "text/event-stream"
+        client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._timeouts.connect)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await session.request(
+                    call.method,
+                    self._url + call.route,
+                    data=body,
+                    headers=headers,
+                    timeout=client_timeout,
+                    allow_redirects=False,
+                )
+        except TimeoutError as exc:
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                raise _transport_error(exc, call, self._url, self._timeouts) from exc
+            raise ServerTimeout(
+                "no response headers before the generate deadline",
+                server=self._url,
+                route=call.route,
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _transport_error(exc, call, self._url, self._timeouts) from exc
 
     async def server_version(self) -> str:
         """The server's vLLM version (``GET /version``, read once and cached)."""
@@ -703,3 +749,223 @@ class AsyncVLLMClient:
     async def shutdown_weight_transfer_engine(self) -> None:
         """``POST /shutdown_weight_transfer_engine`` (vLLM >= 0.32; 500 during an update)."""
         await self._run(plan_shutdown_weight_transfer_engine(await self.protocol(), self._url))
+
+    # -------------------------------------------------------------- generation
+    @overload
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        logprobs: int | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        seed: int | None = ...,
+        n: Literal[1] = ...,
+        cache_salt: str | None = ...,
+        timeout: float | None = ...,  # noqa: ASYNC109
+        route: Route = ...,
+        tokenizer: Tokenizer | None = ...,
+        model: str | None = ...,
+        request_id: str | None = ...,
+        **extra: Any,
+    ) -> Completion: ...
+
+    @overload
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        logprobs: int | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        seed: int | None = ...,
+        n: int,
+        cache_salt: str | None = ...,
+        timeout: float | None = ...,  # noqa: ASYNC109
+        route: Route = ...,
+        tokenizer: Tokenizer | None = ...,
+        model: str | None = ...,
+        request_id: str | None = ...,
+        **extra: Any,
+    ) -> list[Completion]: ...
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float | None = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        n: int = 1,
+        cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        **extra: Any,
+    ) -> Completion | list[Completion]:
+        """Generate from token ids on this server; the exact sampled ids come back.
+
+        Returns one :class:`~asyncsync.Completion` (``n == 1``) or a list of ``n``.
+        ``logprobs=k`` returns the sampled token's logprob (aligned with ``token_ids``)
+        and the top-k candidates by id (``k = 0``: only the sampled one). ``route``:
+        ``"auto"`` uses ``/inference/v1/generate`` where served (with weight-version
+        spans on vLLM >= 0.32), else ``/v1/completions``. ``timeout`` overrides the
+        generate deadline; ``extra`` goes into vLLM's sampling parameters (e.g.
+        ``ignore_eos=True``, ``min_tokens=4``). Weight versions not reported by the
+        server come from :attr:`weight_version` at admission and completion
+        (``source="client"``). Raises :class:`~asyncsync.GenerationAborted` (with the
+        partial tokens) when the server aborted the request.
+        """
+        from asyncsync.generation import check_prompt, generate_on
+
+        req = _generation_request(
+            max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
+            cache_salt, request_id, model, extra,
+        )  # fmt: skip
+        out = await generate_on(
+            self,
+            check_prompt(prompt_token_ids),
+            req,
+            route=route,
+            tokenizer=tokenizer,
+            timeout=timeout,
+        )
+        return out[0] if n == 1 else out
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float | None = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        n: int = 1,
+        cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        model: str | None = None,
+        **extra: Any,
+    ) -> list[list[Completion]]:
+        """Generate for many prompts at once (concurrent requests); one list of ``n``
+        completions per prompt, in prompt order. Any failure cancels the rest and
+        raises (an ``ExceptionGroup`` is unwrapped when only one request failed)."""
+        from asyncsync.generation import check_prompt, generate_on, run_all
+
+        req = _generation_request(
+            max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
+            cache_salt, None, model, extra,
+        )  # fmt: skip
+        checked = [check_prompt(p) for p in _prompt_list(prompts)]
+        return await run_all(
+            [
+                generate_on(self, p, req, route=route, tokenizer=tokenizer, timeout=timeout)
+                for p in checked
+            ]
+        )
+
+    def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float | None = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        n: int = 1,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+        route: Route = "auto",
+        model: str | None = None,
+        request_id: str | None = None,
+        **extra: Any,
+    ) -> CompletionStream:
+        """Stream a generation: ``async with client.stream(ids, ...) as s: async for
+        delta in s: ...``; then ``s.completion``. ``timeout`` bounds the whole stream."""
+        from asyncsync.generation import CompletionStream, check_prompt
+
+        req = _generation_request(
+            max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
+            cache_salt, request_id, model, extra,
+        )  # fmt: skip
+        return CompletionStream(
+            self, check_prompt(prompt_token_ids), req, route=route, timeout=timeout
+        )
+
+    async def score(
+        self,
+        token_ids: Sequence[int],
+        *,
+        top_k: int = 1,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+    ) -> PromptScores:
+        """Per-position logprob of each given token under this server's weights
+        (``prompt_logprobs``): ``scores.logprobs[0]`` is None, ``scores.logprobs[i]`` is
+        log p(token_ids[i] | token_ids[:i]). For distillation and KL terms."""
+        from asyncsync.generation import check_prompt, score_on
+
+        return await score_on(
+            self, check_prompt(token_ids), top_k=top_k, route=route, timeout=timeout
+        )
+
+
+def _prompt_list(prompts: Sequence[Sequence[int]]) -> list[Sequence[int]]:
+    raw: object = prompts
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
+        raise TypeError("prompts must be a sequence of token-id sequences")
+    items = list(prompts)
+    if items and not all(isinstance(p, Sequence) and not isinstance(p, str) for p in items):
+        raise TypeError("prompts must be a sequence of token-id sequences (one per prompt)")
+    return items
+
+
+def _generation_request(
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    logprobs: int | None,
+    stop_token_ids: Sequence[int] | None,
+    seed: int | None,
+    n: int,
+    cache_salt: str | None,
+    request_id: str | None,
+    model: str | None,
+    extra: Mapping[str, Any],
+) -> Any:
+    from asyncsync.generation import GenerationRequest
+
+    return GenerationRequest(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        logprobs=logprobs,
+        stop_token_ids=None if stop_token_ids is None else tuple(int(t) for t in stop_token_ids),
+        seed=seed,
+        n=n,
+        cache_salt=cache_salt,
+        request_id=request_id,
+        model=model,
+        extra=dict(extra),
+    )

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import math
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 import aiohttp
 
 from asyncsync._errors import (
     AsyncSyncError,
     FleetError,
+    GenerationAborted,
+    GenerationError,
     ProtocolError,
     ServerError,
     ServerTimeout,
@@ -20,6 +30,13 @@ from asyncsync._errors import (
 )
 from asyncsync._http import Call
 from asyncsync._retry import RetryPolicy
+from asyncsync._routing import (
+    Reason,
+    SessionTable,
+    StalenessStats,
+    VersionHistory,
+    choose,
+)
 from asyncsync._timeouts import Timeouts
 from asyncsync.client import (
     DEFAULT_RETRY,
@@ -47,6 +64,17 @@ from asyncsync.client import (
     plan_weight_checksums,
     plan_weight_info,
 )
+from asyncsync.generation import never_reached
+
+if TYPE_CHECKING:
+    from asyncsync.generation import (
+        Completion,
+        CompletionStream,
+        GenerationRequest,
+        PromptScores,
+        Route,
+        Tokenizer,
+    )
 
 __all__ = ["Fleet", "FleetResult", "Outcome", "Require", "ServerState"]
 
@@ -77,6 +105,8 @@ class ServerState:
         healthy: False after a connection failure or timeout, True after any success.
         outstanding: requests in flight to this server through the fleet.
         last_error: the most recent failure, None after a success.
+        max_concurrency: the most generations routed here at once (None: no limit).
+        routed: generations routed here so far (load spread).
     """
 
     url: str
@@ -89,6 +119,8 @@ class ServerState:
     healthy: bool = True
     outstanding: int = 0
     last_error: BaseException | None = None
+    max_concurrency: int | None = None
+    routed: int = 0
 
     @property
     def available(self) -> bool:
@@ -227,8 +259,17 @@ class Fleet:
         require: Require = "all",
         vllm_version: str | None = None,
         connection_limit: int | None = None,
+        max_staleness: int | None = 0,
+        max_concurrency_per_server: int | None = None,
+        admission_timeout: float | None = 60.0,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         _check_require(require)
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+        _check_limit(max_concurrency_per_server)
+        if admission_timeout is not None and admission_timeout <= 0:
+            raise ValueError(f"admission_timeout must be > 0 or None, got {admission_timeout!r}")
         if isinstance(servers, str):
             raise TypeError("servers must be an iterable of URLs or clients, not one string")
         self._api_key = api_key
@@ -237,6 +278,21 @@ class Fleet:
         self._vllm_version = vllm_version
         self.require: Require = require
         self._connection_limit = connection_limit
+        self.max_staleness: int | None = max_staleness
+        """Generations go only to servers at most this many published versions behind
+        the newest (0: current only; None: any version)."""
+        self.admission_timeout: float | None = admission_timeout
+        """How long a generation waits for an eligible server before failing."""
+        self.tokenizer: Tokenizer | None = tokenizer
+        """Default tokenizer for the re-tokenize fallback (see :meth:`generate`)."""
+        self._default_limit = max_concurrency_per_server
+        self._history = VersionHistory()
+        self._sessions = SessionTable()
+        self.staleness = StalenessStats()
+        """Fleet-wide staleness of completions (see :class:`StalenessStats`)."""
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._probes: set[asyncio.Task[None]] = set()
+        self._last_probe = -math.inf
         self._clients: dict[str, AsyncVLLMClient] = {}
         self._owned: set[str] = set()
         self._states: dict[str, ServerState] = {}
@@ -265,6 +321,8 @@ class Fleet:
         if self._state == "closed":
             return
         self._state = "closed"
+        for task in list(self._probes):
+            task.cancel()
         for url in list(self._owned):
             await self._clients[url].aclose()
         session, self._session = self._session, None
@@ -313,7 +371,8 @@ class Fleet:
         self._clients[url] = client
         if owned:
             self._owned.add(url)
-        self._states[url] = ServerState(url)
+        self._states[url] = ServerState(url, max_concurrency=self._default_limit)
+        self._notify()
         return self._states[url]
 
     async def add_server(
@@ -343,6 +402,8 @@ class Fleet:
             raise KeyError(f"server {url} is not in the fleet")
         client = self._clients.pop(url)
         state = self._states.pop(url)
+        self._sessions.drop_server(url)
+        self._notify()
         if url in self._owned:
             self._owned.discard(url)
             await client.aclose()
@@ -386,6 +447,7 @@ class Fleet:
             self._states[url].dirty = dirty
             if not dirty:
                 self._states[url].updating = False
+        self._notify()
 
     def mark_clean(self, urls: Iterable[str] | None = None) -> None:
         """Mark servers (all when None) clean: in sync again, not mid-update."""
@@ -399,10 +461,13 @@ class Fleet:
         self.set_weight_version(version, targets)
 
     def set_weight_version(self, version: str | None, urls: Iterable[str] | None = None) -> None:
-        """Record ``version`` as the weight version of servers (all when None)."""
+        """Record ``version`` as the weight version of servers (all when None); a new
+        version becomes the fleet's newest (see :attr:`current_version`)."""
         for url in self._resolve(urls):
             self._states[url].weight_version = version
             self._clients[url].weight_version = version
+        self._history.record(version)
+        self._notify()
 
     def _resolve(self, targets: Iterable[str] | None) -> list[str]:
         if targets is None:
@@ -493,6 +558,7 @@ class Fleet:
             _after_any(state, outcome)
             if after is not None:
                 after(state, outcome)
+            self._notify()
             return outcome
 
         async with asyncio.TaskGroup() as group:
@@ -573,13 +639,17 @@ class Fleet:
         require: Require | None = None,
     ) -> FleetResult[None]:
         """``POST /update_weight_version`` on every target (vLLM >= 0.32)."""
-        return await self._fanout(
+        result: FleetResult[None] = await self._fanout(
             "update_weight_version",
             lambda p, u: plan_update_weight_version(p, new_version, u),
             targets,
             require,
             _after_set_version(new_version),
         )
+        if result.ok:
+            self._history.record(new_version)
+            self._notify()
+        return result
 
     async def weight_checksums(
         self, *, targets: Iterable[str] | None = None, require: Require | None = None
@@ -706,13 +776,17 @@ class Fleet:
     ) -> FleetResult[None]:
         """``POST /finish_weight_update`` on every target. On success the server is clean
         and records ``weight_version``; on failure it is marked ``dirty``."""
-        return await self._fanout(
+        result: FleetResult[None] = await self._fanout(
             "finish_weight_update",
             lambda p, _u: plan_finish_weight_update(p, weight_version),
             targets,
             require,
             _after_finish(weight_version),
         )
+        if result.ok and weight_version is not None:
+            self._history.record(weight_version)  # every target finished it
+            self._notify()
+        return result
 
     async def shutdown_weight_transfer_engine(
         self, *, targets: Iterable[str] | None = None, require: Require | None = None
@@ -724,6 +798,505 @@ class Fleet:
             targets,
             require,
         )
+
+    # ------------------------------------------------------------ versions & routing
+    @property
+    def current_version(self) -> str | None:
+        """The newest weight version published through this fleet (every targeted
+        server finished it), or None before any."""
+        return self._history.current
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        """Weight versions published through this fleet, oldest first."""
+        return self._history.versions
+
+    def versions_behind(self, version: str | None) -> int | None:
+        """How many published versions ``version`` is behind :attr:`current_version`
+        (None when unknown)."""
+        return self._history.behind(version)
+
+    def set_concurrency_limit(self, limit: int | None, urls: Iterable[str] | None = None) -> None:
+        """At most ``limit`` generations in flight at once on each of ``urls`` (all
+        when None; ``limit=None`` removes the limit). Requests beyond it wait."""
+        _check_limit(limit)
+        for url in self._resolve(urls):
+            self._states[url].max_concurrency = limit
+        self._notify()
+
+    def session_server(self, session_id: str) -> str | None:
+        """The server a session is pinned to, if any."""
+        return self._sessions.get(session_id)
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session's server (a new turn may then go anywhere)."""
+        self._sessions.drop(session_id)
+
+    def routing_reasons(self, *, min_version: str | None = None) -> dict[str, Reason | None]:
+        """Why each server would be skipped by a generation now (None: eligible)."""
+        _, skipped = choose(
+            self.servers, self._history, max_staleness=self.max_staleness, min_version=min_version
+        )
+        return {url: skipped.get(url) for url in self._clients}
+
+    def _notify(self) -> None:
+        """Wake generations waiting for an eligible server (state changed)."""
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _changed(self, within: float) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(fut)
+        try:
+            async with asyncio.timeout(within):
+                await fut
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(fut)
+
+    def _probe_unhealthy(self) -> None:
+        """While waiting, re-check unhealthy servers (at most once a second)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        unhealthy = [s.url for s in self._states.values() if not s.healthy]
+        if not unhealthy or now - self._last_probe < 1.0:
+            return
+        self._last_probe = now
+
+        async def probe() -> None:
+            await self.health(targets=unhealthy, require="none")
+
+        task = loop.create_task(probe(), name="asyncsync:probe-unhealthy")
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _admit(
+        self,
+        session_id: str | None,
+        min_version: str | None,
+        exclude: set[str],
+        admission_timeout: float | None,
+    ) -> ServerState:
+        """Wait for an eligible server and count a request on it."""
+        self._open()
+        loop = asyncio.get_running_loop()
+        limit = self.admission_timeout if admission_timeout is None else admission_timeout
+        deadline = None if limit is None else loop.time() + limit
+        while True:
+            pinned = self._sessions.get(session_id) if session_id is not None else None
+            state, skipped = choose(
+                self.servers,
+                self._history,
+                max_staleness=self.max_staleness,
+                min_version=min_version,
+                pinned=pinned,
+                exclude=exclude,
+            )
+            if state is not None:
+                state.outstanding += 1
+                state.routed += 1
+                if session_id is not None:
+                    self._sessions.pin(session_id, state.url)
+                return state
+            if not self._states or all(url in exclude for url in self._states):
+                raise GenerationError(
+                    "no server to generate on: "
+                    + ("the fleet is empty" if not self._states else "every server failed")
+                )
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                detail = ", ".join(f"{u} ({r})" for u, r in skipped.items())
+                pin = f"; session {session_id!r} is pinned to {pinned}" if pinned else ""
+                raise GenerationError(
+                    f"no eligible server within {limit:g} s: {detail}{pin}",
+                )
+            self._probe_unhealthy()
+            await self._changed(min(0.5, remaining) if remaining is not None else 0.5)
+
+    def _release(self, state: ServerState) -> None:
+        state.outstanding -= 1
+        self._notify()
+
+    def _tag(self, completions: Sequence[Completion]) -> None:
+        """Set each completion's staleness and record it in :attr:`staleness`."""
+        for c in completions:
+            versions = [s.version for s in c.weight_versions if s.end > s.start]
+            if any(v is None for v in versions):
+                versions = [c.admitted_version]
+            if not versions:
+                versions = [c.completed_version]
+            lags = [self._history.behind(v) for v in versions]
+            known = [x for x in lags if x is not None]
+            c.staleness = max(known) if known and len(known) == len(lags) else None
+            self.staleness.record(c.server, c.staleness)
+
+    def _on_failure(self, state: ServerState, err: AsyncSyncError) -> None:
+        state.last_error = err
+        if isinstance(err, ServerUnavailable) or (
+            isinstance(err, ServerTimeout) and never_reached(err)
+        ):
+            state.healthy = False
+
+    async def _routed(
+        self,
+        session_id: str | None,
+        min_version: str | None,
+        admission_timeout: float | None,
+        run: Callable[[AsyncVLLMClient, ServerState], Awaitable[T]],
+    ) -> T:
+        """Run ``run`` on an admitted server; a request that never reached its server
+        (connection refused / not established) is sent to another one."""
+        tried: set[str] = set()
+        while True:
+            state = await self._admit(session_id, min_version, tried, admission_timeout)
+            client = self._clients[state.url]
+            try:
+                result = await run(client, state)
+            except AsyncSyncError as err:
+                self._on_failure(state, err)
+                if never_reached(err):
+                    tried.add(state.url)
+                    if session_id is not None:
+                        self._sessions.drop(session_id)
+                    if len(tried) < len(self._states):
+                        continue
+                raise
+            else:
+                state.healthy = True
+                state.last_error = None
+                return result
+            finally:
+                self._release(state)
+
+    def _request(self, **kwargs: Any) -> GenerationRequest:
+        from asyncsync.client import _generation_request
+
+        req: GenerationRequest = _generation_request(**kwargs)
+        return req
+
+    # ------------------------------------------------------------------ generation
+    @overload
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        logprobs: int | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        seed: int | None = ...,
+        n: Literal[1] = ...,
+        session_id: str | None = ...,
+        cache_salt: str | None = ...,
+        timeout: float | None = ...,  # noqa: ASYNC109
+        route: Route = ...,
+        tokenizer: Tokenizer | None = ...,
+        min_version: str | None = ...,
+        admission_timeout: float | None = ...,
+        model: str | None = ...,
+        request_id: str | None = ...,
+        **extra: Any,
+    ) -> Completion: ...
+
+    @overload
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        logprobs: int | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        seed: int | None = ...,
+        n: int,
+        session_id: str | None = ...,
+        cache_salt: str | None = ...,
+        timeout: float | None = ...,  # noqa: ASYNC109
+        route: Route = ...,
+        tokenizer: Tokenizer | None = ...,
+        min_version: str | None = ...,
+        admission_timeout: float | None = ...,
+        model: str | None = ...,
+        request_id: str | None = ...,
+        **extra: Any,
+    ) -> list[Completion]: ...
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float | None = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        n: int = 1,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        **extra: Any,
+    ) -> Completion | list[Completion]:
+        """Generate from token ids on one server of the fleet, chosen by routing.
+
+        Routing: among servers that are healthy, not paused, not updating, not dirty,
+        at most :attr:`max_staleness` published versions behind, at least
+        ``min_version`` (when given) and below their concurrency limit, the one with
+        the fewest outstanding requests. ``session_id`` pins a session to one server
+        (prefix-cache reuse across turns) for as long as that server stays healthy,
+        clean and current; while it is only paused, updating or busy, the request
+        waits for it. With no eligible server the request waits up to
+        ``admission_timeout`` (default :attr:`admission_timeout`), then raises
+        :class:`~asyncsync.GenerationError` naming each server's reason. A request that
+        never reached its server (connection refused) is sent to another one; nothing
+        else is resent.
+
+        Returns one :class:`~asyncsync.Completion` (``n == 1``) or a list of ``n``. The
+        other arguments are those of :meth:`AsyncVLLMClient.generate`; ``tokenizer``
+        defaults to the fleet's. Each completion's :attr:`~Completion.staleness` is set
+        and recorded in :attr:`staleness`. Aborted requests raise
+        :class:`~asyncsync.GenerationAborted` with the partial tokens (retryable).
+        """
+        from asyncsync.generation import check_prompt
+
+        req = self._request(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
+            cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
+        )  # fmt: skip
+        out = await self._generate_one(
+            check_prompt(prompt_token_ids), req, session_id, route, tokenizer, timeout,
+            min_version, admission_timeout,
+        )  # fmt: skip
+        return out[0] if n == 1 else out
+
+    async def _generate_one(
+        self,
+        prompt: list[int],
+        req: GenerationRequest,
+        session_id: str | None,
+        route: Route,
+        tokenizer: Tokenizer | None,
+        timeout: float | None,  # noqa: ASYNC109
+        min_version: str | None,
+        admission_timeout: float | None,
+    ) -> list[Completion]:
+        from asyncsync.generation import generate_on
+
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+
+        async def run(client: AsyncVLLMClient, state: ServerState) -> list[Completion]:
+            try:
+                out = await generate_on(
+                    client, prompt, req, route=route, tokenizer=tok, timeout=timeout,
+                    version_at=lambda: state.weight_version,
+                )  # fmt: skip
+            except GenerationAborted as err:
+                self._tag(err.completions)
+                raise
+            self._tag(out)
+            return out
+
+        return await self._routed(session_id, min_version, admission_timeout, run)
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float | None = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        n: int = 1,
+        session_ids: Sequence[str | None] | None = None,
+        cache_salt: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        model: str | None = None,
+        **extra: Any,
+    ) -> list[list[Completion]]:
+        """Generate for many prompts at once: each prompt is routed on its own (load
+        spreads over the fleet), all concurrently. Returns one list of ``n``
+        completions per prompt, in order. The first failure cancels the rest and is
+        raised. ``session_ids``: one per prompt (or None)."""
+        from asyncsync.client import _prompt_list
+        from asyncsync.generation import check_prompt, run_all
+
+        req = self._request(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
+            cache_salt=cache_salt, request_id=None, model=model, extra=extra,
+        )  # fmt: skip
+        checked = [check_prompt(p) for p in _prompt_list(prompts)]
+        sessions = list(session_ids) if session_ids is not None else [None] * len(checked)
+        if len(sessions) != len(checked):
+            raise ValueError("session_ids must have one entry per prompt")
+        return await run_all(
+            [
+                self._generate_one(
+                    p, req, sid, route, tokenizer, timeout, min_version, admission_timeout
+                )
+                for p, sid in zip(checked, sessions, strict=True)
+            ]
+        )
+
+    def stream(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = 16,
+        temperature: float | None = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        logprobs: int | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        n: int = 1,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+        route: Route = "auto",
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        model: str | None = None,
+        request_id: str | None = None,
+        **extra: Any,
+    ) -> CompletionStream:
+        """Stream a generation routed like :meth:`generate`: ``async with
+        fleet.stream(ids, ...) as s: async for delta in s: ...``; then
+        ``s.completion``. The server is chosen when the stream opens and holds the
+        request until the stream is closed."""
+        from asyncsync.generation import CompletionStream, check_prompt
+
+        req = self._request(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
+            cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
+        )  # fmt: skip
+        prompt = check_prompt(prompt_token_ids)
+        lease: list[ServerState] = []
+        tried: set[str] = set()
+
+        def release() -> None:
+            while lease:
+                self._release(lease.pop())
+
+        async def acquire() -> AsyncVLLMClient:
+            release()
+            state = await self._admit(session_id, min_version, tried, admission_timeout)
+            lease.append(state)
+            return self._clients[state.url]
+
+        def unreached(err: AsyncSyncError) -> bool:
+            state = lease[-1]
+            self._on_failure(state, err)
+            tried.add(state.url)
+            if session_id is not None:
+                self._sessions.drop(session_id)
+            return len(tried) < len(self._states)
+
+        def version_at() -> str | None:
+            return lease[-1].weight_version if lease else None
+
+        def on_close(completions: list[Completion] | None) -> None:
+            if completions:
+                self._tag(completions)
+            release()
+
+        return CompletionStream(
+            None, prompt, req, route=route, timeout=timeout, version_at=version_at,
+            acquire=acquire, unreached=unreached, on_close=on_close,
+        )  # fmt: skip
+
+    async def score(
+        self,
+        token_ids: Sequence[int],
+        *,
+        top_k: int = 1,
+        session_id: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+    ) -> PromptScores:
+        """Per-position logprob of each given token (``prompt_logprobs``) on a server
+        chosen like :meth:`generate`: position 0 is None; a position whose answer
+        lacks the given token raises :class:`~asyncsync.GenerationError`."""
+        from asyncsync.generation import check_prompt, score_on
+
+        ids = check_prompt(token_ids)
+
+        async def run(client: AsyncVLLMClient, state: ServerState) -> PromptScores:
+            return await score_on(
+                client, ids, top_k=top_k, route=route, timeout=timeout,
+                version_at=lambda: state.weight_version,
+            )  # fmt: skip
+
+        return await self._routed(session_id, min_version, admission_timeout, run)
+
+    async def wait_for_version(
+        self,
+        version: str,
+        *,
+        targets: Iterable[str] | None = None,
+        count: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a gate with a deadline
+    ) -> list[str]:
+        """Wait until ``count`` of ``targets`` (default: all of them) hold ``version``
+        or a newer published one, and are fit to serve (healthy, clean, not mid-update).
+        Returns those servers' URLs. Raises :class:`~asyncsync.GenerationError` after
+        ``timeout`` seconds. A version gate for async RL: e.g. generate the next batch
+        only once the servers run weights at most k steps old."""
+        urls = self._resolve(targets)
+        need = len(urls) if count is None else count
+        if not 1 <= need <= max(len(urls), 1):
+            raise ValueError(f"count must be between 1 and {len(urls)}, got {count!r}")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            ready = [
+                u
+                for u in urls
+                if u in self._states
+                and self._history.at_least(self._states[u].weight_version, version)
+                and self._states[u].healthy
+                and not (self._states[u].dirty or self._states[u].updating)
+            ]
+            if len(ready) >= need:
+                return ready
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                raise GenerationError(
+                    f"only {len(ready)} of {need} server(s) reached version {version!r} "
+                    f"within {timeout:g} s"
+                )
+            await self._changed(min(0.5, remaining) if remaining is not None else 0.5)
+
+
+def _check_limit(limit: int | None) -> None:
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise ValueError(f"a concurrency limit must be an int >= 1 or None, got {limit!r}")
 
 
 def _check_require(require: str) -> None:

@@ -23,11 +23,14 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import math
+import random
+import secrets
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -36,7 +39,7 @@ from aiohttp import web
 
 from asyncsync import _json
 
-__all__ = ["FakeVLLMServer", "Fault", "RecordedRequest"]
+__all__ = ["FakeLM", "FakeVLLMServer", "Fault", "RecordedRequest"]
 
 ErrorShape = Literal["collective", "openai", "string", "detail", "text"]
 _PAUSE_MODES = ("abort", "wait", "keep")
@@ -183,6 +186,72 @@ def _checksum(seed: str) -> str:
     return hashlib.sha256(seed.encode()).hexdigest()
 
 
+# ------------------------------------------------------------ generation model
+_LOG_HALF = math.log(0.5)
+
+
+class FakeLM:
+    """A deterministic stand-in for a language model over ``vocab_size`` tokens.
+
+    Given a context, the most likely next token ``g`` has probability 1/2 and every
+    other token shares the other half equally, so every logprob is known in closed form
+    (tests can check what the fake returns). ``g`` depends on the last token, the
+    context length and the weights' generation (the number of finished weight updates),
+    so publishing new weights changes the output, as it would on a real server.
+    """
+
+    def __init__(self, vocab_size: int = 512) -> None:
+        if vocab_size < 2:
+            raise ValueError("vocab_size must be >= 2")
+        self.vocab_size = vocab_size
+        self.rest_logprob = math.log(0.5 / (vocab_size - 1))
+
+    def greedy(self, context: Sequence[int], generation: int = 0) -> int:
+        return (context[-1] * 131 + len(context) * 17 + 5 + 97 * generation) % self.vocab_size
+
+    def logprob(self, context: Sequence[int], token: int, generation: int = 0) -> float:
+        return _LOG_HALF if token == self.greedy(context, generation) else self.rest_logprob
+
+    def rank(self, context: Sequence[int], token: int, generation: int = 0) -> int:
+        g = self.greedy(context, generation)
+        return 1 if token == g else 2 + (token - g - 1) % self.vocab_size
+
+    def top(self, context: Sequence[int], k: int, generation: int = 0) -> list[int]:
+        """The ``k`` most likely next tokens, in rank order."""
+        g = self.greedy(context, generation)
+        return [(g + i) % self.vocab_size for i in range(min(k, self.vocab_size))]
+
+    def sample(self, context: Sequence[int], rng: random.Random, generation: int = 0) -> int:
+        g = self.greedy(context, generation)
+        if rng.random() < 0.5:
+            return g
+        return (g + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
+
+
+@dataclass(slots=True)
+class _Sample:
+    token_ids: list[int]
+    contexts: list[list[int]]
+    generations: list[int]
+    versions: list[str]
+    finish_reason: str = "length"
+    stop_reason: int | None = None
+
+
+def _spans(versions: Sequence[str]) -> list[dict[str, Any]]:
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
+
+
+def _token_text(token: int) -> str:
+    return f"t{token} "
+
+
 class FakeVLLMServer:
     """An aiohttp server speaking vLLM's RL protocol (0.23 or 0.32), with fault injection.
 
@@ -200,6 +269,20 @@ class FakeVLLMServer:
             failure (default: ``packed`` on 0.32, like the IPC engine).
         update_hook: called with each accepted ``update_info``; raising fails the update
             like a worker error (and vLLM then drops its active update).
+        scale_out: like ``--enable-scale-out``: vLLM 0.32 serves ``/inference/v1/generate``
+            only then (or with ``tokens_only``), else 403.
+        tokenizer: False behaves like ``--skip-tokenizer-init`` (empty text; legacy
+            logprobs only with ``return_tokens_as_token_ids``).
+        return_token_ids: False emulates a server that ignores ``return_token_ids`` on
+            ``/v1/completions`` (no token ids: the re-tokenize fallback case).
+        token_delay: seconds per generated token (to pause or abort mid-generation).
+        vocab_size, max_model_len, model: of the fake model (:class:`FakeLM`).
+
+    Generation follows :class:`FakeLM` (deterministic, closed-form logprobs). Pausing
+    behaves like vLLM: new requests wait until resume; ``mode="abort"`` ends in-flight
+    ones with ``finish_reason="abort"`` and the tokens so far; ``"keep"`` freezes them
+    (tokens after a weight update carry the new version: two spans); ``"wait"`` lets
+    them run on.
     """
 
     def __init__(
@@ -215,6 +298,13 @@ class FakeVLLMServer:
         port: int = 0,
         reject_update_keys: Sequence[str] | None = None,
         update_hook: Callable[[Any], None] | None = None,
+        scale_out: bool = True,
+        tokenizer: bool = True,
+        return_token_ids: bool = True,
+        token_delay: float = 0.0,
+        vocab_size: int = 512,
+        max_model_len: int = 256,
+        model: str = "fake-model",
     ) -> None:
         self.version = version
         major, minor = (int(x) for x in version.split(".")[:2])
@@ -248,6 +338,18 @@ class FakeVLLMServer:
         self._site: web.SockSite | None = None
         self._alive = False
         self._hang_forever = asyncio.Event()  # never set: hung handlers wait on it
+        self.scale_out = scale_out
+        self.tokenizer = tokenizer
+        self.return_token_ids = return_token_ids
+        self.token_delay = token_delay
+        self.max_model_len = max_model_len
+        self.model = model
+        self.lm = FakeLM(vocab_size)
+        self.generation_requests = 0
+        self._pause_mode = "abort"
+        self._abort_epoch = 0
+        self._resumed = asyncio.Event()
+        self._resumed.set()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -445,6 +547,8 @@ class FakeVLLMServer:
             "/start_weight_update": ("POST", self._start),
             "/update_weights": ("POST", self._update),
             "/finish_weight_update": ("POST", self._finish),
+            "/inference/v1/generate": ("POST", self._inference_generate),
+            "/v1/completions": ("POST", self._completions),
         }
         if self.protocol == "0.32" or self.tokens_only:
             routes["/abort_requests"] = ("POST", self._abort_requests)
@@ -493,10 +597,15 @@ class FakeVLLMServer:
             )
         self.paused = True
         self.pause_modes.append(mode)
+        self._pause_mode = mode
+        self._resumed.clear()
+        if mode == "abort":
+            self._abort_epoch += 1  # in-flight generations end with "abort"
         return web.json_response({"status": "paused"})
 
     async def _resume(self, request: web.Request) -> web.Response:
         self.paused = False
+        self._resumed.set()
         return web.json_response({"status": "resumed"})
 
     async def _is_paused(self, request: web.Request) -> web.Response:
@@ -662,6 +771,494 @@ class FakeVLLMServer:
         if self.update_active:
             return _worker_failure("Cannot release a trainer connection during a weight update")
         return web.json_response({"message": "Weight transfer shut down"})
+
+    # ------------------------------------------------------------ generation
+    def _sampling(self, raw: Any, prompt: list[int]) -> tuple[dict[str, Any] | None, str | None]:
+        """Checked sampling parameters, or an error message (400)."""
+        if not isinstance(raw, dict):
+            return None, "sampling parameters must be an object"
+        n = raw.get("n", 1)
+        max_tokens = raw.get("max_tokens")
+        logprobs = raw.get("logprobs")
+        prompt_logprobs = raw.get("prompt_logprobs")
+        for name, value in (("n", n), ("max_tokens", max_tokens), ("logprobs", logprobs)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                return None, f"{name} must be an integer"
+        if n < 1:
+            return None, "n must be at least 1, got 0."
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - len(prompt))
+        if max_tokens < 1:
+            return None, f"max_tokens must be at least 1, got {max_tokens}."
+        if len(prompt) + max_tokens > self.max_model_len:
+            return None, (
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {len(prompt)} input tokens and requested {max_tokens} "
+                "output tokens."
+            )
+        stop = raw.get("stop_token_ids") or []
+        if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+            return None, "stop_token_ids must be a list of integers"
+        return {
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": raw.get("temperature", 1.0),
+            "seed": raw.get("seed"),
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+            "stop_token_ids": set(stop),
+        }, None
+
+    def _check_tokens(self, ids: Any, where: str) -> str | None:
+        if not isinstance(ids, list) or not ids:
+            return f"{where} must be a non-empty list of token ids"
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                return f"{where} must contain non-negative integers"
+            if t >= self.lm.vocab_size:
+                return f"Token id {t} is out of vocabulary"
+        return None
+
+    async def _admit_generation(self) -> int:
+        """New requests wait while paused (as vLLM holds them); returns the abort epoch."""
+        while self.paused:
+            await self._resumed.wait()
+        self.generation_requests += 1
+        return self._abort_epoch
+
+    async def _gate(self, epoch: int) -> bool:
+        """Before each token: False when a pause(mode="abort") ended the request; waits
+        while paused with "keep" (frozen) and runs on with "wait" (draining)."""
+        while True:
+            if self._abort_epoch != epoch:
+                return False
+            if not self.paused or self._pause_mode == "wait":
+                return True
+            await self._resumed.wait()
+
+    async def _sample(
+        self,
+        prompt: list[int],
+        sp: dict[str, Any],
+        index: int,
+        request_id: str,
+        epoch: int,
+        on_token: Callable[[_Sample, int], Awaitable[None]] | None = None,
+    ) -> _Sample:
+        seed = sp["seed"]
+        rng = random.Random(f"{seed}:{index}" if seed is not None else f"{request_id}:{index}")
+        greedy = not sp["temperature"]
+        context = list(prompt)
+        sample = _Sample([], [], [], [])
+        for _ in range(sp["max_tokens"]):
+            if not await self._gate(epoch):
+                sample.finish_reason = "abort"
+                break
+            gen = self._generation
+            token = self.lm.greedy(context, gen) if greedy else self.lm.sample(context, rng, gen)
+            sample.contexts.append(context)  # never mutated: each step builds a new list
+            sample.token_ids.append(token)
+            sample.generations.append(gen)
+            sample.versions.append(self.weight_version)
+            context = [*context, token]
+            if on_token is not None:
+                await on_token(sample, len(sample.token_ids) - 1)
+            if self.token_delay:
+                await asyncio.sleep(self.token_delay)
+            if token in sp["stop_token_ids"]:
+                sample.finish_reason, sample.stop_reason = "stop", token
+                break
+        return sample
+
+    def _top_ids(self, context: list[int], token: int, k: int, gen: int) -> list[int]:
+        """vLLM's order: the sampled token first, then the top-k others, cut to max(k, 1)."""
+        ids = [token] + [t for t in self.lm.top(context, k, gen) if t != token]
+        return ids[: max(k, 1)]
+
+    def _content_logprobs(self, sample: _Sample, k: int, start: int = 0) -> dict[str, Any]:
+        content = []
+        for i in range(start, len(sample.token_ids)):
+            ctx, tok, gen = sample.contexts[i], sample.token_ids[i], sample.generations[i]
+            if self.protocol == "0.23":
+                content.append(
+                    {
+                        "token": f"token_id:{tok}",
+                        "logprob": self.lm.logprob(ctx, tok, gen),
+                        "bytes": None,
+                        "top_logprobs": [
+                            {
+                                "token": f"token_id:{t}",
+                                "logprob": self.lm.logprob(ctx, t, gen),
+                                "bytes": None,
+                            }
+                            for t in self._top_ids(ctx, tok, k, gen)
+                        ],
+                    }
+                )
+                continue
+            content.append(
+                {
+                    "token_id": tok,
+                    "logprob": self.lm.logprob(ctx, tok, gen),
+                    "rank": self.lm.rank(ctx, tok, gen),
+                    "top_logprobs": [
+                        {
+                            "token_id": t,
+                            "logprob": self.lm.logprob(ctx, t, gen),
+                            "rank": self.lm.rank(ctx, t, gen),
+                        }
+                        for t in self._top_ids(ctx, tok, k, gen)
+                    ],
+                }
+            )
+        return {"content": content}
+
+    def _legacy_logprobs(self, sample: _Sample, k: int, as_ids: bool, start: int = 0) -> Any:
+        def key(t: int) -> str:
+            return f"token_id:{t}" if as_ids else _token_text(t).strip()
+
+        tokens, lps, tops, offsets = [], [], [], []
+        for i in range(start, len(sample.token_ids)):
+            ctx, tok, gen = sample.contexts[i], sample.token_ids[i], sample.generations[i]
+            tokens.append(key(tok))
+            lps.append(self.lm.logprob(ctx, tok, gen))
+            tops.append(
+                {key(t): self.lm.logprob(ctx, t, gen) for t in self._top_ids(ctx, tok, k, gen)}
+            )
+            offsets.append(sum(len(_token_text(t)) for t in sample.token_ids[:i]))
+        return {
+            "text_offset": offsets,
+            "token_logprobs": lps,
+            "tokens": tokens,
+            "top_logprobs": tops,
+        }
+
+    def _prompt_logprobs(self, prompt: list[int], k: int) -> list[Any]:
+        gen = self._generation
+        out: list[Any] = [None]
+        for pos in range(1, len(prompt)):
+            ctx, tok = prompt[:pos], prompt[pos]
+            entry: dict[str, Any] = {}
+            for t in [tok, *[t for t in self.lm.top(ctx, k, gen) if t != tok][:k]]:
+                entry[str(t)] = {
+                    "logprob": self.lm.logprob(ctx, t, gen),
+                    "rank": self.lm.rank(ctx, t, gen),
+                    "decoded_token": _token_text(t).strip() if self.tokenizer else None,
+                }
+            out.append(entry)
+        return out
+
+    def _gen_error(self, message: str, status: int = 400) -> web.Response:
+        kind = "BadRequestError" if status == 400 else "InternalServerError"
+        return _openai(status, message, kind)
+
+    async def _inference_generate(self, request: web.Request) -> web.StreamResponse:
+        if self.protocol == "0.32" and not (self.scale_out or self.tokens_only):
+            return _openai(
+                403,
+                "Scale-out endpoints are disabled. Restart vllm serve with "
+                "--enable-scale-out to enable them.",
+                "PermissionDeniedError",
+            )
+        ok, body = await self._json_body(request)
+        if not ok or not isinstance(body, dict):
+            return _validation("body", "missing", "Field required", "None")
+        prompt = body.get("token_ids")
+        if not isinstance(prompt, list) or not prompt:
+            return _openai(
+                400,
+                "1 validation error:\n  {'type': 'too_short', 'loc': 'body.token_ids', 'msg': "
+                "'List should have at least 1 item after validation, not 0', 'input': "
+                "'<list of 0 items>', 'ctx': {'field_type': 'List', 'min_length': 1, "
+                "'actual_length': 0}}",
+                "Bad Request",
+                "body.token_ids",
+            )
+        if (error := self._check_tokens(prompt, "token_ids")) is not None:
+            return self._gen_error(error)
+        if "sampling_params" not in body:
+            return _validation("body.sampling_params", "missing", "Field required", "None")
+        sp, error = self._sampling(body["sampling_params"], prompt)
+        if error is not None or sp is None:
+            return self._gen_error(error or "bad sampling parameters")
+        rid = f"generate-tokens-{body.get('request_id') or secrets.token_hex(8)}"
+        epoch = await self._admit_generation()
+        if body.get("stream"):
+            return await self._stream_generate(request, prompt, sp, rid, epoch)
+        samples = [await self._sample(prompt, sp, i, rid, epoch) for i in range(sp["n"])]
+        k = sp["logprobs"]
+        choices: list[dict[str, Any]] = []
+        for i, s in enumerate(samples):
+            if self.protocol == "0.23":
+                choices.append(
+                    {
+                        "index": i,
+                        "logprobs": None if k is None else self._content_logprobs(s, k),
+                        "finish_reason": s.finish_reason,
+                        "token_ids": s.token_ids,
+                    }
+                )
+                continue
+            choices.append(
+                {
+                    "index": i,
+                    "finish_reason": s.finish_reason,
+                    "stop_reason": s.stop_reason,
+                    "token_ids": s.token_ids,
+                    "routed_experts": None,
+                    "sampling_mask": None,
+                    "weight_versions": _spans(s.versions),
+                    "logprobs": None if k is None else self._content_logprobs(s, k),
+                }
+            )
+        prompt_lps = (
+            None
+            if sp["prompt_logprobs"] is None
+            else self._prompt_logprobs(prompt, sp["prompt_logprobs"])
+        )
+        if self.protocol == "0.23":
+            return web.json_response(
+                {
+                    "request_id": rid,
+                    "choices": choices,
+                    "prompt_logprobs": prompt_lps,
+                    "kv_transfer_params": None,
+                }
+            )
+        completion_tokens = sum(len(s.token_ids) for s in samples)
+        return web.json_response(
+            {
+                "request_id": rid,
+                "model": self.model,
+                "created": int(time.time()),
+                "usage": self._usage(len(prompt), completion_tokens),
+                "prompt_logprobs": prompt_lps,
+                "prompt_token_id_logprobs": None,
+                "prompt_token_ids": prompt if body.get("return_token_ids") else None,
+                "mm_placeholders": None,
+                "metrics": None,
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "output_mode": "tokens",
+                "choices": choices,
+            }
+        )
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
+
+    async def _sse(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        return resp
+
+    async def _stream_generate(
+        self, request: web.Request, prompt: list[int], sp: dict[str, Any], rid: str, epoch: int
+    ) -> web.StreamResponse:
+        """SSE like vLLM: one event per token, the last token's event carries the finish
+        reason (and, on 0.32, the weight-version spans); an abort with no new token gets
+        an event of its own; then ``data: [DONE]``."""
+        resp = await self._sse(request)
+        k = sp["logprobs"]
+        for index in range(sp["n"]):
+            pending: list[int] = []
+
+            async def on_token(
+                sample: _Sample, pos: int, index: int = index, pending: list[int] = pending
+            ) -> None:
+                if pending:
+                    chunk = self._gen_chunk(rid, index, sample, pending.pop(), k, final=False)
+                    await resp.write(b"data: " + _json.dumps(chunk) + b"\n\n")
+                pending.append(pos)
+
+            done = await self._sample(prompt, sp, index, rid, epoch, on_token=on_token)
+            last = self._gen_chunk(
+                rid, index, done, pending.pop() if pending else None, k, final=True
+            )
+            await resp.write(b"data: " + _json.dumps(last) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def _gen_chunk(
+        self,
+        rid: str,
+        index: int,
+        sample: _Sample,
+        pos: int | None,
+        k: int | None,
+        *,
+        final: bool,
+    ) -> dict[str, Any]:
+        """One SSE event of ``/inference/v1/generate``: token ``pos`` (None: no token)."""
+        tokens = [] if pos is None else [sample.token_ids[pos]]
+        logprobs = None
+        if k is not None:
+            one = _Sample([], [], [], [])
+            if pos is not None:
+                one = _Sample(
+                    sample.token_ids[pos : pos + 1],
+                    sample.contexts[pos : pos + 1],
+                    sample.generations[pos : pos + 1],
+                    sample.versions[pos : pos + 1],
+                )
+            logprobs = self._content_logprobs(one, k)
+        spans = _spans(sample.versions) if final and self.protocol == "0.32" else None
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": sample.finish_reason if final else None,
+            "stop_reason": sample.stop_reason if final else None,
+            "token_ids": tokens,
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": spans,
+            "logprobs": logprobs,
+        }
+        return {"request_id": rid, "usage": None, "output_mode": "tokens", "choices": [choice]}
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        ok, body = await self._json_body(request)
+        if not ok or not isinstance(body, dict):
+            return _openai(400, "Invalid JSON body", "Bad Request")
+        prompt = body.get("prompt")
+        prompts: list[Any] = (
+            prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list)
+            else [prompt]
+        )
+        for p in prompts:
+            if isinstance(p, str):
+                return self._gen_error("this fake serves token-id prompts only")
+            if (error := self._check_tokens(p, "prompt")) is not None:
+                return self._gen_error(error)
+        k = body.get("logprobs")
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        return_ids = bool(body.get("return_token_ids")) and self.return_token_ids
+        if (k is not None or body.get("echo")) and not as_ids and not self.tokenizer:
+            return self._gen_error("Unable to get tokenizer because `skip_tokenizer_init=True`")
+        sp_raw = {key: body[key] for key in body if key not in ("prompt", "model", "stream")}
+        sp_raw.setdefault("max_tokens", 16)
+        checked = []
+        for p in prompts:
+            sp, error = self._sampling(sp_raw, p)
+            if error is not None or sp is None:
+                return self._gen_error(error or "bad sampling parameters")
+            checked.append(sp)
+        if body.get("stream") and checked[0]["prompt_logprobs"]:
+            return self._gen_error("`prompt_logprobs` are not available when `stream=True`.")
+        rid = f"cmpl-{secrets.token_hex(8)}"
+        epoch = await self._admit_generation()
+        if body.get("stream"):
+            return await self._stream_completions(
+                request, prompts[0], checked[0], rid, epoch, k, as_ids, return_ids
+            )
+        choices = []
+        completion_tokens = 0
+        for p_index, (p, sp) in enumerate(zip(prompts, checked, strict=True)):
+            for i in range(sp["n"]):
+                s = await self._sample(p, sp, i, rid, epoch)
+                completion_tokens += len(s.token_ids)
+                choices.append(
+                    {
+                        "index": p_index * sp["n"] + i,
+                        "text": self._text(s.token_ids),
+                        "logprobs": None if k is None else self._legacy_logprobs(s, k, as_ids),
+                        "finish_reason": s.finish_reason,
+                        "stop_reason": s.stop_reason,
+                        "token_ids": s.token_ids if return_ids else None,
+                        "prompt_logprobs": None
+                        if sp["prompt_logprobs"] is None
+                        else self._prompt_logprobs(p, sp["prompt_logprobs"]),
+                        "prompt_token_ids": p if return_ids else None,
+                        "routed_experts": None,
+                    }
+                )
+        response: dict[str, Any] = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": f"vllm-{self.version}-fake",
+            "usage": self._usage(sum(len(p) for p in prompts), completion_tokens),
+        }
+        if self.protocol == "0.32":
+            response.update(
+                {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+            )
+        return web.json_response(response)
+
+    def _text(self, token_ids: Sequence[int]) -> str:
+        return "".join(_token_text(t) for t in token_ids) if self.tokenizer else ""
+
+    async def _stream_completions(
+        self,
+        request: web.Request,
+        prompt: list[int],
+        sp: dict[str, Any],
+        rid: str,
+        epoch: int,
+        k: int | None,
+        as_ids: bool,
+        return_ids: bool,
+    ) -> web.StreamResponse:
+        resp = await self._sse(request)
+        created = int(time.time())
+        first = [True]
+
+        def chunk(index: int, sample: _Sample, pos: int | None, final: bool) -> bytes:
+            one = _Sample([], [], [], [])
+            if pos is not None:
+                one = _Sample(
+                    sample.token_ids[pos : pos + 1],
+                    sample.contexts[pos : pos + 1],
+                    sample.generations[pos : pos + 1],
+                    sample.versions[pos : pos + 1],
+                )
+            event: dict[str, Any] = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model,
+                "choices": [
+                    {
+                        "index": index,
+                        "text": self._text(one.token_ids),
+                        "logprobs": None if k is None else self._legacy_logprobs(one, k, as_ids),
+                        "finish_reason": sample.finish_reason if final else None,
+                        "stop_reason": sample.stop_reason if final else None,
+                        "prompt_token_ids": prompt if return_ids and first[0] else None,
+                        "token_ids": one.token_ids if return_ids else None,
+                    }
+                ],
+            }
+            if final:
+                event["system_fingerprint"] = f"vllm-{self.version}-fake"
+            first[0] = False
+            return b"data: " + _json.dumps(event) + b"\n\n"
+
+        for index in range(sp["n"]):
+            first[0] = True
+            pending: list[int] = []
+
+            async def on_token(
+                sample: _Sample, pos: int, index: int = index, pending: list[int] = pending
+            ) -> None:
+                if pending:
+                    await resp.write(chunk(index, sample, pending.pop(), False))
+                pending.append(pos)
+
+            done = await self._sample(prompt, sp, index, rid, epoch, on_token=on_token)
+            await resp.write(chunk(index, done, pending.pop() if pending else None, True))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
 
 # ------------------------------------------------------------ separate process
