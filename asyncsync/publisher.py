@@ -385,14 +385,16 @@ class AsyncWeightPublisher:
     ) -> PublishReport:
         fleet = self.fleet
         assert fleet is not None
+        seconds: dict[str, float] = {}
         if not self._initialized:
+            t0 = time.perf_counter()
             await self.init(targets=targets)
+            seconds["init"] = time.perf_counter() - t0
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
         bridge = LoopBridge(loop, cancel=cancel)
         bridge.bind_loop_thread()
         outcomes = {url: ServerOutcome(url, ok=True) for url in targets}
-        seconds: dict[str, float] = {}
         t_round = time.perf_counter()
         # Servers the round reached with a start that succeeded: they must end the round.
         started: set[str] = set()

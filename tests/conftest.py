@@ -24,13 +24,15 @@ SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind() -> Iterator[None]:
-    """After the whole suite, no asyncsync segment may remain in /dev/shm (a segment of
-    a trainer killed on purpose is swept, as the next publisher on a machine would)."""
+    """After the whole suite, no asyncsync segment of this process or of any process it
+    started may remain in /dev/shm."""
     from asyncsync.backends._segments import leaked_segments, sweep_stale_segments
 
     yield
-    sweep_stale_segments()
-    assert leaked_segments() == []
+    assert leaked_segments(pid=os.getpid()) == []
+    # Processes the suite started (trainer ranks, killed trainers) are gone: none of their
+    # segments may be left either (the killed-trainer test sweeps its own on purpose).
+    assert sweep_stale_segments() == []
 
 
 def _core(index: int) -> str:

