@@ -1,0 +1,492 @@
+"""Generation against FakeVLLMServers (vLLM 0.23 and 0.32 shapes) and the pure parsers."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+import asyncsync as az
+from asyncsync.generation import (
+    parse_completions,
+    parse_generate,
+    parse_legacy_logprobs,
+    parse_prompt_logprobs,
+    parse_spans,
+    retokenize,
+)
+from asyncsync.testing import FakeVLLMServer, Fault
+from asyncsync.testing._fake import FakeLM
+
+PROMPT = [1, 17, 42, 99]
+LM = FakeLM()
+
+
+async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    async with asyncio.timeout(within):
+        while not predicate():  # noqa: ASYNC110 - polling a plain attribute
+            await asyncio.sleep(0.005)
+
+
+def expected_greedy(prompt: list[int], n: int, generation: int = 0) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(LM.greedy(ctx, generation))
+    return ctx[len(prompt) :]
+
+
+@pytest_asyncio.fixture
+async def fake32() -> AsyncIterator[FakeVLLMServer]:
+    async with FakeVLLMServer() as server:
+        yield server
+
+
+@pytest_asyncio.fixture
+async def fake23() -> AsyncIterator[FakeVLLMServer]:
+    async with FakeVLLMServer(version="0.23.0") as server:
+        yield server
+
+
+# ---------------------------------------------------------------- every route, both versions
+@pytest.mark.parametrize(
+    ("version", "kwargs", "route", "source"),
+    [
+        ("0.32.0", {}, "/inference/v1/generate", "server"),
+        ("0.23.0", {}, "/inference/v1/generate", "client"),
+        ("0.32.0", {"scale_out": False}, "/v1/completions", "client"),
+        ("0.32.0", {"scale_out": False, "tokenizer": False}, "/v1/completions", "client"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_greedy_tokens_logprobs_and_versions(
+    version: str, kwargs: dict[str, Any], route: str, source: str
+) -> None:
+    async with (
+        FakeVLLMServer(version=version, **kwargs) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        client.weight_version = "v0"  # what a publisher would have recorded
+        c = await client.generate(PROMPT, max_tokens=5, temperature=0.0, logprobs=2)
+    expected = expected_greedy(PROMPT, 5)
+    assert c.token_ids == expected
+    assert c.prompt_token_ids == PROMPT
+    assert c.route == route
+    assert c.server == fake.url
+    assert c.finish_reason == "length"
+    assert c.logprobs == pytest.approx([math.log(0.5)] * 5)
+    assert c.top_logprobs is not None
+    for pos, top in enumerate(c.top_logprobs):
+        assert next(iter(top)) == expected[pos]  # sampled token first, then the best others
+        assert len(top) == 2
+    assert c.versions_source == source
+    assert [(s.start, s.end) for s in c.weight_versions] == [(0, 5)]
+    assert c.version == ("default" if source == "server" else "v0")
+    assert c.token_versions == [c.version] * 5
+    assert c.latency > 0
+    assert not c.retokenized
+
+
+@pytest.mark.asyncio
+async def test_auto_route_falls_back_once_and_remembers(fake32: FakeVLLMServer) -> None:
+    fake32.scale_out = False
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        for _ in range(3):
+            c = await client.generate(PROMPT, max_tokens=2, temperature=0.0)
+            assert c.route == "/v1/completions"
+    assert len(fake32.requests_to("/inference/v1/generate")) == 1  # the 403, then remembered
+    assert len(fake32.requests_to("/v1/completions")) == 3
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.ServerError, match="enable-scale-out") as info:
+            await client.generate(PROMPT, route="generate")
+    assert info.value.status == 403
+
+
+@pytest.mark.asyncio
+async def test_request_body_on_each_route(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        await client.generate(
+            PROMPT, max_tokens=3, temperature=0.5, top_p=0.9, top_k=5, logprobs=1,
+            stop_token_ids=[7], seed=3, cache_salt="salt", ignore_eos=True,
+        )  # fmt: skip
+        await client.generate(PROMPT, max_tokens=3, route="completions", logprobs=0)
+    gen = fake32.requests_to("/inference/v1/generate")[0].json
+    assert gen == {
+        "token_ids": PROMPT,
+        "sampling_params": {
+            "n": 1, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+            "logprobs": 1, "stop_token_ids": [7], "seed": 3, "ignore_eos": True,
+        },
+        "cache_salt": "salt",
+    }  # fmt: skip
+    cmpl = fake32.requests_to("/v1/completions")[0].json
+    assert cmpl["prompt"] == PROMPT
+    assert cmpl["return_token_ids"] is True
+    assert cmpl["return_tokens_as_token_ids"] is True
+    assert cmpl["logprobs"] == 0
+
+
+@pytest.mark.asyncio
+async def test_both_routes_give_identical_token_ids(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        a = await client.generate(PROMPT, max_tokens=8, temperature=1.0, seed=11, logprobs=0)
+        b = await client.generate(
+            PROMPT, max_tokens=8, temperature=1.0, seed=11, logprobs=0, route="completions"
+        )
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == b.logprobs
+
+
+@pytest.mark.asyncio
+async def test_n_samples_and_batch(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        samples = await client.generate(PROMPT, n=4, max_tokens=6, seed=5, logprobs=0)
+        batch = await client.generate_batch([PROMPT, [3, 4], [9]], max_tokens=2, temperature=0)
+    assert [c.index for c in samples] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in samples}) > 1  # sampled, not copies
+    assert all(len(c.logprobs or []) == 6 for c in samples)
+    assert [b[0].token_ids for b in batch] == [
+        expected_greedy(PROMPT, 2),
+        expected_greedy([3, 4], 2),
+        expected_greedy([9], 2),
+    ]
+
+
+@pytest.mark.asyncio
+async def test_stop_token_ends_with_it_included(fake32: FakeVLLMServer) -> None:
+    expected = expected_greedy(PROMPT, 6)
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        c = await client.generate(PROMPT, max_tokens=6, temperature=0, stop_token_ids=[expected[2]])
+    assert c.token_ids == expected[:3]
+    assert c.finish_reason == "stop"
+    assert c.stop_reason == expected[2]
+
+
+# ---------------------------------------------------------------- fallback: never silent
+@pytest.mark.asyncio
+async def test_missing_token_ids_without_tokenizer_is_an_error() -> None:
+    async with (
+        FakeVLLMServer(scale_out=False, return_token_ids=False) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        with pytest.raises(az.GenerationError, match="pass tokenizer=") as info:
+            await client.generate(PROMPT, max_tokens=3)
+    assert info.value.server == fake.url
+    assert info.value.route == "/v1/completions"
+
+
+class WordTokenizer:
+    """Inverts the fake's text ("t<id> " per token)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert add_special_tokens is False
+        return [int(word[1:]) for word in text.split()]
+
+
+@pytest.mark.asyncio
+async def test_retokenize_fallback_warns_once_per_server_and_is_flagged() -> None:
+    async with (
+        FakeVLLMServer(scale_out=False, return_token_ids=False) as a,
+        FakeVLLMServer(scale_out=False, return_token_ids=False) as b,
+        az.Fleet([a.url, b.url], tokenizer=WordTokenizer()) as fleet,
+    ):
+        with pytest.warns(az.RetokenizedWarning) as record:
+            got = await fleet.generate_batch([PROMPT] * 6, max_tokens=3, temperature=0)
+    assert sorted({str(w.message).split("/v1")[0] for w in record}) == sorted([a.url, b.url])
+    assert len(record) == 2  # once per server
+    for (c,) in got:
+        assert c.retokenized is True
+        assert c.token_ids == expected_greedy(PROMPT, 3)
+
+
+@pytest.mark.asyncio
+async def test_token_id_logprobs_recover_exact_ids_without_retokenizing() -> None:
+    """A server that ignores return_token_ids but keys logprobs "token_id:N" still gives
+    the exact ids: no tokenizer needed, nothing re-tokenized."""
+    async with (
+        FakeVLLMServer(scale_out=False, return_token_ids=False) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        c = await client.generate(PROMPT, max_tokens=4, temperature=0, logprobs=0)
+    assert c.token_ids == expected_greedy(PROMPT, 4)
+    assert c.retokenized is False
+
+
+def test_retokenize_accepts_common_tokenizer_shapes() -> None:
+    class Encoding:
+        ids = (4, 5)
+
+    class RustLike:
+        def encode(self, text: str) -> Encoding:
+            return Encoding()
+
+    assert retokenize(WordTokenizer(), "t1 t2 ") == [1, 2]
+    assert retokenize(RustLike(), "x") == [4, 5]
+    assert retokenize(lambda text: [len(text)], "abc") == [3]
+    with pytest.raises(TypeError):
+        retokenize(object(), "x")
+
+
+# ---------------------------------------------------------------- malformed answers
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"<html>oops</html>",
+        b'{"choices": "no"}',
+        b'{"choices": [{"index": 0, "token_ids": [1, "x"]}]}',
+        b'{"choices": [{"index": 0, "token_ids": [1, 2], "weight_versions": '
+        b'[{"version": "v", "start": 0, "end": 1}]}]}',
+        b'{"choices": [{"index": 0, "token_ids": [1], "logprobs": null}]}',
+        b'{"choices": []}',
+    ],
+)
+@pytest.mark.asyncio
+async def test_malformed_responses_are_generation_errors_naming_the_server(
+    fake32: FakeVLLMServer, body: bytes
+) -> None:
+    fake32.inject("/inference/v1/generate", Fault.malformed(body, "application/json"))
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.GenerationError) as info:
+            await client.generate(PROMPT, max_tokens=1, logprobs=0)
+    err = info.value
+    assert err.server == fake32.url
+    assert err.route == "/inference/v1/generate"
+    assert err.status == 200
+    assert fake32.url in str(err)
+
+
+@pytest.mark.asyncio
+async def test_http_errors_keep_their_type(fake32: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.ServerError, match="too_short") as info:
+            await client._send(  # an empty prompt, which the client itself refuses
+                __import__("asyncsync.generation", fromlist=["x"])._call(
+                    "/inference/v1/generate", lambda d: d
+                ),
+                b'{"token_ids": [], "sampling_params": {}}',
+            )
+        assert info.value.status == 400
+        with pytest.raises(ValueError, match="must not be empty"):
+            await client.generate([])
+        with pytest.raises(TypeError):
+            await client.generate("hello")  # type: ignore[call-overload]
+        with pytest.raises(ValueError, match="n must be"):
+            await client.generate(PROMPT, n=0)  # type: ignore[call-overload]
+        fake32.inject("/inference/v1/generate", Fault.hang())
+        with pytest.raises(az.ServerTimeout):
+            await client.generate(PROMPT, timeout=0.2)
+
+
+# ---------------------------------------------------------------- abort and keep
+@pytest.mark.asyncio
+async def test_pause_abort_gives_a_retryable_outcome_with_the_tokens_so_far() -> None:
+    async with FakeVLLMServer(token_delay=0.01) as fake, az.Fleet([fake.url]) as fleet:
+        task = asyncio.create_task(
+            fleet.generate(PROMPT, max_tokens=200, temperature=0, logprobs=0)
+        )
+        await until(lambda: fake.generation_requests > 0)
+        await asyncio.sleep(0.1)
+        await fleet.client(fake.url).pause("abort")
+        with pytest.raises(az.GenerationAborted) as info:
+            await task
+        await fleet.client(fake.url).resume()
+    err = info.value
+    assert err.retryable is True
+    assert isinstance(err, az.GenerationError)
+    partial = err.completion
+    assert partial.aborted
+    assert 0 < len(partial.token_ids) < 200
+    assert partial.token_ids == expected_greedy(PROMPT, len(partial.token_ids))
+    assert len(partial.logprobs or []) == len(partial.token_ids)
+    clone = pickle.loads(pickle.dumps(err))
+    assert clone.completion.token_ids == partial.token_ids
+
+
+@pytest.mark.asyncio
+async def test_keep_pause_across_an_update_reports_two_spans() -> None:
+    async with FakeVLLMServer(token_delay=0.01) as fake, az.Fleet([fake.url]) as fleet:
+        task = asyncio.create_task(fleet.generate(PROMPT, max_tokens=60, temperature=0))
+        await until(lambda: fake.generation_requests > 0)
+        await asyncio.sleep(0.1)
+        await fleet.pause("keep")
+        await fleet.start_weight_update()
+        await fleet.update_weights({"names": []})
+        await fleet.finish_weight_update("v1")
+        await fleet.resume()
+        c = await task
+    spans = c.weight_versions
+    assert [s.version for s in spans] == ["default", "v1"]
+    assert spans[0].start == 0
+    assert spans[0].end == spans[1].start
+    assert spans[1].end == 60
+    assert all(s.source == "server" for s in spans)
+    cut = spans[0].end
+    # tokens after the update follow the new weights (generation 1)
+    assert c.token_ids[:cut] == expected_greedy(PROMPT, cut)
+    ctx = PROMPT + c.token_ids[:cut]
+    assert c.token_ids[cut] == LM.greedy(ctx, 1)
+    assert c.version is None
+    assert c.token_versions[cut - 1 : cut + 1] == ["default", "v1"]
+
+
+# ---------------------------------------------------------------- score
+@pytest.mark.asyncio
+async def test_score_matches_the_model_and_position_zero_is_none(fake32: FakeVLLMServer) -> None:
+    ids = [1, *expected_greedy([1], 3), 300]
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        for route in ("generate", "completions"):
+            s = await client.score(ids, top_k=2, route=route)  # type: ignore[arg-type]
+            assert s.logprobs[0] is None
+            want = [LM.logprob(ids[:i], ids[i]) for i in range(1, len(ids))]
+            assert s.logprobs[1:] == pytest.approx(want)
+            assert s.ranks[1:] == [LM.rank(ids[:i], ids[i]) for i in range(1, len(ids))]
+            assert s.top_logprobs[0] is None
+            assert all(ids[i] in (s.top_logprobs[i] or {}) for i in range(1, len(ids)))
+            assert len(s) == len(ids)
+
+
+def test_prompt_logprobs_string_and_int_keys_and_missing_token() -> None:
+    as_json = [None, {"5": {"logprob": -1.5, "rank": 2}, "9": {"logprob": -0.2, "rank": 1}}]
+    as_ints = [None, {5: -1.5, 9: -0.2}]
+    for data in (as_json, as_ints):
+        lps, tops, _ranks = parse_prompt_logprobs(data, [1, 5])
+        assert lps == [None, -1.5]
+        assert tops[1] == {5: -1.5, 9: -0.2}
+    from asyncsync._http import Malformed
+
+    with pytest.raises(Malformed, match="no entry for the given token 7"):
+        parse_prompt_logprobs(as_json, [1, 7])
+    with pytest.raises(Malformed):
+        parse_prompt_logprobs([None], [1, 2])
+
+
+@pytest.mark.asyncio
+async def test_score_missing_token_raises(fake32: FakeVLLMServer) -> None:
+    body = (
+        b'{"choices": [{"index": 0, "token_ids": [1]}], '
+        b'"prompt_logprobs": [null, {"3": {"logprob": -1.0, "rank": 1}}]}'
+    )
+    fake32.inject("/inference/v1/generate", Fault.malformed(body, "application/json"))
+    async with az.AsyncVLLMClient(fake32.url) as client:
+        with pytest.raises(az.GenerationError, match="no entry for the given token 8"):
+            await client.score([1, 8])
+
+
+# ---------------------------------------------------------------- parsers, 0.23 shapes
+def test_parse_023_generate_shape() -> None:
+    data = {
+        "request_id": "r",
+        "choices": [
+            {
+                "index": 0,
+                "logprobs": {
+                    "content": [
+                        {
+                            "token": "token_id:7",
+                            "logprob": -0.5,
+                            "bytes": None,
+                            "top_logprobs": [
+                                {"token": "token_id:7", "logprob": -0.5, "bytes": None},
+                                {"token": "token_id:3", "logprob": -1.5, "bytes": None},
+                            ],
+                        }
+                    ]
+                },
+                "finish_reason": "length",
+                "token_ids": [7],
+            }
+        ],
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+    parsed = parse_generate(data, 1, 1)
+    choice = parsed.choices[0]
+    assert choice.token_ids == [7]
+    assert choice.logprobs == [-0.5]
+    assert choice.top_logprobs == [{7: -0.5, 3: -1.5}]
+    assert choice.spans is None  # 0.23 reports no versions
+
+
+def test_parse_legacy_logprobs_by_string_keeps_text_keys() -> None:
+    data = {
+        "text_offset": [0],
+        "token_logprobs": [-0.1],
+        "tokens": [" bl"],
+        "top_logprobs": [{" bl": -0.1, "5": -2.0}],
+    }
+    lps, by_id, by_text, named = parse_legacy_logprobs(data, 1)
+    assert lps == [-0.1]
+    assert by_id is None
+    assert by_text == [{" bl": -0.1, "5": -2.0}]
+    assert named is None
+    parsed = parse_completions(
+        {"choices": [{"index": 0, "text": " bl", "token_ids": [346], "logprobs": data}]}, 1, 2
+    )
+    assert parsed.choices[0].top_logprobs_text == [{" bl": -0.1, "5": -2.0}]
+
+
+def test_parse_spans_must_tile_the_output() -> None:
+    assert parse_spans(None, 3) is None
+    spans = parse_spans(
+        [{"version": "a", "start": 0, "end": 2}, {"version": "b", "start": 2, "end": 3}], 3
+    )
+    assert spans is not None
+    assert [(s.version, len(s)) for s in spans] == [("a", 2), ("b", 1)]
+    from asyncsync._http import Malformed
+
+    with pytest.raises(Malformed):
+        parse_spans([{"version": "a", "start": 1, "end": 3}], 3)
+
+
+# ---------------------------------------------------------------- streaming
+@pytest.mark.parametrize("version", ["0.32.0", "0.23.0"])
+@pytest.mark.asyncio
+async def test_stream_deltas_add_up_to_the_completion(version: str) -> None:
+    async with FakeVLLMServer(version=version) as fake, az.Fleet([fake.url]) as fleet:
+        plain = await fleet.generate(PROMPT, max_tokens=7, temperature=0, logprobs=1)
+        async with fleet.stream(PROMPT, max_tokens=7, temperature=0, logprobs=1) as stream:
+            deltas = [delta async for delta in stream]
+        assert fleet.state(fake.url).outstanding == 0
+    assert [t for d in deltas for t in d.token_ids] == plain.token_ids
+    assert deltas[-1].finish_reason == "length"
+    assert stream.completion.token_ids == plain.token_ids
+    assert stream.completion.logprobs == plain.logprobs
+    if version == "0.32.0":
+        assert deltas[-1].weight_versions == plain.weight_versions
+
+
+@pytest.mark.asyncio
+async def test_stream_on_completions_route_and_abort(fake32: FakeVLLMServer) -> None:
+    fake32.token_delay = 0.01
+    got: list[int] = []
+    async with az.AsyncVLLMClient(fake32.url) as client:
+
+        async def consume() -> None:
+            stream = client.stream(PROMPT, max_tokens=100, temperature=0, route="completions")
+            async with stream:
+                async for delta in stream:
+                    got.extend(delta.token_ids)
+                    if len(got) == 5:
+                        await client.pause("abort")
+
+        with pytest.raises(az.GenerationAborted) as info:
+            await consume()
+        await client.resume()
+    assert got == info.value.completion.token_ids
+    assert 5 <= len(got) < 100
+    assert got == expected_greedy(PROMPT, len(got))
+
+
+@pytest.mark.asyncio
+async def test_stream_closed_early_releases_the_server(fake32: FakeVLLMServer) -> None:
+    fake32.token_delay = 0.01
+    async with az.Fleet([fake32.url]) as fleet:
+        async with fleet.stream(PROMPT, max_tokens=100, temperature=0) as stream:
+            async for _delta in stream:
+                break
+        assert fleet.state(fake32.url).outstanding == 0
+        assert stream.completions == []
