@@ -97,9 +97,13 @@ class PublishReport:
         phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
         return (
             f"published {self.version!r} to {len(self.servers)} server(s): "
-            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {self.gb_per_s:.2f} GB/s "
+            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
             f"({phases})"
         )
+
+
+def _rate(gb_per_s: float) -> str:
+    return f"{gb_per_s:.2f} GB/s" if gb_per_s >= 0.1 else f"{gb_per_s * 1000:.1f} MB/s"
 
 
 # ----------------------------------------------------------------------------- sources
