@@ -1,0 +1,55 @@
+"""Publisher pieces that need no server: argument checks, sources, progress."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import asyncsync as az
+from asyncsync.publisher import _Progress, _progress_enabled, _resolve
+
+
+def test_constructor_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="backend 'nccl' is not available"):
+        az.AsyncWeightPublisher(None, backend="nccl", rank=1, world_size=2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        az.AsyncWeightPublisher(None, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="rank 0 needs a fleet"):
+        az.AsyncWeightPublisher(None)
+    with pytest.raises(ValueError, match="if_busy"):
+        az.AsyncWeightPublisher(None, rank=1, world_size=2, if_busy="later")  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_publish_rejects_bad_version_and_pause() -> None:
+    async with az.AsyncWeightPublisher(None, rank=1, world_size=2) as pub:
+        with pytest.raises(ValueError, match="version must be a non-empty string"):
+            await pub.publish({}, version="")
+        with pytest.raises(ValueError, match="pause must be"):
+            await pub.publish({}, version="v", pause="forever")  # type: ignore[arg-type]
+
+
+def test_sources_describe_themselves() -> None:
+    module = torch.nn.Linear(3, 2)
+    assert [m[0] for m in _resolve(module).metadata() or []] == ["weight", "bias"]
+    pairs = [("a", torch.zeros(2)), ("b", torch.ones(3, 1))]
+    assert _resolve(pairs).metadata() == [("a", torch.float32, (2,)), ("b", torch.float32, (3, 1))]
+    assert _resolve(dict(pairs)).metadata() == _resolve(pairs).metadata()
+    generator = (p for p in pairs)
+    assert _resolve(generator).metadata() is None  # streamed: validated chunk by chunk
+    assert [n for n, _ in _resolve(lambda: pairs)] == ["a", "b"]  # factories are called
+    with pytest.raises(TypeError, match="takes a torch module"):
+        _resolve(42)
+
+
+def test_progress_is_off_in_ci_and_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    assert _progress_enabled(None) is False
+    assert _progress_enabled(True) is True
+    monkeypatch.delenv("CI")
+    monkeypatch.setenv("ASYNCSYNC_NO_PROGRESS", "1")
+    assert _progress_enabled(None) is False
+    bar = _Progress(False, 100, "v")
+    bar(1, 50)  # a disabled bar accepts updates silently
+    bar.close()
+    assert bar.bar is None
