@@ -63,6 +63,12 @@ ProtocolGeneration = Literal["0.23", "0.32"]
 #: Retries for idempotent calls when the caller does not choose a policy.
 DEFAULT_RETRY = RetryPolicy()
 
+#: Seconds an idle pooled connection is kept. Below uvicorn's 5 s keep-alive timeout, so
+#: the client closes idle connections before vLLM does: otherwise a request written just
+#: as the server closes an idle connection fails with "Server disconnected", and a
+#: generation (not idempotent) cannot be resent blindly.
+KEEPALIVE_TIMEOUT = 4.0
+
 _MIN_SUPPORTED = (0, 23)
 _CURRENT = (0, 32)
 _VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
@@ -557,7 +563,7 @@ class AsyncVLLMClient:
                     server=self._url,
                 )
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT),
                 timeout=aiohttp.ClientTimeout(total=None),
             )
         elif self._session.closed:

@@ -40,6 +40,7 @@ from asyncsync._routing import (
 from asyncsync._timeouts import Timeouts
 from asyncsync.client import (
     DEFAULT_RETRY,
+    KEEPALIVE_TIMEOUT,
     AsyncVLLMClient,
     PauseMode,
     ProtocolGeneration,
@@ -334,7 +335,9 @@ class Fleet:
             raise ServerUnavailable("this Fleet is closed; create a new one")
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._connection_limit or 0),
+                connector=aiohttp.TCPConnector(
+                    limit=self._connection_limit or 0, keepalive_timeout=KEEPALIVE_TIMEOUT
+                ),
                 timeout=aiohttp.ClientTimeout(total=None),
             )
             for url in self._owned:
