@@ -616,10 +616,11 @@ class AsyncWeightPublisher:
         """End the active update on ``urls``: the shm engine fails an abort on purpose,
         and vLLM clears its active-update flag when an update fails."""
         assert self.fleet is not None
-        with contextlib.suppress(AsyncSyncError):
-            await self.fleet.update_weights(
-                {"abort": True, "round": "abort"}, targets=urls, require="none"
-            )
+        # A rejection is the expected answer (the server then holds no active update);
+        # a server that accepted it, or did not answer, stays dirty.
+        await self.fleet.update_weights(
+            {"abort": True, "round": "abort"}, targets=urls, require="none", expect_failure=True
+        )
 
     async def _resume_quietly(self, paused: list[str], outcomes: dict[str, ServerOutcome]) -> None:
         assert self.fleet is not None
