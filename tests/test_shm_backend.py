@@ -256,3 +256,33 @@ def test_manifest_of_module_source() -> None:
     assert manifest is not None
     assert manifest.names == ("weight", "bias")
     assert manifest.entry("weight") == ("float32", (3, 4))
+
+
+def test_vllm_023_engine_contract() -> None:
+    """vLLM 0.23 drives the engine as ``receive_weights(update_info, load_weights)`` with
+    its own layerwise reload; the adapter must validate and load the same wire format."""
+    from asyncsync.vllm_plugin.engine_v023 import ShmWeightTransferEngineV023
+    from asyncsync.vllm_plugin.engine_v032 import ShmUpdateInfo
+
+    params = _params(layers=2, width=32)
+    engine = ShmWeightTransferEngineV023(None, None, torch.nn.Module())
+    engine.receiver.table = CheckpointTable(
+        {n: ("float32", tuple(t.shape)) for n, t in params}, served_dtype="float32"
+    )
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
+        loaded.update((name, view.clone()) for name, view in weights)
+
+    def send(info: dict[str, Any]) -> None:
+        engine.receive_weights(ShmUpdateInfo(**info), load_weights)
+
+    with ShmBuffers(buffer_bytes=8192) as buffers:
+        stats = stream_chunks(iter(params), _manifest(params), buffers, send)
+    assert stats.chunks > 1
+    assert all(torch.equal(loaded[n], t) for n, t in params)
+    # A second round starts at chunk 0 again, and a bad one is refused by name.
+    bad = [(n, t[:1] if n == "lm_head.weight" else t) for n, t in params]
+    with ShmBuffers(buffer_bytes=8192) as buffers, pytest.raises(RuntimeError, match="lm_head"):
+        stream_chunks(iter(bad), _manifest(bad), buffers, send)
+    engine.shutdown()

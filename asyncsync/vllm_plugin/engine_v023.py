@@ -30,7 +30,11 @@ class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
     update_info_cls = ShmUpdateInfo
 
     def __init__(self, config: Any, parallel_config: Any, model: torch.nn.Module) -> None:
-        super().__init__(config, parallel_config, model)  # 0.23 signature
+        # vLLM 0.23's base __init__ only stores these; set them here so the adapter does
+        # not depend on that signature (it changed in 0.3x).
+        self.config = config
+        self.parallel_config = parallel_config
+        self.model = model
         model_config = _current_model_config()
         table = None
         if model_config is not None:
@@ -40,6 +44,14 @@ class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         return None
+
+    # In 0.23 the worker owns layerwise reload; these only track the round (chunk 0 also
+    # opens one) and check its completeness if a caller drives them.
+    def start_weight_update(self) -> None:
+        self.receiver.begin_round()
+
+    def finish_weight_update(self) -> None:
+        self.receiver.end_round()
 
     def receive_weights(
         self,
