@@ -286,3 +286,18 @@ def test_vllm_023_engine_contract() -> None:
     with ShmBuffers(buffer_bytes=8192) as buffers, pytest.raises(RuntimeError, match="lm_head"):
         stream_chunks(iter(bad), _manifest(bad), buffers, send)
     engine.shutdown()
+
+
+def test_plugin_entry_point_registers_the_engine() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from asyncsync.vllm_plugin import BACKEND_NAME, register
+    from asyncsync.vllm_plugin.engine_v032 import ShmWeightTransferEngine
+
+    (entry,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == BACKEND_NAME]
+    assert entry.value == "asyncsync.vllm_plugin:register"
+    register()
+    register()  # vLLM loads plugins in every process, possibly more than once
+    assert WeightTransferEngineFactory._registry[BACKEND_NAME]() is ShmWeightTransferEngine
