@@ -252,7 +252,7 @@ def write_section(path: Path, text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--buffer-mb", type=int, default=96, help="size of each shm buffer")
+    parser.add_argument("--buffer-mb", type=int, default=256, help="size of each shm buffer")
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     parser.add_argument("--json", type=Path, help="also dump raw results here")
     args = parser.parse_args()
