@@ -301,3 +301,29 @@ def test_plugin_entry_point_registers_the_engine() -> None:
     register()
     register()  # vLLM loads plugins in every process, possibly more than once
     assert WeightTransferEngineFactory._registry[BACKEND_NAME]() is ShmWeightTransferEngine
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(5, 7),
+        torch.randn(5, 7).to(torch.bfloat16),
+        torch.tensor([True, False, True]),
+        torch.randn(4, 6).t(),  # not contiguous
+        torch.randn(3, requires_grad=True),
+        torch.arange(10, dtype=torch.int64),
+        torch.randn(3, dtype=torch.complex64).conj(),
+    ],
+    ids=["f32", "bf16", "bool", "transposed", "requires-grad", "int64", "conj-view"],
+)
+def test_pack_copies_bytes_exactly(tensor: torch.Tensor) -> None:
+    from asyncsync.backends.shm import _pack
+
+    with Segment(1 << 20) as segment:
+        _pack(segment, 64, tensor)
+        n = tensor.numel() * tensor.element_size()
+        back = torch.frombuffer(segment.buffer(), dtype=torch.uint8, count=n, offset=64)
+        assert torch.equal(
+            back.view(tensor.dtype).view(tensor.shape), tensor.detach().resolve_conj()
+        )
+        del back

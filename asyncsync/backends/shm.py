@@ -225,7 +225,12 @@ def _pack(segment: Segment, offset: int, tensor: torch.Tensor) -> None:
     if count == 0:
         return
     dst = torch.frombuffer(segment.buffer(), dtype=torch.uint8, count=count, offset=offset)
-    dst.view(src.dtype).view(src.shape).copy_(src)
+    if src.device.type == "cpu" and src.is_contiguous() and not (src.is_conj() or src.is_neg()):
+        # One thread, no intra-op barrier: on a machine whose cores are busy (servers
+        # loading), torch's parallel copy waits for its slowest thread.
+        dst.numpy()[:] = src.reshape(-1).view(torch.uint8).numpy()
+    else:
+        dst.view(src.dtype).view(src.shape).copy_(src)
 
 
 # --------------------------------------------------------------------------- streaming
