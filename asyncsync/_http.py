@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -204,6 +205,16 @@ def _is_stale_connection(exc: BaseException | None) -> bool:
     return isinstance(exc, aiohttp.ClientOSError) and exc.errno in {errno.ECONNRESET, errno.EPIPE}
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@functools.lru_cache(maxsize=64)
+def _client_timeout(connect: float | None) -> aiohttp.ClientTimeout:
+    # The whole exchange runs under asyncio.timeout(deadline); aiohttp only bounds the
+    # connect. One immutable object per connect deadline, not one per request.
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect)
+
+
 async def _send_once(
     session: aiohttp.ClientSession,
     server: str,
@@ -213,11 +224,13 @@ async def _send_once(
     timeouts: Timeouts,
 ) -> T:
     deadline = timeouts.for_phase(call.phase)
-    request_headers = dict(headers)
-    if body is not None:
-        request_headers["Content-Type"] = "application/json"
-    request_headers.update(call.extra_headers)
-    client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect)
+    if body is None and not call.extra_headers:
+        request_headers: Mapping[str, str] = headers
+    else:
+        request_headers = {**headers, **_JSON_HEADERS} if body is not None else dict(headers)
+        if call.extra_headers:
+            request_headers.update(call.extra_headers)
+    client_timeout = _client_timeout(timeouts.connect)
     try:
         async with asyncio.timeout(deadline):
             async with session.request(
