@@ -230,8 +230,10 @@ class AsyncWeightPublisher:
             ``send_weights`` with a synchronous client) or ``"callback"`` (vLLM 0.23
             ``trainer_send_weights`` with a rank-0 ``send_mode`` callback).
         if_busy: a second ``publish`` while one runs ``"wait"``s or ``"raise"``s.
-        update_timeout: deadline in seconds for one chunk's fan-out (also bounds how
-            long a round can wait on a hung server).
+
+    Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for each
+    chunk's fan-out, ``control`` for start, finish, pause and resume). A hung server
+    fails the round with :class:`~asyncsync.ServerTimeout` inside the ``PublishError``.
     """
 
     def __init__(
@@ -522,60 +524,33 @@ class AsyncWeightPublisher:
             return stats
 
         try:
-            if pause is not None:
-                t0 = time.perf_counter()
-                paused = list(targets)
-                await fan("pause", lambda: fleet.pause(pause, targets=targets, require="all"))
-                seconds["pause"] = time.perf_counter() - t0
-            send_future = loop.run_in_executor(
-                self._executor,
-                run_send,
-            )
-            try:
-                stats = await asyncio.shield(send_future)
-            except asyncio.CancelledError:
-                cancel.set()  # the thread stops at its next chunk boundary
-                with contextlib.suppress(BaseException):
-                    await send_future
-                raise
-            if self.api == "callback":
-                t0 = time.perf_counter()
-                await finish(version)
-                client.times.finish += time.perf_counter() - t0
-            if reset_prefix_cache:
-                t0 = time.perf_counter()
-                await fan(
-                    "reset_prefix_cache",
-                    lambda: fleet.reset_prefix_cache(targets=targets, require="all"),
-                )
-                seconds["reset_prefix_cache"] = time.perf_counter() - t0
+            stats = await self._run_round(
+                run_send, cancel, pause, paused, targets, seconds, fan, finish, client,
+                reset_prefix_cache, version,
+            )  # fmt: skip
         except BaseException as exc:
             await asyncio.shield(self._end_failed_round(started, outcomes))
             if paused:
                 await asyncio.shield(self._resume_quietly(paused, outcomes))
-            if bar is not None:
-                bar.close()
             if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | RoundCancelled):
                 raise
             if isinstance(exc, ValueError | TypeError) and not client.started:
                 raise  # bad input, refused before any server was touched
             raise self._publish_error(version, outcomes, exc) from exc
+        finally:
+            if bar is not None:
+                bar.close()
+        # Every server finished: the version is published, whatever resume does next.
+        fleet.mark_clean(targets)
+        fleet.set_weight_version(version, targets)
+        self.version = version
         if paused:
             t0 = time.perf_counter()
             try:
                 await fan("resume", lambda: fleet.resume(targets=paused, require="all"))
             except AsyncSyncError as exc:
-                # The weights are in; the servers that did not resume are still paused.
-                if bar is not None:
-                    bar.close()
                 raise self._publish_error(version, outcomes, exc) from exc
             seconds["resume"] = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-
-        fleet.mark_clean(targets)
-        fleet.set_weight_version(version, targets)
-        self.version = version
         times = client.times
         seconds.update(
             {
@@ -597,6 +572,50 @@ class AsyncWeightPublisher:
         )
         self.last_report = report
         return report
+
+    async def _run_round(
+        self,
+        run_send: Callable[[], ChunkStats],
+        cancel: threading.Event,
+        pause: PauseMode | None,
+        paused: list[str],
+        targets: list[str],
+        seconds: dict[str, float],
+        fan: Callable[[str, Callable[[], Any]], Any],
+        finish: Callable[[str | None], Any],
+        client: SyncFleetClient,
+        reset_prefix_cache: bool,
+        version: str,
+    ) -> ChunkStats:
+        """pause -> the blocking send in the worker thread -> finish (callback style) ->
+        prefix-cache reset. ``paused`` is filled in as soon as a pause is attempted."""
+        fleet = self.fleet
+        assert fleet is not None
+        if pause is not None:
+            t0 = time.perf_counter()
+            paused.extend(targets)
+            await fan("pause", lambda: fleet.pause(pause, targets=targets, require="all"))
+            seconds["pause"] = time.perf_counter() - t0
+        send_future = asyncio.get_running_loop().run_in_executor(self._executor, run_send)
+        try:
+            stats = await asyncio.shield(send_future)
+        except asyncio.CancelledError:
+            cancel.set()  # the thread stops at its next chunk boundary
+            with contextlib.suppress(BaseException):
+                await send_future
+            raise
+        if self.api == "callback":
+            t0 = time.perf_counter()
+            await finish(version)
+            client.times.finish += time.perf_counter() - t0
+        if reset_prefix_cache:
+            t0 = time.perf_counter()
+            await fan(
+                "reset_prefix_cache",
+                lambda: fleet.reset_prefix_cache(targets=targets, require="all"),
+            )
+            seconds["reset_prefix_cache"] = time.perf_counter() - t0
+        return stats
 
     async def _end_failed_round(
         self, started: set[str], outcomes: dict[str, ServerOutcome]
