@@ -327,3 +327,49 @@ def test_pack_copies_bytes_exactly(tensor: torch.Tensor) -> None:
             back.view(tensor.dtype).view(tensor.shape), tensor.detach().resolve_conj()
         )
         del back
+
+
+def test_trainer_engine_drives_the_round_through_a_sync_client() -> None:
+    """vLLM 0.3x style: trainer_init -> send_weights through a VLLMWeightSyncClient."""
+    from asyncsync.backends.shm import ShmTrainerEngine, ShmTrainerInitInfo
+
+    params = _params(layers=3, width=32)
+    worker = _Worker(params)
+    calls: list[str] = []
+
+    class Client:
+        def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+            calls.append(f"init:{init_info['protocol']}")
+
+        def start_weight_update(self) -> None:
+            calls.append("start")
+            worker.receiver.begin_round()
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            calls.append("update")
+            worker.send(update_info)
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            calls.append("finish")
+            worker.receiver.end_round()
+
+    engine = ShmTrainerEngine.trainer_init(
+        ShmTrainerInitInfo(rank=0, buffer_bytes=8192), client=Client(), source=_Source(params)
+    )
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    assert calls[0] == "init:1"
+    assert calls[1] == "start"
+    assert calls[-1] == "finish"
+    assert calls.count("update") == engine.last_stats.chunks > 1  # type: ignore[union-attr]
+    assert all(torch.equal(worker.loaded[n], t) for n, t in params)
+    # A non-sender rank never touches the client.
+    other = ShmTrainerEngine.trainer_init(
+        ShmTrainerInitInfo(rank=1, buffer_bytes=8192), client=Client(), source=_Source(params)
+    )
+    before = list(calls)
+    other.send_weights()
+    other.shutdown()
+    assert calls == before
