@@ -32,6 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from _markdown import write_section
+
 import asyncsync as az
 from asyncsync import _json
 from asyncsync._loop import run as run_loop
@@ -241,14 +243,7 @@ def main() -> None:
     block = "\n".join(lines)
     print(block)
     if args.write is not None:
-        text = args.write.read_text() if args.write.exists() else ""
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            tail = rest.split(END, 1)[1]
-            text = head + block + tail
-        else:
-            text = text + "\n" + block + "\n"
-        args.write.write_text(text)
+        write_section(args.write, BEGIN, END, block, "Control-plane fan-out")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from _markdown import write_section
 
 import asyncsync as az
 from asyncsync import _json
@@ -289,14 +290,7 @@ def main() -> None:
     block = "\n".join(lines)
     print(block)
     if args.write is not None:
-        text = args.write.read_text() if args.write.exists() else ""
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            tail = rest.split(END, 1)[1]
-            text = head + block + tail
-        else:
-            text = text + "\n" + block + "\n"
-        args.write.write_text(text)
+        write_section(args.write, BEGIN, END, block, "Generation")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import torch
+from _markdown import write_section
 
 import asyncsync as az
 from asyncsync._loop import run, uvloop_enabled
@@ -258,18 +259,6 @@ buffers, bounded by the buffer size, not the model size. Peak RSS grew by \
 {p1["rss_growth_mb"]:.0f} MB over the measured rounds (the mapped buffers included)."""
 
 
-def write_section(path: Path, text: str) -> None:
-    doc = path.read_text() if path.exists() else "# Performance\n"
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        doc = head + block + tail
-    else:
-        doc = doc.rstrip() + "\n\n## Weight publishing (shm backend)\n\n" + block + "\n"
-    path.write_text(doc)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -286,7 +275,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, BEGIN, END, text, "Weight publishing (shm backend)")
         print(f"updated {args.write}", file=sys.stderr)
 
 
