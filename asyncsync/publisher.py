@@ -167,21 +167,6 @@ def _resolve(weights: WeightsLike) -> _Source:
     return _Source(weights)
 
 
-class _ManifestSource:
-    """Adapter giving :class:`ShmTrainerEngine` a source with ``metadata()``."""
-
-    def __init__(self, source: _Source) -> None:
-        self._source = source
-
-    def metadata(self) -> list[tuple[str, Any, tuple[int, ...]]]:
-        meta = self._source.metadata()
-        assert meta is not None
-        return meta
-
-    def __iter__(self) -> Any:
-        return iter(self._source)
-
-
 # ----------------------------------------------------------------------------- progress
 def _progress_enabled(progress: bool | None) -> bool:
     if progress is not None:
@@ -469,28 +454,28 @@ class AsyncWeightPublisher:
             version=version,
         )
         source = None if _is_factory(weights) else _resolve(weights)
-        meta_known = source.metadata() if source is not None else None
+        # Known up front unless the weights come from a factory (called in the thread).
+        manifest = manifest_of(source) if source is not None else None
         reporter: Callable[[int, int], None] | None
         bar: _Progress | None = None
         if callable(progress):
             reporter = progress
         else:
-            total = None
-            if meta_known is not None:
-                manifest = manifest_of(_ManifestSource(source)) if source else None
-                total = manifest.total_bytes if manifest is not None else None
+            total = manifest.total_bytes if manifest is not None else None
             bar = _Progress(_progress_enabled(progress), total, version)
             reporter = bar
 
         def run_send() -> ChunkStats:
             src = source if source is not None else _resolve(weights)
+            round_manifest = manifest if source is not None else manifest_of(src)
             if self.api == "engine":
                 engine = ShmTrainerEngine(
                     client=client,
-                    source=_ManifestSource(src) if src.metadata() is not None else src,
+                    source=src,
                     is_sender=True,
                     buffers=self._buffers,
                     cancel=cancel,
+                    manifest=round_manifest,
                 )
                 engine.on_chunk = reporter
                 try:
@@ -502,17 +487,15 @@ class AsyncWeightPublisher:
             # 0.23 style: the caller drives start/finish (start from this thread through
             # the bridge); the backend's static send only streams chunks to send_mode.
             stats = ChunkStats()
-            meta = src.metadata()
-            manifest = manifest_of(_ManifestSource(src)) if meta is not None else None
-            if manifest is not None:
-                plan_chunks(manifest, self._buffers.buffer_bytes)  # bad input: before start
+            if round_manifest is not None:  # bad input: refused before start
+                plan_chunks(round_manifest, self._buffers.buffer_bytes)
             client.started = True
             bridge.call(start)
             args = ShmTrainerSendWeightsArgs(
                 send_mode=client.update_weights,
                 buffers=self._buffers,
                 rank=0,
-                manifest=manifest,
+                manifest=round_manifest,
                 cancel=cancel,
                 stats=stats,
                 on_chunk=reporter,

@@ -432,9 +432,12 @@ class ShmTrainerEngine:
         is_sender: bool,
         buffers: ShmBuffers,
         cancel: threading.Event | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
         self.client = client
         self.source = source
+        #: the source's manifest when the caller already knows it (else read at send)
+        self.manifest = manifest
         self.is_sender = is_sender
         self.buffers = buffers
         self.cancel = cancel
@@ -468,7 +471,7 @@ class ShmTrainerEngine:
         source = self.source
         if source is None:
             raise ValueError("ShmTrainerEngine.send_weights needs a source")
-        manifest = manifest_of(source)
+        manifest = self.manifest if self.manifest is not None else manifest_of(source)
         items = source() if callable(source) and not hasattr(source, "__iter__") else source
         if not self.is_sender:
             self.last_stats = stream_chunks(items, manifest, self.buffers, None)
@@ -493,10 +496,11 @@ class ShmTrainerEngine:
 def manifest_of(source: Any) -> Manifest | None:
     """The manifest of a source that can describe itself without materializing."""
     meta = getattr(source, "metadata", None)
-    if not callable(meta):
+    described = meta() if callable(meta) else None
+    if described is None:  # a stream: validated chunk by chunk instead
         return None
     entries = []
-    for m in meta():
+    for m in described:
         if isinstance(m, tuple):
             name, dtype, shape = m
         else:
