@@ -16,7 +16,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["LoopBridge", "PhaseTimes", "SyncFleetClient"]
@@ -58,8 +58,6 @@ class PhaseTimes:
     start: float = 0.0
     transfer: float = 0.0
     finish: float = 0.0
-    updates: int = 0
-    update_seconds: list[float] = field(default_factory=list)
 
 
 class SyncFleetClient:
@@ -107,10 +105,7 @@ class SyncFleetClient:
     def update_weights(self, update_info: Any) -> None:
         t0 = time.perf_counter()
         self._bridge.call(lambda: self._await(self._update(update_info)))
-        elapsed = time.perf_counter() - t0
-        self.times.transfer += elapsed
-        self.times.updates += 1
-        self.times.update_seconds.append(elapsed)
+        self.times.transfer += time.perf_counter() - t0
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version

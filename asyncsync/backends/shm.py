@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from asyncsync.backends._segments import Segment
@@ -198,10 +198,6 @@ class ShmBuffers:
         return segment
 
     @property
-    def names(self) -> list[str]:
-        return [s.name for s in self._segments]
-
-    @property
     def allocated_bytes(self) -> int:
         return sum(s.size for s in self._segments)
 
@@ -242,8 +238,6 @@ class ChunkStats:
     bytes: int = 0
     params: int = 0
     pack_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    chunk_seconds: list[float] = field(default_factory=list)
 
 
 def _materialize(tensor: Any) -> Any:
@@ -282,18 +276,14 @@ def stream_chunks(
 
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncsync-shm-send")
     in_flight: Future[None] | None = None
-    in_flight_started = 0.0
 
     def wait_in_flight() -> None:
         nonlocal in_flight
         if in_flight is not None:
-            started = time.perf_counter()
             try:
                 in_flight.result()
             finally:
                 in_flight = None
-            stats.wait_seconds += time.perf_counter() - started
-            stats.chunk_seconds.append(time.perf_counter() - in_flight_started)
 
     def check_cancel() -> None:
         if cancel is not None and cancel.is_set():
@@ -311,7 +301,7 @@ def stream_chunks(
 
         def emit(last: bool) -> None:
             nonlocal chunk_index, names, dtypes, shapes, offsets, used, segment
-            nonlocal in_flight, in_flight_started
+            nonlocal in_flight
             assert segment is not None
             info: dict[str, Any] = {
                 "round": round_id,
@@ -334,7 +324,6 @@ def stream_chunks(
             stats.params += len(names)
             if on_chunk is not None:
                 on_chunk(stats.chunks, stats.bytes)
-            in_flight_started = time.perf_counter()
             in_flight = pool.submit(send, info)
             chunk_index += 1
             names, dtypes, shapes, offsets, used, segment = [], [], [], [], 0, None
