@@ -149,40 +149,63 @@ def _perturbed(tiny_model_dir: Path) -> dict[str, Any]:
 async def test_keep_pause_across_a_publish_reports_two_spans(
     fleet: az.Fleet, tiny_model_dir: Path, original_weights_restored: None
 ) -> None:
+    """The generation is known to be running (its first tokens have streamed back) when
+    the publish starts; the publish pauses with mode="keep" a few milliseconds later.
+    If a loaded machine still lets all samples finish inside that window, no sample can
+    be split, so the scenario is repeated (never silently passed)."""
     new_weights = _perturbed(tiny_model_dir)
     url = fleet.urls[1]
     async with az.Fleet([url]) as one, az.AsyncWeightPublisher(one) as pub:
-        before = (await one.weight_info())[url].value
-        task = asyncio.create_task(
-            one.generate(PROMPTS[0], n=8, max_tokens=240, seed=1, ignore_eos=True)
-        )
-        await asyncio.sleep(0.15)
-        assert not task.done(), "generation finished before the publish; make it longer"
-        await pub.publish(new_weights, version="keep-v1", pause="keep")
-        samples = await task
-    split = [s for s in samples if len(s.weight_versions) == 2]
-    assert split, [s.weight_versions for s in samples]
+        for attempt in range(3):
+            before = (await one.weight_info())[url].value
+            version = f"keep-v{attempt}"
+            async with one.stream(
+                PROMPTS[0], n=4, max_tokens=240, seed=1, ignore_eos=True
+            ) as stream:
+                deltas = aiter(stream)
+                await anext(deltas)  # tokens are flowing: the request is on the engine
+                await pub.publish(new_weights, version=version, pause="keep")
+                async for _ in deltas:
+                    pass
+            samples = stream.completions
+            assert len(samples) == 4
+            split = [s for s in samples if len(s.weight_versions) == 2]
+            if split:
+                break
+            assert all(s.weight_versions[0].version == before for s in samples)
+        assert split, [s.weight_versions for s in samples]
     for s in split:
         first, second = s.weight_versions
-        assert (first.version, second.version) == (before, "keep-v1")
+        assert (first.version, second.version) == (before, version)
         assert first.start == 0
         assert first.end == second.start
         assert second.end == 240
-        assert s.token_versions.count("keep-v1") == len(second)
+        assert s.token_versions.count(version) == len(second)
 
 
 async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -> None:
+    """A plain generate and a stream run on one server; once the stream's first tokens
+    are back (the engine is stepping), a pause with mode="abort" must end both with
+    GenerationAborted carrying the tokens so far."""
     url = fleet.urls[0]
+    client = fleet.client(url)
     task = asyncio.create_task(
-        fleet.client(url).generate(PROMPTS[0], n=8, max_tokens=240, ignore_eos=True, logprobs=0)
+        client.generate(PROMPTS[0], n=8, max_tokens=240, ignore_eos=True, logprobs=0)
     )
-    await asyncio.sleep(0.15)
     try:
-        await fleet.pause("abort", targets=[url])
+        async with client.stream(PROMPTS[1], max_tokens=240, ignore_eos=True) as stream:
+            deltas = aiter(stream)
+            await anext(deltas)
+            await fleet.pause("abort", targets=[url])
+            with pytest.raises(az.GenerationAborted) as streamed:
+                async for _ in deltas:
+                    pass
         with pytest.raises(az.GenerationAborted) as info:
             await task
     finally:
         await fleet.resume(targets=[url])
+    assert streamed.value.completions[0].aborted
+    assert len(streamed.value.completions[0].token_ids) < 240
     aborted = [c for c in info.value.completions if c.aborted]
     assert aborted
     assert all(len(c.token_ids) < 240 for c in aborted)
