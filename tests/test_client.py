@@ -330,7 +330,7 @@ async def test_hang_times_out_within_the_deadline(fake32: FakeVLLMServer) -> Non
         elapsed = time.monotonic() - started
     assert isinstance(info.value, TimeoutError)
     assert info.value.route == "/update_weights"
-    assert 0.3 <= elapsed < 1.0
+    assert 0.3 <= elapsed < 2.0  # the update deadline, far from control's 5 s
     # The hung handler saw its client go away: the connection was closed.
     for _ in range(100):
         if fake32.cancelled:

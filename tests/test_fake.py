@@ -57,8 +57,12 @@ async def test_connection_closes_after_a_worker_failure() -> None:
             assert resp.status == 500
             assert "Connection" not in resp.headers  # as uvicorn: no header, just a close
             await resp.read()
-        await asyncio.sleep(0.05)
+        for _ in range(500):
+            if fake.open_connections == 0:
+                break
+            await asyncio.sleep(0.01)
         assert fake.open_connections == 0
+    async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
         async with s.post(fake.url + "/resume") as resp:
             assert resp.status == 200
         assert fake.open_connections == 1  # other answers keep the connection alive

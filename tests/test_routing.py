@@ -261,7 +261,11 @@ async def test_retried_elsewhere_only_when_the_request_never_arrived(
     async with az.Fleet([fakes[1].url, fakes[2].url]) as fleet:
         fleet.state(fakes[2].url).routed = 10
         task = asyncio.create_task(fleet.generate(PROMPT, max_tokens=100))
-        await asyncio.sleep(0.2)
+        for _ in range(500):
+            if fakes[1].generation_requests:
+                break
+            await asyncio.sleep(0.01)
+        assert fakes[1].generation_requests == 1
         await fakes[1].stop()
         with pytest.raises(az.AsyncSyncError):
             await task
