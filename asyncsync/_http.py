@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -23,7 +23,7 @@ from asyncsync._errors import (
     ServerUnavailable,
 )
 from asyncsync._retry import parse_retry_after
-from asyncsync._timeouts import Phase, Timeouts
+from asyncsync._timeouts import Deadline, Phase, Timeouts
 
 __all__ = ["NO_BODY", "Call", "Malformed", "describe_error_body", "send"]
 
@@ -164,7 +164,7 @@ def _transport_error(
     )
 
 
-async def send(
+def send(
     session: aiohttp.ClientSession,
     server: str,
     call: Call[T],
@@ -173,7 +173,8 @@ async def send(
     headers: Mapping[str, str],
     timeouts: Timeouts,
     after_server_error: bool = False,
-) -> T:
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> Coroutine[Any, Any, T]:
     """Send ``call`` to ``server`` once and return the parsed response.
 
     The whole exchange (connect, send, wait, read) runs under the phase's deadline.
@@ -189,13 +190,31 @@ async def send(
     next request written on it fails at once with "Server disconnected" or "Connection
     reset", unread by the server. In that one situation the request is sent once more,
     on a fresh connection; it is safe because the server never read the first copy.
+
+    ``loop``: the running loop, when the caller holds it (saves a lookup per request).
     """
+    if loop is None:
+        loop = asyncio.get_running_loop()
+    if after_server_error:
+        return _send_resending(session, server, call, body, headers, timeouts, loop)
+    return _send_once(session, server, call, body, headers, timeouts, loop)
+
+
+async def _send_resending(
+    session: aiohttp.ClientSession,
+    server: str,
+    call: Call[T],
+    body: bytes | None,
+    headers: Mapping[str, str],
+    timeouts: Timeouts,
+    loop: asyncio.AbstractEventLoop,
+) -> T:
     try:
-        return await _send_once(session, server, call, body, headers, timeouts)
+        return await _send_once(session, server, call, body, headers, timeouts, loop)
     except ServerUnavailable as err:
-        if not (after_server_error and _is_stale_connection(err.__cause__)):
+        if not _is_stale_connection(err.__cause__):
             raise
-    return await _send_once(session, server, call, body, headers, timeouts)
+    return await _send_once(session, server, call, body, headers, timeouts, loop)
 
 
 def _is_stale_connection(exc: BaseException | None) -> bool:
@@ -210,7 +229,7 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 
 @functools.lru_cache(maxsize=64)
 def _client_timeout(connect: float | None) -> aiohttp.ClientTimeout:
-    # The whole exchange runs under asyncio.timeout(deadline); aiohttp only bounds the
+    # The whole exchange runs under Deadline(loop, deadline); aiohttp only bounds the
     # connect. One immutable object per connect deadline, not one per request.
     return aiohttp.ClientTimeout(total=None, sock_connect=connect)
 
@@ -222,6 +241,7 @@ async def _send_once(
     body: bytes | None,
     headers: Mapping[str, str],
     timeouts: Timeouts,
+    loop: asyncio.AbstractEventLoop,
 ) -> T:
     deadline = timeouts.for_phase(call.phase)
     if body is None and not call.extra_headers:
@@ -232,8 +252,9 @@ async def _send_once(
             request_headers.update(call.extra_headers)
     client_timeout = _client_timeout(timeouts.connect)
     try:
-        async with asyncio.timeout(deadline):
-            async with session.request(
+        async with (
+            Deadline(loop, deadline),
+            session.request(
                 call.method,
                 server + call.route,
                 params=call.params or None,
@@ -241,9 +262,10 @@ async def _send_once(
                 headers=request_headers,
                 timeout=client_timeout,
                 allow_redirects=False,
-            ) as resp:
-                payload = await resp.read()
-                status, reason, resp_headers = resp.status, resp.reason, resp.headers
+            ) as resp,
+        ):
+            payload = await resp.read()
+            status, reason, resp_headers = resp.status, resp.reason, resp.headers
     except TimeoutError as exc:
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             raise _transport_error(exc, call, server, timeouts) from exc

@@ -13,7 +13,7 @@ Nothing here touches the network; :class:`asyncsync.Fleet` applies these decisio
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -123,7 +123,7 @@ def ineligibility(
 
 
 def choose(
-    states: Sequence[ServerState],
+    states: Iterable[ServerState],
     history: VersionHistory,
     *,
     max_staleness: int | None,

@@ -30,11 +30,18 @@ from asyncsync._errors import AsyncSyncError, ProtocolError, ServerTimeout, Serv
 from asyncsync._http import NO_BODY, Call, Malformed, _transport_error, send
 from asyncsync._retry import NO_RETRY, RetryPolicy, is_retryable, retry_delay
 from asyncsync._timeouts import Timeouts
+from asyncsync.generation import (
+    CompletionStream,
+    GenerationRequest,
+    check_prompt,
+    generate_on,
+    run_all,
+    score_on,
+)
 
 if TYPE_CHECKING:
     from asyncsync.generation import (
         Completion,
-        CompletionStream,
         PromptScores,
         Route,
         Tokenizer,
@@ -483,6 +490,8 @@ class AsyncVLLMClient:
         self._retry = retry if retry is not None else NO_RETRY
         self._session = session
         self._owns_session = session is None
+        #: The loop the session belongs to, looked up once (see _timeouts.Deadline).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._state: _State = "unopened"
         self._version: str | None = vllm_version
         self._protocol: ProtocolGeneration | None = (
@@ -540,6 +549,7 @@ class AsyncVLLMClient:
             return
         self._state = "closed"
         session, self._session = self._session, None
+        self._loop = None
         if session is not None and self._owns_session and not session.closed:
             await _close_shielded(session)
 
@@ -549,6 +559,7 @@ class AsyncVLLMClient:
             raise RuntimeError("this client already owns a session")
         self._session = session
         self._owns_session = False
+        self._loop = None
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._state == "closed":
@@ -571,6 +582,8 @@ class AsyncVLLMClient:
                 "the aiohttp session this client uses is closed", server=self._url
             )
         self._state = "open"
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         return self._session
 
     # --------------------------------------------------------------- transport
@@ -592,6 +605,7 @@ class AsyncVLLMClient:
                     headers=self._headers,
                     timeouts=timeouts or self._timeouts,
                     after_server_error=self._after_server_error,
+                    loop=self._loop,
                 )
             except AsyncSyncError as err:
                 self._after_server_error = err.status is not None and err.status >= 500
@@ -834,8 +848,6 @@ class AsyncVLLMClient:
         (``source="client"``). Raises :class:`~asyncsync.GenerationAborted` (with the
         partial tokens) when the server aborted the request.
         """
-        from asyncsync.generation import check_prompt, generate_on
-
         req = _generation_request(
             max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
             cache_salt, request_id, model, extra,
@@ -872,8 +884,6 @@ class AsyncVLLMClient:
         """Generate for many prompts at once (concurrent requests); one list of ``n``
         completions per prompt, in prompt order. Any failure cancels the rest and
         raises (an ``ExceptionGroup`` is unwrapped when only one request failed)."""
-        from asyncsync.generation import check_prompt, generate_on, run_all
-
         req = _generation_request(
             max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
             cache_salt, None, model, extra,
@@ -907,8 +917,6 @@ class AsyncVLLMClient:
     ) -> CompletionStream:
         """Stream a generation: ``async with client.stream(ids, ...) as s: async for
         delta in s: ...``; then ``s.completion``. ``timeout`` bounds the whole stream."""
-        from asyncsync.generation import CompletionStream, check_prompt
-
         req = _generation_request(
             max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
             cache_salt, request_id, model, extra,
@@ -928,8 +936,6 @@ class AsyncVLLMClient:
         """Per-position logprob of each given token under this server's weights
         (``prompt_logprobs``): ``scores.logprobs[0]`` is None, ``scores.logprobs[i]`` is
         log p(token_ids[i] | token_ids[:i]). For distillation and KL terms."""
-        from asyncsync.generation import check_prompt, score_on
-
         return await score_on(
             self, check_prompt(token_ids), top_k=top_k, route=route, timeout=timeout
         )
@@ -958,9 +964,7 @@ def _generation_request(
     request_id: str | None,
     model: str | None,
     extra: Mapping[str, Any],
-) -> Any:
-    from asyncsync.generation import GenerationRequest
-
+) -> GenerationRequest:
     return GenerationRequest(
         max_tokens=max_tokens,
         temperature=temperature,

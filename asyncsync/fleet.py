@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import (
     Awaitable,
     Callable,
@@ -46,7 +47,9 @@ from asyncsync.client import (
     ProtocolGeneration,
     WeightComparison,
     _close_shielded,
+    _generation_request,
     _normalize_url,
+    _prompt_list,
     plan_abort_requests,
     plan_compare_weights,
     plan_finish_weight_update,
@@ -65,12 +68,18 @@ from asyncsync.client import (
     plan_weight_checksums,
     plan_weight_info,
 )
-from asyncsync.generation import never_reached
+from asyncsync.generation import (
+    CompletionStream,
+    check_prompt,
+    generate_on,
+    never_reached,
+    run_all,
+    score_on,
+)
 
 if TYPE_CHECKING:
     from asyncsync.generation import (
         Completion,
-        CompletionStream,
         GenerationRequest,
         PromptScores,
         Route,
@@ -127,6 +136,11 @@ class ServerState:
     def available(self) -> bool:
         """Fit to serve generations: healthy, not paused, not updating, not dirty."""
         return self.healthy and not (self.paused or self.updating or self.dirty)
+
+    def read_version(self) -> str | None:
+        """The current :attr:`weight_version` (a reader handed to generation, which
+        records it at admission and at completion)."""
+        return self.weight_version
 
 
 @dataclass(frozen=True, slots=True)
@@ -844,6 +858,8 @@ class Fleet:
 
     def _notify(self) -> None:
         """Wake generations waiting for an eligible server (state changed)."""
+        if not self._waiters:
+            return
         waiters, self._waiters = self._waiters, set()
         for fut in waiters:
             if not fut.done():
@@ -886,13 +902,13 @@ class Fleet:
     ) -> ServerState:
         """Wait for an eligible server and count a request on it."""
         self._open()
-        loop = asyncio.get_running_loop()
         limit = self.admission_timeout if admission_timeout is None else admission_timeout
-        deadline = None if limit is None else loop.time() + limit
+        # time.monotonic(), not the loop's clock: no loop lookup on this hot path.
+        deadline = None if limit is None else time.monotonic() + limit
         while True:
             pinned = self._sessions.get(session_id) if session_id is not None else None
             state, skipped = choose(
-                self.servers,
+                self._states.values(),
                 self._history,
                 max_staleness=self.max_staleness,
                 min_version=min_version,
@@ -910,7 +926,7 @@ class Fleet:
                     "no server to generate on: "
                     + ("the fleet is empty" if not self._states else "every server failed")
                 )
-            remaining = None if deadline is None else deadline - loop.time()
+            remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 detail = ", ".join(f"{u} ({r})" for u, r in skipped.items())
                 pin = f"; session {session_id!r} is pinned to {pinned}" if pinned else ""
@@ -927,7 +943,12 @@ class Fleet:
     def _tag(self, completions: Sequence[Completion]) -> None:
         """Set each completion's staleness and record it in :attr:`staleness`."""
         for c in completions:
-            versions = [s.version for s in c.weight_versions if s.end > s.start]
+            spans = c.weight_versions
+            if len(spans) == 1 and spans[0].version is not None and spans[0].end > spans[0].start:
+                c.staleness = self._history.behind(spans[0].version)  # the common case
+                self.staleness.record(c.server, c.staleness)
+                continue
+            versions = [s.version for s in spans if s.end > s.start]
             if any(v is None for v in versions):
                 versions = [c.admitted_version]
             if not versions:
@@ -974,12 +995,6 @@ class Fleet:
                 return result
             finally:
                 self._release(state)
-
-    def _request(self, **kwargs: Any) -> GenerationRequest:
-        from asyncsync.client import _generation_request
-
-        req: GenerationRequest = _generation_request(**kwargs)
-        return req
 
     # ------------------------------------------------------------------ generation
     @overload
@@ -1075,9 +1090,7 @@ class Fleet:
         and recorded in :attr:`staleness`. Aborted requests raise
         :class:`~asyncsync.GenerationAborted` with the partial tokens (retryable).
         """
-        from asyncsync.generation import check_prompt
-
-        req = self._request(
+        req = _generation_request(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
             cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
@@ -1099,23 +1112,36 @@ class Fleet:
         min_version: str | None,
         admission_timeout: float | None,
     ) -> list[Completion]:
-        from asyncsync.generation import generate_on
-
+        # _routed inlined: this is the hot path of every rollout.
         tok = tokenizer if tokenizer is not None else self.tokenizer
-
-        async def run(client: AsyncVLLMClient, state: ServerState) -> list[Completion]:
+        tried: set[str] = set()
+        while True:
+            state = await self._admit(session_id, min_version, tried, admission_timeout)
             try:
                 out = await generate_on(
-                    client, prompt, req, route=route, tokenizer=tok, timeout=timeout,
-                    version_at=lambda: state.weight_version,
+                    self._clients[state.url], prompt, req, route=route, tokenizer=tok,
+                    timeout=timeout, version_at=state.read_version,
                 )  # fmt: skip
             except GenerationAborted as err:
                 self._tag(err.completions)
+                self._on_failure(state, err)
                 raise
-            self._tag(out)
-            return out
-
-        return await self._routed(session_id, min_version, admission_timeout, run)
+            except AsyncSyncError as err:
+                self._on_failure(state, err)
+                if never_reached(err):
+                    tried.add(state.url)
+                    if session_id is not None:
+                        self._sessions.drop(session_id)
+                    if len(tried) < len(self._states):
+                        continue
+                raise
+            else:
+                state.healthy = True
+                state.last_error = None
+                self._tag(out)
+                return out
+            finally:
+                self._release(state)
 
     async def generate_batch(
         self,
@@ -1143,10 +1169,7 @@ class Fleet:
         spreads over the fleet), all concurrently. Returns one list of ``n``
         completions per prompt, in order. The first failure cancels the rest and is
         raised. ``session_ids``: one per prompt (or None)."""
-        from asyncsync.client import _prompt_list
-        from asyncsync.generation import check_prompt, run_all
-
-        req = self._request(
+        req = _generation_request(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
             cache_salt=cache_salt, request_id=None, model=model, extra=extra,
@@ -1190,9 +1213,7 @@ class Fleet:
         fleet.stream(ids, ...) as s: async for delta in s: ...``; then
         ``s.completion``. The server is chosen when the stream opens and holds the
         request until the stream is closed."""
-        from asyncsync.generation import CompletionStream, check_prompt
-
-        req = self._request(
+        req = _generation_request(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
             cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
@@ -1246,14 +1267,12 @@ class Fleet:
         """Per-position logprob of each given token (``prompt_logprobs``) on a server
         chosen like :meth:`generate`: position 0 is None; a position whose answer
         lacks the given token raises :class:`~asyncsync.GenerationError`."""
-        from asyncsync.generation import check_prompt, score_on
-
         ids = check_prompt(token_ids)
 
         async def run(client: AsyncVLLMClient, state: ServerState) -> PromptScores:
             return await score_on(
                 client, ids, top_k=top_k, route=route, timeout=timeout,
-                version_at=lambda: state.weight_version,
+                version_at=state.read_version,
             )  # fmt: skip
 
         return await self._routed(session_id, min_version, admission_timeout, run)
