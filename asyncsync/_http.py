@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 import aiohttp
+import yarl
 
 from asyncsync import _json
 from asyncsync._errors import (
@@ -234,6 +235,13 @@ def _client_timeout(connect: float | None) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=connect)
 
 
+@functools.lru_cache(maxsize=8192)
+def _url(server: str, route: str) -> yarl.URL:
+    # Parsed once per server and route; aiohttp otherwise parses the string on every
+    # request (a few percent of a fan-out's CPU).
+    return yarl.URL(server + route)
+
+
 async def _send_once(
     session: aiohttp.ClientSession,
     server: str,
@@ -256,7 +264,7 @@ async def _send_once(
             Deadline(loop, deadline),
             session.request(
                 call.method,
-                server + call.route,
+                _url(server, call.route),
                 params=call.params or None,
                 data=body,
                 headers=request_headers,
