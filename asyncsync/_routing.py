@@ -138,7 +138,7 @@ def choose(
     Returns (the server or None, the reason each skipped server was skipped).
     """
     skipped: dict[str, Reason] = {}
-    excluded = set(exclude)
+    excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
     best: ServerState | None = None
     pinned_state: ServerState | None = None
     for state in states:
@@ -222,7 +222,10 @@ class StalenessStats:
             self.unknown += 1
             return
         self.histogram[staleness] += 1
-        self.per_server.setdefault(server, Counter())[staleness] += 1
+        per = self.per_server.get(server)
+        if per is None:
+            per = self.per_server[server] = Counter()
+        per[staleness] += 1
 
     @property
     def count(self) -> int:

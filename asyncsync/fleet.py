@@ -12,6 +12,7 @@ from collections.abc import (
     Iterator,
     Mapping,
     Sequence,
+    Set,
 )
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -87,6 +88,8 @@ if TYPE_CHECKING:
     )
 
 __all__ = ["Fleet", "FleetResult", "Outcome", "Require", "ServerState"]
+
+_NOTHING_TRIED: frozenset[str] = frozenset()
 
 T = TypeVar("T")
 
@@ -897,7 +900,7 @@ class Fleet:
         self,
         session_id: str | None,
         min_version: str | None,
-        exclude: set[str],
+        exclude: Set[str],
         admission_timeout: float | None,
     ) -> ServerState:
         """Wait for an eligible server and count a request on it."""
@@ -1114,7 +1117,7 @@ class Fleet:
     ) -> list[Completion]:
         # _routed inlined: this is the hot path of every rollout.
         tok = tokenizer if tokenizer is not None else self.tokenizer
-        tried: set[str] = set()
+        tried: frozenset[str] = _NOTHING_TRIED
         while True:
             state = await self._admit(session_id, min_version, tried, admission_timeout)
             try:
@@ -1129,7 +1132,7 @@ class Fleet:
             except AsyncSyncError as err:
                 self._on_failure(state, err)
                 if never_reached(err):
-                    tried.add(state.url)
+                    tried = tried | {state.url}
                     if session_id is not None:
                         self._sessions.drop(session_id)
                     if len(tried) < len(self._states):

@@ -559,10 +559,10 @@ def parse_spans(data: Any, n_tokens: int) -> list[WeightVersionSpan] | None:
 
 def _finish(choice: dict[str, Any]) -> tuple[str | None, int | str | None]:
     reason = choice.get("finish_reason")
-    if reason is not None and not isinstance(reason, str):
+    if reason is not None and type(reason) is not str:
         raise Malformed("finish_reason is not a string")
     stop = choice.get("stop_reason")
-    if stop is not None and not (_is_int(stop) or isinstance(stop, str)):
+    if stop is not None and not (type(stop) is int or type(stop) is str):
         raise Malformed("stop_reason is not an int or string")
     return reason, stop
 
@@ -615,10 +615,21 @@ def parse_completions(data: Any, n: int, logprobs: int | None) -> ParsedResponse
         raw_ids = raw.get("token_ids")
         ids = None if raw_ids is None else _int_list(raw_ids, "token_ids")
         text = raw.get("text")
-        if text is not None and not isinstance(text, str):
+        if text is not None and type(text) is not str:
             raise Malformed("text is not a string")
-        choice = ParsedChoice(index=i, token_ids=ids, text=text)
-        choice.finish_reason, choice.stop_reason = _finish(raw)
+        reason, stop = _finish(raw)
+        prompt_ids = raw.get("prompt_token_ids")
+        choice = ParsedChoice(
+            index=i,
+            token_ids=ids,
+            finish_reason=reason,
+            stop_reason=stop,
+            text=text,
+            prompt_token_ids=(
+                None if prompt_ids is None else _int_list(prompt_ids, "prompt_token_ids")
+            ),
+            prompt_logprobs=raw.get("prompt_logprobs"),
+        )
         raw_lp = raw.get("logprobs")
         if logprobs is not None:
             if raw_lp is None:
@@ -632,10 +643,6 @@ def parse_completions(data: Any, n: int, logprobs: int | None) -> ParsedResponse
             elif ids is not None and named is not None and named != ids:
                 raise Malformed("logprob tokens name other ids than token_ids")
             choice.logprobs, choice.top_logprobs, choice.top_logprobs_text = lps, by_id, by_text
-        prompt_ids = raw.get("prompt_token_ids")
-        if prompt_ids is not None:
-            choice.prompt_token_ids = _int_list(prompt_ids, "prompt_token_ids")
-        choice.prompt_logprobs = raw.get("prompt_logprobs")
         out.append(choice)
     first = out[0] if out else None
     request_id = data.get("id")

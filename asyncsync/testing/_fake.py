@@ -384,7 +384,9 @@ class FakeVLLMServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self._port))
             self._port = int(sock.getsockname()[1])
-            site = web.SockSite(runner, sock)
+            # uvicorn's (vLLM's) listen backlog; aiohttp's default of 128 drops SYNs when
+            # hundreds of clients connect at once, and each drop costs a 1 s retransmit.
+            site = web.SockSite(runner, sock, backlog=2048)
             await site.start()
         except BaseException:
             sock.close()
