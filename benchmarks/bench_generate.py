@@ -86,6 +86,27 @@ async def drive(
     return time.perf_counter() - wall0, time.process_time() - cpu0, latencies
 
 
+def _openai_client(url: str) -> Any:
+    """AsyncOpenAI with its default pool, except idle connections expire after 4 s (as
+    asyncsync's do): at 5 s, uvicorn and the pool close idle connections at the same
+    moment, and a request written on one then fails (no retries here, to time single
+    requests)."""
+    import openai
+
+    limits = openai.DEFAULT_CONNECTION_LIMITS
+    limits = type(limits)(
+        max_connections=limits.max_connections,
+        max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=4.0,
+    )
+    return openai.AsyncOpenAI(
+        base_url=url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpxClient(limits=limits),
+    )
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -118,9 +139,7 @@ async def client_overhead(url: str, total: int, openai_total: int, concurrency: 
         cases += [("bare aiohttp", total, bare), ("asyncsync `Fleet.generate`", total, ours)]
         oa = None
         try:
-            import openai
-
-            oa = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            oa = _openai_client(url)
 
             async def theirs() -> None:
                 assert oa is not None
@@ -159,12 +178,18 @@ async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[li
     from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
     rows: list[Any] = []
+    # The server's OpenMP threads on the last core, this client on the others: with both
+    # on every core, vLLM-CPU's thread team was preempted by the client and whole rounds
+    # ran at ~90 ms per engine step (for every client alike), which hid the clients.
+    cores = sorted(os.sched_getaffinity(0))
+    server_core = str(cores[-1]) if len(cores) > 1 else None
+    client_cores = set(cores[:-1]) if len(cores) > 1 else set(cores)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0)
-        async with LocalVLLMServer(model_dir) as server, az.Fleet([server.url]) as fleet:
-            import openai
-
-            oa = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        server_cm = LocalVLLMServer(model_dir, cpu_cores=server_core)
+        async with server_cm as server, az.Fleet([server.url]) as fleet:
+            os.sched_setaffinity(0, client_cores)
+            oa = _openai_client(server.url)
             prompts = [[(7 * i + j) % 500 + 1 for j in range(8)] for i in range(total)]
             counter = iter(range(10**9))
 
@@ -208,6 +233,7 @@ async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[li
                           + " req/s", flush=True)  # fmt: skip
             finally:
                 await oa.close()
+                os.sched_setaffinity(0, cores)
     return rows, str(model_dir)
 
 
@@ -285,8 +311,9 @@ def main() -> None:
     if real_rows:
         lines += [
             "",
-            f"**A real server** — one vLLM-CPU 0.32 server (the tiny test model, 2 cores "
-            f"shared with the client), {args.real_requests:,} generations of "
+            f"**A real server** — one vLLM-CPU 0.32 server (the tiny test model; its "
+            f"threads bound to one core, the client process to the other), "
+            f"{args.real_requests:,} generations of "
             f"{args.real_max_tokens} tokens from 8-token prompts at concurrency "
             f"{args.real_concurrency}, greedy; after a warm-up, {ROUNDS} interleaved rounds "
             "per client, the median round shown.",
