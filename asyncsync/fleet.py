@@ -968,6 +968,24 @@ class Fleet:
         ):
             state.healthy = False
 
+    def _failed_attempt(
+        self,
+        state: ServerState,
+        err: AsyncSyncError,
+        session_id: str | None,
+        tried: frozenset[str],
+    ) -> frozenset[str] | None:
+        """Record a failed attempt on ``state``. Returns the servers tried so far when the
+        request never reached this one and another server is left to try; else None
+        (the caller raises)."""
+        self._on_failure(state, err)
+        if not never_reached(err):
+            return None
+        tried = tried | {state.url}
+        if session_id is not None:
+            self._sessions.drop(session_id)
+        return tried if len(tried) < len(self._states) else None
+
     async def _routed(
         self,
         session_id: str | None,
@@ -977,21 +995,18 @@ class Fleet:
     ) -> T:
         """Run ``run`` on an admitted server; a request that never reached its server
         (connection refused / not established) is sent to another one."""
-        tried: set[str] = set()
+        tried: frozenset[str] = _NOTHING_TRIED
         while True:
             state = await self._admit(session_id, min_version, tried, admission_timeout)
             client = self._clients[state.url]
             try:
                 result = await run(client, state)
             except AsyncSyncError as err:
-                self._on_failure(state, err)
-                if never_reached(err):
-                    tried.add(state.url)
-                    if session_id is not None:
-                        self._sessions.drop(session_id)
-                    if len(tried) < len(self._states):
-                        continue
-                raise
+                retry = self._failed_attempt(state, err, session_id, tried)
+                if retry is None:
+                    raise
+                tried = retry
+                continue
             else:
                 state.healthy = True
                 state.last_error = None
@@ -1130,14 +1145,11 @@ class Fleet:
                 self._on_failure(state, err)
                 raise
             except AsyncSyncError as err:
-                self._on_failure(state, err)
-                if never_reached(err):
-                    tried = tried | {state.url}
-                    if session_id is not None:
-                        self._sessions.drop(session_id)
-                    if len(tried) < len(self._states):
-                        continue
-                raise
+                retry = self._failed_attempt(state, err, session_id, tried)
+                if retry is None:
+                    raise
+                tried = retry
+                continue
             else:
                 state.healthy = True
                 state.last_error = None
