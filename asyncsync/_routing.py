@@ -13,7 +13,7 @@ Nothing here touches the network; :class:`asyncsync.Fleet` applies these decisio
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -129,7 +129,7 @@ def choose(
     max_staleness: int | None,
     min_version: str | None = None,
     pinned: str | None = None,
-    exclude: Iterable[str] = (),
+    exclude: Set[str] = frozenset(),
 ) -> tuple[ServerState | None, dict[str, Reason]]:
     """Pick a server: the ``pinned`` one when it is eligible (or only transiently not:
     then nobody, so the caller waits for it), else the eligible server with the fewest
@@ -138,11 +138,10 @@ def choose(
     Returns (the server or None, the reason each skipped server was skipped).
     """
     skipped: dict[str, Reason] = {}
-    excluded = exclude if isinstance(exclude, (set, frozenset)) else set(exclude)
     best: ServerState | None = None
     pinned_state: ServerState | None = None
     for state in states:
-        if state.url in excluded:
+        if state.url in exclude:
             continue
         reason = ineligibility(state, history, max_staleness=max_staleness, min_version=min_version)
         if state.url == pinned:

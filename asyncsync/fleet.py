@@ -140,11 +140,6 @@ class ServerState:
         """Fit to serve generations: healthy, not paused, not updating, not dirty."""
         return self.healthy and not (self.paused or self.updating or self.dirty)
 
-    def read_version(self) -> str | None:
-        """The current :attr:`weight_version` (a reader handed to generation, which
-        records it at admission and at completion)."""
-        return self.weight_version
-
 
 @dataclass(frozen=True, slots=True)
 class Outcome(Generic[T]):
@@ -946,12 +941,7 @@ class Fleet:
     def _tag(self, completions: Sequence[Completion]) -> None:
         """Set each completion's staleness and record it in :attr:`staleness`."""
         for c in completions:
-            spans = c.weight_versions
-            if len(spans) == 1 and spans[0].version is not None and spans[0].end > spans[0].start:
-                c.staleness = self._history.behind(spans[0].version)  # the common case
-                self.staleness.record(c.server, c.staleness)
-                continue
-            versions = [s.version for s in spans if s.end > s.start]
+            versions = [s.version for s in c.weight_versions if s.end > s.start]
             if any(v is None for v in versions):
                 versions = [c.admitted_version]
             if not versions:
@@ -967,24 +957,6 @@ class Fleet:
             isinstance(err, ServerTimeout) and never_reached(err)
         ):
             state.healthy = False
-
-    def _failed_attempt(
-        self,
-        state: ServerState,
-        err: AsyncSyncError,
-        session_id: str | None,
-        tried: frozenset[str],
-    ) -> frozenset[str] | None:
-        """Record a failed attempt on ``state``. Returns the servers tried so far when the
-        request never reached this one and another server is left to try; else None
-        (the caller raises)."""
-        self._on_failure(state, err)
-        if not never_reached(err):
-            return None
-        tried = tried | {state.url}
-        if session_id is not None:
-            self._sessions.drop(session_id)
-        return tried if len(tried) < len(self._states) else None
 
     async def _routed(
         self,
@@ -1002,11 +974,14 @@ class Fleet:
             try:
                 result = await run(client, state)
             except AsyncSyncError as err:
-                retry = self._failed_attempt(state, err, session_id, tried)
-                if retry is None:
-                    raise
-                tried = retry
-                continue
+                self._on_failure(state, err)
+                if never_reached(err):
+                    tried = tried | {state.url}
+                    if session_id is not None:
+                        self._sessions.drop(session_id)
+                    if len(tried) < len(self._states):
+                        continue
+                raise
             else:
                 state.healthy = True
                 state.last_error = None
@@ -1130,33 +1105,21 @@ class Fleet:
         min_version: str | None,
         admission_timeout: float | None,
     ) -> list[Completion]:
-        # _routed inlined: this is the hot path of every rollout.
         tok = tokenizer if tokenizer is not None else self.tokenizer
-        tried: frozenset[str] = _NOTHING_TRIED
-        while True:
-            state = await self._admit(session_id, min_version, tried, admission_timeout)
+
+        async def run(client: AsyncVLLMClient, state: ServerState) -> list[Completion]:
             try:
                 out = await generate_on(
-                    self._clients[state.url], prompt, req, route=route, tokenizer=tok,
-                    timeout=timeout, version_at=state.read_version,
+                    client, prompt, req, route=route, tokenizer=tok, timeout=timeout,
+                    version_at=lambda: state.weight_version,
                 )  # fmt: skip
             except GenerationAborted as err:
                 self._tag(err.completions)
-                self._on_failure(state, err)
                 raise
-            except AsyncSyncError as err:
-                retry = self._failed_attempt(state, err, session_id, tried)
-                if retry is None:
-                    raise
-                tried = retry
-                continue
-            else:
-                state.healthy = True
-                state.last_error = None
-                self._tag(out)
-                return out
-            finally:
-                self._release(state)
+            self._tag(out)
+            return out
+
+        return await self._routed(session_id, min_version, admission_timeout, run)
 
     async def generate_batch(
         self,
@@ -1287,7 +1250,7 @@ class Fleet:
         async def run(client: AsyncVLLMClient, state: ServerState) -> PromptScores:
             return await score_on(
                 client, ids, top_k=top_k, route=route, timeout=timeout,
-                version_at=state.read_version,
+                version_at=lambda: state.weight_version,
             )  # fmt: skip
 
         return await self._routed(session_id, min_version, admission_timeout, run)

@@ -329,6 +329,21 @@ def check_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
     return ids
 
 
+def _with_request_fields(
+    body: dict[str, Any], req: GenerationRequest, stream: bool
+) -> dict[str, Any]:
+    """The top-level fields both generation routes take (besides sampling)."""
+    if req.cache_salt is not None:
+        body["cache_salt"] = req.cache_salt
+    if req.request_id is not None:
+        body["request_id"] = req.request_id
+    if req.model is not None:
+        body["model"] = req.model
+    if stream:
+        body["stream"] = True
+    return body
+
+
 def generate_body(
     prompt: list[int],
     req: GenerationRequest,
@@ -341,15 +356,7 @@ def generate_body(
     if prompt_logprobs is not None:
         sampling["prompt_logprobs"] = prompt_logprobs
     body: dict[str, Any] = {"token_ids": prompt, "sampling_params": sampling}
-    if req.cache_salt is not None:
-        body["cache_salt"] = req.cache_salt
-    if req.request_id is not None:
-        body["request_id"] = req.request_id
-    if req.model is not None:
-        body["model"] = req.model
-    if stream:
-        body["stream"] = True
-    return body
+    return _with_request_fields(body, req, stream)
 
 
 def completions_body(
@@ -365,15 +372,7 @@ def completions_body(
     body["return_tokens_as_token_ids"] = True
     if prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs
-    if req.cache_salt is not None:
-        body["cache_salt"] = req.cache_salt
-    if req.request_id is not None:
-        body["request_id"] = req.request_id
-    if req.model is not None:
-        body["model"] = req.model
-    if stream:
-        body["stream"] = True
-    return body
+    return _with_request_fields(body, req, stream)
 
 
 # ---------------------------------------------------------------------- parsing
@@ -822,14 +821,13 @@ async def send_generation(
 def _generation_call(path: str, n: int, logprobs: int | None) -> Call[ParsedResponse]:
     """The planned call for a generation on ``path`` (immutable; one per shape, shared
     by every request of that shape)."""
-    parse = parse_generate if path == GENERATE_ROUTE else parse_completions
-    return _call(path, functools.partial(parse, n=n, logprobs=logprobs))
-
-
-def _call(path: str, parse: Callable[[Any], ParsedResponse]) -> Call[ParsedResponse]:
-    what = "choices with token_ids" if path == GENERATE_ROUTE else "completion choices"
+    if path == GENERATE_ROUTE:
+        parse, what = parse_generate, "choices with token_ids"
+    else:
+        parse, what = parse_completions, "completion choices"
     return Call(
-        "generate", "POST", path, "generate", parse, "{\"choices\": [" + what + "]}",
+        "generate", "POST", path, "generate",
+        functools.partial(parse, n=n, logprobs=logprobs), "{\"choices\": [" + what + "]}",
         not_found_hint="this server does not serve token-in-token-out generation there",
     )  # fmt: skip
 

@@ -13,6 +13,7 @@ import pytest_asyncio
 
 import asyncsync as az
 from asyncsync.generation import (
+    _generation_call,
     parse_completions,
     parse_generate,
     parse_legacy_logprobs,
@@ -264,9 +265,7 @@ async def test_http_errors_keep_their_type(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:
         with pytest.raises(az.ServerError, match="too_short") as info:
             await client._send(  # an empty prompt, which the client itself refuses
-                __import__("asyncsync.generation", fromlist=["x"])._call(
-                    "/inference/v1/generate", lambda d: d
-                ),
+                _generation_call("/inference/v1/generate", 1, None),
                 b'{"token_ids": [], "sampling_params": {}}',
             )
         assert info.value.status == 400

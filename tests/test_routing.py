@@ -70,7 +70,7 @@ def test_choose_least_outstanding_ties_by_routed_and_affinity() -> None:
     a.paused, a.dirty = False, True
     best, _ = choose([a, b, c], h, max_staleness=0, pinned="a")
     assert best is b  # dirty: the session moves
-    best, _ = choose([a, b, c], h, max_staleness=0, exclude=["b"])
+    best, _ = choose([a, b, c], h, max_staleness=0, exclude={"b"})
     assert best is c
 
 
