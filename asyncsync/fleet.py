@@ -8,6 +8,7 @@ import time
 from collections.abc import (
     Awaitable,
     Callable,
+    Coroutine,
     Iterable,
     Iterator,
     Mapping,
@@ -940,16 +941,10 @@ class Fleet:
 
     def _tag(self, completions: Sequence[Completion]) -> None:
         """Set each completion's staleness and record it in :attr:`staleness`."""
+        history, record = self._history, self.staleness.record
         for c in completions:
-            versions = [s.version for s in c.weight_versions if s.end > s.start]
-            if any(v is None for v in versions):
-                versions = [c.admitted_version]
-            if not versions:
-                versions = [c.completed_version]
-            lags = [self._history.behind(v) for v in versions]
-            known = [x for x in lags if x is not None]
-            c.staleness = max(known) if known and len(known) == len(lags) else None
-            self.staleness.record(c.server, c.staleness)
+            c.staleness = _staleness(history, c)
+            record(c.server, c.staleness)
 
     def _on_failure(self, state: ServerState, err: AsyncSyncError) -> None:
         state.last_error = err
@@ -1088,38 +1083,27 @@ class Fleet:
             logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
             cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
         )  # fmt: skip
-        out = await self._generate_one(
+        out = await self._generation(
             check_prompt(prompt_token_ids), req, session_id, route, tokenizer, timeout,
             min_version, admission_timeout,
         )  # fmt: skip
         return out[0] if n == 1 else out
 
-    async def _generate_one(
+    def _generation(
         self,
         prompt: list[int],
         req: GenerationRequest,
         session_id: str | None,
         route: Route,
         tokenizer: Tokenizer | None,
-        timeout: float | None,  # noqa: ASYNC109
+        timeout: float | None,
         min_version: str | None,
         admission_timeout: float | None,
-    ) -> list[Completion]:
+    ) -> Coroutine[Any, Any, list[Completion]]:
+        """One routed generation (a coroutine to await)."""
         tok = tokenizer if tokenizer is not None else self.tokenizer
-
-        async def run(client: AsyncVLLMClient, state: ServerState) -> list[Completion]:
-            try:
-                out = await generate_on(
-                    client, prompt, req, route=route, tokenizer=tok, timeout=timeout,
-                    version_at=lambda: state.weight_version,
-                )  # fmt: skip
-            except GenerationAborted as err:
-                self._tag(err.completions)
-                raise
-            self._tag(out)
-            return out
-
-        return await self._routed(session_id, min_version, admission_timeout, run)
+        job = _Generation(self, prompt, req, route, tok, timeout)
+        return self._routed(session_id, min_version, admission_timeout, job)
 
     async def generate_batch(
         self,
@@ -1158,7 +1142,7 @@ class Fleet:
             raise ValueError("session_ids must have one entry per prompt")
         return await run_all(
             [
-                self._generate_one(
+                self._generation(
                     p, req, sid, route, tokenizer, timeout, min_version, admission_timeout
                 )
                 for p, sid in zip(checked, sessions, strict=True)
@@ -1249,9 +1233,8 @@ class Fleet:
 
         async def run(client: AsyncVLLMClient, state: ServerState) -> PromptScores:
             return await score_on(
-                client, ids, top_k=top_k, route=route, timeout=timeout,
-                version_at=lambda: state.weight_version,
-            )  # fmt: skip
+                client, ids, top_k=top_k, route=route, timeout=timeout, versions=state
+            )
 
         return await self._routed(session_id, min_version, admission_timeout, run)
 
@@ -1292,6 +1275,63 @@ class Fleet:
                     f"within {timeout:g} s"
                 )
             await self._changed(min(0.5, remaining) if remaining is not None else 0.5)
+
+
+def _staleness(history: VersionHistory, c: Completion) -> int | None:
+    """Versions behind the newest of the oldest version among ``c``'s tokens: from the
+    spans when every span with tokens names its version, else from the version at
+    admission (client-side spans of a version that changed in flight), and from the
+    version at completion when there are no tokens. None when a version is unknown."""
+    worst = -1
+    unknown = False
+    for span in c.weight_versions:
+        if span.end > span.start:
+            if span.version is None:
+                return history.behind(c.admitted_version)
+            lag = history.behind(span.version)
+            if lag is None:
+                unknown = True
+            elif lag > worst:
+                worst = lag
+    if unknown:
+        return None
+    if worst < 0:
+        return history.behind(c.completed_version)
+    return worst
+
+
+class _Generation:
+    """One generation for :meth:`Fleet._routed` to run on the server it admits."""
+
+    __slots__ = ("fleet", "prompt", "req", "route", "timeout", "tokenizer")
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        prompt: list[int],
+        req: GenerationRequest,
+        route: Route,
+        tokenizer: Tokenizer | None,
+        timeout: float | None,
+    ) -> None:
+        self.fleet = fleet
+        self.prompt = prompt
+        self.req = req
+        self.route: Route = route
+        self.tokenizer = tokenizer
+        self.timeout = timeout
+
+    async def __call__(self, client: AsyncVLLMClient, state: ServerState) -> list[Completion]:
+        try:
+            out = await generate_on(
+                client, self.prompt, self.req, route=self.route, tokenizer=self.tokenizer,
+                timeout=self.timeout, versions=state,
+            )  # fmt: skip
+        except GenerationAborted as err:
+            self.fleet._tag(err.completions)
+            raise
+        self.fleet._tag(out)
+        return out
 
 
 def _check_limit(limit: int | None) -> None:

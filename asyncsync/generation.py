@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeGuard, TypeVar
 
 import aiohttp
 
@@ -376,29 +376,10 @@ def completions_body(
 
 
 # ---------------------------------------------------------------------- parsing
-@dataclass(slots=True)
-class ParsedChoice:
-    """One choice of a response, route-independent (private)."""
-
-    index: int
-    token_ids: list[int] | None
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-    top_logprobs_text: list[dict[str, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    spans: list[WeightVersionSpan] | None = None
-    text: str | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: Any = None
-
-
-@dataclass(slots=True)
-class ParsedResponse:
-    choices: list[ParsedChoice]
-    prompt_token_ids: list[int] | None = None
-    prompt_logprobs: Any = None
-    request_id: str | None = None
+#: Marks token ids a response did not carry, until :func:`finish_completions` fills
+#: them in (the prompt we sent; ids re-tokenized from text). Identity-checked, never
+#: mutated, never left in a returned completion.
+_ABSENT: list[int] = []
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -579,78 +560,111 @@ def _choices(data: Any, n: int) -> list[dict[str, Any]]:
     return sorted(choices, key=lambda c: c.get("index", 0) if _is_int(c.get("index")) else 0)
 
 
-def parse_generate(data: Any, n: int, logprobs: int | None) -> ParsedResponse:
-    """A ``/inference/v1/generate`` response (vLLM 0.23 or >= 0.32 shapes)."""
-    out: list[ParsedChoice] = []
-    for i, raw in enumerate(_choices(data, n)):
+def parse_generate(data: Any, n: int, logprobs: int | None) -> list[Completion]:
+    """A ``/inference/v1/generate`` response (vLLM 0.23 or >= 0.32 shapes), as
+    completions that :func:`finish_completions` completes (server, latency, versions)."""
+    choices = _choices(data, n)
+    raw_prompt = data.get("prompt_token_ids")
+    prompt_ids = _int_list(raw_prompt, "prompt_token_ids") if raw_prompt else _ABSENT
+    request_id = data.get("request_id")
+    if type(request_id) is not str:
+        request_id = None
+    out: list[Completion] = []
+    for i, raw in enumerate(choices):
         ids = _int_list(raw.get("token_ids"), "token_ids")
-        choice = ParsedChoice(index=i, token_ids=ids)
-        choice.finish_reason, choice.stop_reason = _finish(raw)
-        raw_lp = raw.get("logprobs")
+        reason, stop = _finish(raw)
+        lps: list[float] | None = None
+        tops: list[dict[int, float]] | None = None
         if logprobs is not None:
+            raw_lp = raw.get("logprobs")
             if raw_lp is None:
                 raise Malformed("logprobs were requested but the response has none")
             lps, tops, named = parse_content_logprobs(raw_lp, len(ids))
             if named != ids:
                 raise Malformed("logprob entries name other tokens than token_ids")
-            choice.logprobs, choice.top_logprobs = lps, tops
-        choice.spans = parse_spans(raw.get("weight_versions"), len(ids))
-        out.append(choice)
-    prompt_ids = data.get("prompt_token_ids")
-    request_id = data.get("request_id")
-    return ParsedResponse(
-        out,
-        prompt_token_ids=_int_list(prompt_ids, "prompt_token_ids") if prompt_ids else None,
-        prompt_logprobs=data.get("prompt_logprobs"),
-        request_id=request_id if isinstance(request_id, str) else None,
-    )
+        spans = parse_spans(raw.get("weight_versions"), len(ids))
+        out.append(
+            Completion(
+                prompt_token_ids=prompt_ids if i == 0 or prompt_ids is _ABSENT else [*prompt_ids],
+                token_ids=ids,
+                logprobs=lps,
+                top_logprobs=tops,
+                finish_reason=reason,
+                weight_versions=tuple(spans) if spans else (),
+                server="",
+                route=GENERATE_ROUTE,
+                latency=0.0,
+                index=i,
+                stop_reason=stop,
+                request_id=request_id,
+            )
+        )
+    return out
 
 
-def parse_completions(data: Any, n: int, logprobs: int | None) -> ParsedResponse:
-    """A ``/v1/completions`` response to one token-id prompt. ``token_ids`` may be
-    missing (older servers, or ``return_token_ids`` ignored): the caller falls back."""
-    out: list[ParsedChoice] = []
-    for i, raw in enumerate(_choices(data, n)):
+def parse_completions(data: Any, n: int, logprobs: int | None) -> list[Completion]:
+    """A ``/v1/completions`` response to one token-id prompt, as completions that
+    :func:`finish_completions` completes. ``token_ids`` may be missing (older servers,
+    or ``return_token_ids`` ignored): those completions carry ``_ABSENT`` ids and the
+    text, for the caller's fallback."""
+    choices = _choices(data, n)
+    request_id = data.get("id")
+    if type(request_id) is not str:
+        request_id = None
+    out: list[Completion] = []
+    for i, raw in enumerate(choices):
         raw_ids = raw.get("token_ids")
-        ids = None if raw_ids is None else _int_list(raw_ids, "token_ids")
+        ids = _ABSENT if raw_ids is None else _int_list(raw_ids, "token_ids")
         text = raw.get("text")
         if text is not None and type(text) is not str:
             raise Malformed("text is not a string")
         reason, stop = _finish(raw)
-        prompt_ids = raw.get("prompt_token_ids")
-        choice = ParsedChoice(
-            index=i,
-            token_ids=ids,
-            finish_reason=reason,
-            stop_reason=stop,
-            text=text,
-            prompt_token_ids=(
-                None if prompt_ids is None else _int_list(prompt_ids, "prompt_token_ids")
-            ),
-            prompt_logprobs=raw.get("prompt_logprobs"),
-        )
-        raw_lp = raw.get("logprobs")
+        raw_prompt = raw.get("prompt_token_ids")
+        prompt_ids = _ABSENT if raw_prompt is None else _int_list(raw_prompt, "prompt_token_ids")
+        lps: list[float] | None = None
+        by_id: list[dict[int, float]] | None = None
+        by_text: list[dict[str, float]] | None = None
         if logprobs is not None:
+            raw_lp = raw.get("logprobs")
             if raw_lp is None:
                 raise Malformed("logprobs were requested but the response has none")
             if not isinstance(raw_lp, dict) or not isinstance(raw_lp.get("tokens"), list):
                 raise Malformed("logprobs lacks a 'tokens' list")
-            n_tok = len(raw_lp["tokens"]) if ids is None else len(ids)
+            n_tok = len(raw_lp["tokens"]) if ids is _ABSENT else len(ids)
             lps, by_id, by_text, named = parse_legacy_logprobs(raw_lp, n_tok)
-            if ids is None and named is not None:
-                ids = choice.token_ids = named  # exact ids from "token_id:N" keys
-            elif ids is not None and named is not None and named != ids:
+            if ids is _ABSENT and named is not None:
+                ids = named  # exact ids from "token_id:N" keys
+            elif ids is not _ABSENT and named is not None and named != ids:
                 raise Malformed("logprob tokens name other ids than token_ids")
-            choice.logprobs, choice.top_logprobs, choice.top_logprobs_text = lps, by_id, by_text
-        out.append(choice)
-    first = out[0] if out else None
-    request_id = data.get("id")
-    return ParsedResponse(
-        out,
-        prompt_token_ids=first.prompt_token_ids if first else None,
-        prompt_logprobs=first.prompt_logprobs if first else None,
-        request_id=request_id if isinstance(request_id, str) else None,
-    )
+        out.append(
+            Completion(
+                prompt_token_ids=prompt_ids,
+                token_ids=ids,
+                logprobs=lps,
+                top_logprobs=by_id,
+                finish_reason=reason,
+                weight_versions=(),
+                server="",
+                route=COMPLETIONS_ROUTE,
+                latency=0.0,
+                index=i,
+                stop_reason=stop,
+                top_logprobs_text=by_text,
+                text=text,
+                request_id=request_id,
+            )
+        )
+    return out
+
+
+def parse_scored(data: Any, route: str) -> Any:
+    """The raw ``prompt_logprobs`` of a one-token scoring request on ``route`` (for
+    :func:`parse_prompt_logprobs`): top-level on the generate route, per choice on
+    ``/v1/completions``."""
+    choices = _choices(data, 1)
+    if route == GENERATE_ROUTE:
+        return data.get("prompt_logprobs")
+    return choices[0].get("prompt_logprobs")
 
 
 def parse_prompt_logprobs(
@@ -723,6 +737,13 @@ def retokenize(tokenizer: Tokenizer, text: str) -> list[int]:
 VersionReader = Callable[[], "str | None"]
 
 
+class VersionSource(Protocol):
+    """Where a generation reads its server's weight version at admission and at
+    completion: the client itself, or the fleet's state of that server."""
+
+    weight_version: str | None
+
+
 @functools.lru_cache(maxsize=1024)
 def client_spans(
     n_tokens: int, admitted: str | None, completed: str | None
@@ -777,18 +798,34 @@ def _as_generation_error(err: ServerError) -> GenerationError:
     )
 
 
+def generation_payload(
+    path: str, prompt: list[int], req: GenerationRequest, prompt_logprobs: int | None = None
+) -> bytes:
+    """The encoded request body of a generation on ``path``."""
+    if path == GENERATE_ROUTE:
+        return _json.dumps(generate_body(prompt, req, prompt_logprobs=prompt_logprobs))
+    return _json.dumps(completions_body(prompt, req, prompt_logprobs=prompt_logprobs))
+
+
 async def send_generation(
     client: AsyncVLLMClient,
-    build: Callable[[str], tuple[Call[ParsedResponse], bytes]],
+    prompt: list[int],
+    req: GenerationRequest,
     route: Route,
     timeouts: Timeouts | None,
-) -> tuple[str, ParsedResponse, float]:
+    prompt_logprobs: int | None = None,
+) -> tuple[str, Any, float]:
     """Send on the resolved route; on ``"auto"`` fall back to ``/v1/completions`` once
-    when the generate route is not served. Returns (route, parsed, latency)."""
-    state = generation_state(client)
+    when the generate route is not served. Returns (route, parsed, latency): parsed is
+    a list of :class:`Completion` to finish, or for scoring (``prompt_logprobs`` set)
+    the raw prompt logprobs."""
     path = resolve_route(client, route)
     while True:
-        call, body = build(path)
+        if prompt_logprobs is None:
+            call: Call[Any] = _generation_call(path, req.n, req.logprobs)
+        else:
+            call = _scoring_call(path)
+        body = generation_payload(path, prompt, req, prompt_logprobs)
         started = time.monotonic()
         try:
             parsed = await client._send(call, body, timeouts=timeouts)
@@ -797,7 +834,7 @@ async def send_generation(
             if 200 <= status < 300:
                 raise _as_generation_error(err) from err
             if route == "auto" and path == GENERATE_ROUTE and _route_unavailable(err):
-                state.generate_route = False
+                generation_state(client).generate_route = False
                 path = COMPLETIONS_ROUTE
                 continue
             raise
@@ -808,17 +845,20 @@ async def send_generation(
                 and err.status == 404
                 and not isinstance(err, ServerError)
             ):
-                state.generate_route = False  # a ProtocolError from the 404
+                generation_state(client).generate_route = False  # a ProtocolError from the 404
                 path = COMPLETIONS_ROUTE
                 continue
             raise
         if path == GENERATE_ROUTE:
-            state.generate_route = True
+            generation_state(client).generate_route = True
         return path, parsed, time.monotonic() - started
 
 
+_GENERATION_NOT_FOUND = "this server does not serve token-in-token-out generation there"
+
+
 @functools.lru_cache(maxsize=256)
-def _generation_call(path: str, n: int, logprobs: int | None) -> Call[ParsedResponse]:
+def _generation_call(path: str, n: int, logprobs: int | None) -> Call[list[Completion]]:
     """The planned call for a generation on ``path`` (immutable; one per shape, shared
     by every request of that shape)."""
     if path == GENERATE_ROUTE:
@@ -828,7 +868,17 @@ def _generation_call(path: str, n: int, logprobs: int | None) -> Call[ParsedResp
     return Call(
         "generate", "POST", path, "generate",
         functools.partial(parse, n=n, logprobs=logprobs), "{\"choices\": [" + what + "]}",
-        not_found_hint="this server does not serve token-in-token-out generation there",
+        not_found_hint=_GENERATION_NOT_FOUND,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def _scoring_call(path: str) -> Call[Any]:
+    """The planned call for scoring a sequence (prompt logprobs) on ``path``."""
+    return Call(
+        "score", "POST", path, "generate",
+        functools.partial(parse_scored, route=path), "{\"choices\": [one choice]}",
+        not_found_hint=_GENERATION_NOT_FOUND,
     )  # fmt: skip
 
 
@@ -847,28 +897,24 @@ async def generate_on(
     route: Route = "auto",
     tokenizer: Tokenizer | None = None,
     timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
-    version_at: VersionReader | None = None,
+    versions: VersionSource | None = None,
 ) -> list[Completion]:
     """One request for ``prompt`` (``req.n`` samples) to ``client``'s server.
+
+    ``versions``: where the server's weight version is read at admission and at
+    completion (default: the client's own record).
 
     Raises :class:`~asyncsync.GenerationAborted` (with the partial completions) when the
     server aborted any sample, :class:`~asyncsync.GenerationError` for a response that
     cannot be interpreted, and the usual transport/HTTP errors otherwise.
     """
-    read_version = version_at if version_at is not None else _client_version(client)
-
-    def build(path: str) -> tuple[Call[ParsedResponse], bytes]:
-        call = _generation_call(path, req.n, req.logprobs)
-        if path == GENERATE_ROUTE:
-            return call, _json.dumps(generate_body(prompt, req))
-        return call, _json.dumps(completions_body(prompt, req))
-
-    admitted = read_version()
-    path, parsed, latency = await send_generation(
-        client, build, route, timeouts_for(client, timeout)
+    source: VersionSource = client if versions is None else versions
+    admitted = source.weight_version
+    _, parsed, latency = await send_generation(
+        client, prompt, req, route, timeouts_for(client, timeout)
     )
-    completed = read_version()
-    return finish_completions(client, path, parsed, prompt, latency, admitted, completed, tokenizer)
+    completed = source.weight_version
+    return finish_completions(client, parsed, prompt, latency, admitted, completed, tokenizer)
 
 
 def never_reached(err: AsyncSyncError) -> bool:
@@ -877,69 +923,43 @@ def never_reached(err: AsyncSyncError) -> bool:
     return isinstance(err.__cause__, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
 
 
-def _client_version(client: AsyncVLLMClient) -> VersionReader:
-    return lambda: client.weight_version
-
-
 def finish_completions(
     client: AsyncVLLMClient,
-    path: str,
-    parsed: ParsedResponse,
+    completions: list[Completion],
     prompt: list[int],
     latency: float,
     admitted: str | None,
     completed: str | None,
     tokenizer: Tokenizer | None,
 ) -> list[Completion]:
-    """Completions from a parsed response (fallback, versions, abort check)."""
+    """Complete parsed completions (server, latency, prompt, fallback ids, client-side
+    versions) and raise if the server aborted any of them."""
     server = client.base_url
-    out: list[Completion] = []
-    for choice in parsed.choices:
-        ids = choice.token_ids
-        retokenized = False
-        if ids is None:
-            ids = _fallback_ids(client, path, choice, tokenizer)
-            retokenized = True
-        if choice.logprobs is not None and len(choice.logprobs) != len(ids):
-            if retokenized:  # logprobs of the sampled tokens cannot be re-aligned
-                choice.logprobs = choice.top_logprobs = choice.top_logprobs_text = None
-            else:
-                raise GenerationError(
-                    f"{len(choice.logprobs)} logprobs for {len(ids)} tokens",
-                    server=server,
-                    route=path,
-                )
-        spans: tuple[WeightVersionSpan, ...]
-        if choice.spans is not None:
-            spans = tuple(choice.spans)
-        else:
-            spans = client_spans(len(ids), admitted, completed)
-        out.append(
-            Completion(
-                prompt_token_ids=list(choice.prompt_token_ids or parsed.prompt_token_ids or prompt),
-                token_ids=ids,
-                logprobs=choice.logprobs,
-                top_logprobs=choice.top_logprobs,
-                top_logprobs_text=choice.top_logprobs_text,
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-                weight_versions=spans,
-                server=server,
-                route=path,
-                latency=latency,
-                index=choice.index,
-                retokenized=retokenized,
-                text=choice.text,
-                request_id=parsed.request_id,
-                admitted_version=admitted,
-                completed_version=completed,
-            )
-        )
-    check_aborted(out, server, path)
-    return out
+    for c in completions:
+        c.server = server
+        c.latency = latency
+        c.admitted_version = admitted
+        c.completed_version = completed
+        if c.prompt_token_ids is _ABSENT:
+            c.prompt_token_ids = prompt if c.index == 0 else [*prompt]
+        if c.token_ids is _ABSENT:
+            c.token_ids = _fallback_ids(client, c, tokenizer)
+            c.retokenized = True
+            if c.logprobs is not None and len(c.logprobs) != len(c.token_ids):
+                # logprobs of the sampled tokens cannot be re-aligned to re-tokenized ids
+                c.logprobs = c.top_logprobs = c.top_logprobs_text = None
+        if not c.weight_versions:
+            c.weight_versions = client_spans(len(c.token_ids), admitted, completed)
+    check_aborted(completions, server, completions[0].route if completions else "")
+    return completions
 
 
 def check_aborted(completions: Sequence[Completion], server: str, route: str) -> None:
+    for c in completions:
+        if c.finish_reason == "abort":
+            break
+    else:
+        return
     aborted = [c for c in completions if c.aborted]
     if aborted:
         tokens = sum(len(c.token_ids) for c in aborted)
@@ -954,9 +974,9 @@ def check_aborted(completions: Sequence[Completion], server: str, route: str) ->
 
 
 def _fallback_ids(
-    client: AsyncVLLMClient, path: str, choice: ParsedChoice, tokenizer: Tokenizer | None
+    client: AsyncVLLMClient, completion: Completion, tokenizer: Tokenizer | None
 ) -> list[int]:
-    server = client.base_url
+    server, path = client.base_url, completion.route
     if tokenizer is None:
         raise GenerationError(
             "the server returned no token ids (return_token_ids unsupported or ignored); "
@@ -965,7 +985,7 @@ def _fallback_ids(
             server=server,
             route=path,
         )
-    if choice.text is None:
+    if completion.text is None:
         raise GenerationError(
             "the server returned neither token ids nor text", server=server, route=path
         )
@@ -979,7 +999,7 @@ def _fallback_ids(
             RetokenizedWarning,
             stacklevel=4,
         )
-    return retokenize(tokenizer, choice.text)
+    return retokenize(tokenizer, completion.text)
 
 
 # ---------------------------------------------------------------------- scoring
@@ -990,25 +1010,18 @@ async def score_on(
     top_k: int = 1,
     route: Route = "auto",
     timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
-    version_at: VersionReader | None = None,
+    versions: VersionSource | None = None,
 ) -> PromptScores:
     """Per-position logprobs of ``token_ids`` on ``client``'s server (prompt_logprobs)."""
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
-    read_version = version_at if version_at is not None else _client_version(client)
+    source: VersionSource = client if versions is None else versions
     req = GenerationRequest(max_tokens=1, temperature=0.0)
-
-    def build(path: str) -> tuple[Call[ParsedResponse], bytes]:
-        call = _generation_call(path, 1, None)
-        if path == GENERATE_ROUTE:
-            return call, _json.dumps(generate_body(token_ids, req, prompt_logprobs=top_k))
-        return call, _json.dumps(completions_body(token_ids, req, prompt_logprobs=top_k))
-
     path, parsed, latency = await send_generation(
-        client, build, route, timeouts_for(client, timeout)
+        client, token_ids, req, route, timeouts_for(client, timeout), prompt_logprobs=top_k
     )
     try:
-        logprobs, tops, ranks = parse_prompt_logprobs(parsed.prompt_logprobs, token_ids)
+        logprobs, tops, ranks = parse_prompt_logprobs(parsed, token_ids)
     except Malformed as exc:
         raise GenerationError(
             f"cannot read prompt logprobs: {exc}", server=client.base_url, route=path
@@ -1019,7 +1032,7 @@ async def score_on(
         top_logprobs=tops,
         ranks=ranks,
         server=client.base_url,
-        weight_version=read_version(),
+        weight_version=source.weight_version,
         latency=latency,
     )
 

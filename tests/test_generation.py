@@ -402,12 +402,11 @@ def test_parse_023_generate_shape() -> None:
         "prompt_logprobs": None,
         "kv_transfer_params": None,
     }
-    parsed = parse_generate(data, 1, 1)
-    choice = parsed.choices[0]
+    choice = parse_generate(data, 1, 1)[0]
     assert choice.token_ids == [7]
     assert choice.logprobs == [-0.5]
     assert choice.top_logprobs == [{7: -0.5, 3: -1.5}]
-    assert choice.spans is None  # 0.23 reports no versions
+    assert choice.weight_versions == ()  # 0.23 reports none: the client's spans go here
 
 
 def test_parse_legacy_logprobs_by_string_keeps_text_keys() -> None:
@@ -425,7 +424,7 @@ def test_parse_legacy_logprobs_by_string_keeps_text_keys() -> None:
     parsed = parse_completions(
         {"choices": [{"index": 0, "text": " bl", "token_ids": [346], "logprobs": data}]}, 1, 2
     )
-    assert parsed.choices[0].top_logprobs_text == [{" bl": -0.1, "5": -2.0}]
+    assert parsed[0].top_logprobs_text == [{" bl": -0.1, "5": -2.0}]
 
 
 def test_parse_spans_must_tile_the_output() -> None:
