@@ -17,6 +17,7 @@ The client speaks both generations of vLLM's RL protocol:
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -965,6 +966,15 @@ def _generation_request(
     model: str | None,
     extra: Mapping[str, Any],
 ) -> GenerationRequest:
+    if not extra and stop_token_ids is None and request_id is None:
+        # The common shape: one validated request (and its encoded fields) per distinct
+        # set of arguments, shared by every generation that asks for it.
+        try:
+            return _plain_request(
+                max_tokens, temperature, top_p, top_k, logprobs, seed, n, cache_salt, model
+            )
+        except TypeError:  # an unhashable argument: validated (and refused) below
+            pass
     return GenerationRequest(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -978,4 +988,29 @@ def _generation_request(
         request_id=request_id,
         model=model,
         extra=dict(extra),
+    )
+
+
+@functools.lru_cache(maxsize=512, typed=True)  # typed: 1, 1.0 and True stay apart
+def _plain_request(
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    logprobs: int | None,
+    seed: int | None,
+    n: int,
+    cache_salt: str | None,
+    model: str | None,
+) -> GenerationRequest:
+    return GenerationRequest(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        logprobs=logprobs,
+        seed=seed,
+        n=n,
+        cache_salt=cache_salt,
+        model=model,
     )

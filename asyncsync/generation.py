@@ -266,6 +266,8 @@ class GenerationRequest:
     request_id: str | None = None
     model: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    #: Per route, the encoded body fields after the prompt (see generation_payload).
+    _encoded: dict[str, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -801,10 +803,32 @@ def _as_generation_error(err: ServerError) -> GenerationError:
 def generation_payload(
     path: str, prompt: list[int], req: GenerationRequest, prompt_logprobs: int | None = None
 ) -> bytes:
-    """The encoded request body of a generation on ``path``."""
-    if path == GENERATE_ROUTE:
-        return _json.dumps(generate_body(prompt, req, prompt_logprobs=prompt_logprobs))
-    return _json.dumps(completions_body(prompt, req, prompt_logprobs=prompt_logprobs))
+    """The encoded request body of a generation on ``path``: the JSON of
+    :func:`generate_body` or :func:`completions_body`.
+
+    The prompt is each body's first field and everything after it depends on ``req``
+    alone, so that part is encoded once per request object and route and joined to the
+    encoded prompt (requests are shared between generations of the same arguments).
+    """
+    if prompt_logprobs is not None:  # scoring: one request each, nothing to share
+        if path == GENERATE_ROUTE:
+            return _json.dumps(generate_body(prompt, req, prompt_logprobs=prompt_logprobs))
+        return _json.dumps(completions_body(prompt, req, prompt_logprobs=prompt_logprobs))
+    rest = req._encoded.get(path)
+    if rest is None:
+        if path == GENERATE_ROUTE:
+            fields = generate_body(_ABSENT, req)
+            del fields["token_ids"]
+        else:
+            fields = completions_body(_ABSENT, req)
+            del fields["prompt"]
+        rest = req._encoded[path] = _json.dumps(fields)[1:]  # '"key":value,...}'
+    head = _GENERATE_HEAD if path == GENERATE_ROUTE else _COMPLETIONS_HEAD
+    return b"".join((head, _json.dumps(prompt), b",", rest))
+
+
+_GENERATE_HEAD = b'{"token_ids":'
+_COMPLETIONS_HEAD = b'{"prompt":'
 
 
 async def send_generation(

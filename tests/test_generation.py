@@ -131,6 +131,64 @@ async def test_request_body_on_each_route(fake32: FakeVLLMServer) -> None:
     assert cmpl["logprobs"] == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"max_tokens": 3, "temperature": 0.0, "logprobs": 2, "seed": 7, "n": 2},
+        {"stop_token_ids": [7, 8], "cache_salt": "s", "model": "m", "min_tokens": 2},
+        {"request_id": "r-1", "top_p": 0.5, "top_k": 3},
+    ],
+)
+def test_encoded_body_equals_the_body_and_is_shared_per_arguments(kwargs: dict[str, Any]) -> None:
+    from asyncsync import _json
+    from asyncsync.client import _generation_request
+    from asyncsync.generation import (
+        COMPLETIONS_ROUTE,
+        GENERATE_ROUTE,
+        completions_body,
+        generate_body,
+        generation_payload,
+    )
+
+    args = {
+        "max_tokens": 16, "temperature": 1.0, "top_p": None, "top_k": None, "logprobs": None,
+        "stop_token_ids": None, "seed": None, "n": 1, "cache_salt": None, "request_id": None,
+        "model": None,
+    }  # fmt: skip
+    extra = {k: v for k, v in kwargs.items() if k not in args}
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    req = _generation_request(**args, extra=extra)
+    for prompt in ([1, 2, 3], [5], list(range(300))):
+        for _ in range(2):  # the second time from the encoded fields kept on the request
+            got = _json.loads(generation_payload(GENERATE_ROUTE, prompt, req))
+            assert got == generate_body(prompt, req)
+            got = _json.loads(generation_payload(COMPLETIONS_ROUTE, prompt, req))
+            assert got == completions_body(prompt, req)
+    again = _generation_request(**args, extra=dict(extra))
+    shared = not extra and args["stop_token_ids"] is None and args["request_id"] is None
+    assert (again is req) == shared
+
+
+def test_shared_requests_keep_argument_types_apart() -> None:
+    from asyncsync.client import _generation_request
+
+    base = {
+        "max_tokens": 4, "top_p": None, "top_k": None, "logprobs": None,
+        "stop_token_ids": None, "seed": None, "cache_salt": None, "request_id": None,
+        "model": None, "extra": {},
+    }  # fmt: skip
+    as_int = _generation_request(temperature=1, n=1, **base)
+    as_float = _generation_request(temperature=1.0, n=1, **base)
+    assert as_int is not as_float
+    assert type(as_float.temperature) is float
+    _generation_request(temperature=1.0, n=1, **base)
+    with pytest.raises(ValueError, match="n must be an int"):
+        _generation_request(temperature=1.0, n=True, **base)  # not the cached n=1
+    with pytest.raises(ValueError, match="max_tokens"):
+        _generation_request(temperature=1.0, n=1, **{**base, "max_tokens": [4]})
+
+
 @pytest.mark.asyncio
 async def test_both_routes_give_identical_token_ids(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:
