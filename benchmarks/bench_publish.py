@@ -2,14 +2,16 @@
 
 One run measures, side by side on the same machine:
 
-- single-thread memcpy into an already-touched buffer (the physical ceiling);
+- single-thread memcpy into an already-touched buffer (the physical ceiling), and how
+  much slower it gets when every core copies at once (the machine's parallel headroom);
 - vLLM's own ``reload_weights`` from a page-cached checkpoint
   (``POST /collective_rpc {"method": "reload_weights", ...}``), and the path a CPU user
   would otherwise take: ``save_pretrained`` then that reload;
 - ``AsyncWeightPublisher.publish`` end to end (trainer tensors -> server parameters,
   finish included) to one server and to two servers, with the trainer-side packing rate,
   how much of it overlapped the servers' loading, the event-loop lag during the publish
-  and the trainer's extra memory.
+  (beside the lag of a loop that only awaits vLLM's own reload on both servers) and the
+  trainer's extra memory.
 
 Usage::
 
@@ -28,6 +30,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -68,6 +71,41 @@ def memcpy_gbps(nbytes: int, repeats: int = 7) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def parallel_memcpy_ratio(nbytes: int, repeats: int = 5) -> float:
+    """How much slower a single-thread copy of ``nbytes`` gets when every core runs one at
+    the same time (median over ``repeats``): 1.0 means the cores do not share what a
+    copy needs (memory bandwidth); two servers loading at once are bounded by this."""
+    import numpy as np
+
+    cores = sorted(os.sched_getaffinity(0))
+    pairs = [(np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)) for _ in cores]
+
+    def copy(i: int, barrier: threading.Barrier, out: list[float]) -> None:
+        os.sched_setaffinity(0, {cores[i]})  # this thread only
+        dst, src = pairs[i]
+        dst[:] = src  # touch
+        for _ in range(repeats):
+            barrier.wait()
+            t0 = time.perf_counter()
+            dst[:] = src  # numpy releases the GIL for the copy
+            out.append(time.perf_counter() - t0)
+
+    def run(n: int) -> float:
+        barrier = threading.Barrier(n)
+        outs: list[list[float]] = [[] for _ in range(n)]
+        threads = [threading.Thread(target=copy, args=(i, barrier, outs[i])) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return statistics.median(max(round_) for round_ in zip(*outs, strict=True))
+
+    try:
+        return run(len(cores)) / run(1)
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 async def vllm_reload(session: aiohttp.ClientSession, url: str, path: Path) -> float:
     payload = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
     t0 = time.perf_counter()
@@ -96,6 +134,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     results["memcpy_gbps"] = memcpy_gbps(model_bytes)
     print(f"memcpy (1 thread, touched): {results['memcpy_gbps']:.2f} GB/s", flush=True)
+    results["parallel_memcpy"] = parallel_memcpy_ratio(model_bytes)
+    print(f"memcpy on every core at once: {results['parallel_memcpy']:.2f}x one", flush=True)
 
     servers = [
         LocalVLLMServer(model_dir, backend="shm", tokenizer=False, cpu_cores=str(i % 2))
@@ -125,12 +165,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 save_s.append(t_save)
                 save_reload_s.append(t_save + t_reload)
             # The same reload on both servers at once: what 2 servers cost this machine.
+            # Meanwhile this loop only awaits the two requests: its lag is what the
+            # machine alone inflicts on an idle loop while two servers load.
             both_s = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                await asyncio.gather(*(vllm_reload(session, s.url, ckpt) for s in servers))
-                both_s.append(time.perf_counter() - t0)
+            idle_lag = LoopLagMonitor()
+            async with idle_lag:
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(vllm_reload(session, s.url, ckpt) for s in servers))
+                    both_s.append(time.perf_counter() - t0)
         results["reload_both_s"] = statistics.median(both_s)
+        results["idle_lag_reload_both"] = idle_lag.summary()
         results["reload_s"] = statistics.median(reload_s)
         results["save_s"] = statistics.median(save_s)
         results["save_reload_s"] = statistics.median(save_reload_s)
@@ -233,7 +278,7 @@ def render(r: dict[str, Any], repeats: int) -> str:
     ]
     table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s1.items() if k != "total")
-    lag1, lag2 = p1["lag"], p2["lag"]
+    lag1, lag2, idle = p1["lag"], p2["lag"], r["idle_lag_reload_both"]
     when = time.strftime("%Y-%m-%d")
     return f"""Measured {when} on {platform.machine()}, {os.cpu_count()} cores, \
 Python {platform.python_version()}, {"uvloop" if uvloop_enabled() else "asyncio"} loop, \
@@ -252,7 +297,12 @@ buffers, {_overlap_ms(ps):.0f} ms of the {ps["seconds"]["pack"] * 1000:.0f} ms o
 overlapped the server's loading of the previous chunk.
 - Event-loop lag during the publishes (1 ms timer): 1 server p50 {lag1["p50_ms"]:.2f} ms, \
 p99 {lag1["p99_ms"]:.1f} ms, max {lag1["max_ms"]:.1f} ms; 2 servers p99 \
-{lag2["p99_ms"]:.1f} ms, max {lag2["max_ms"]:.1f} ms.
+{lag2["p99_ms"]:.1f} ms, max {lag2["max_ms"]:.1f} ms. For comparison, a loop that only \
+awaited vLLM's own reload on both servers (no asyncsync work at all) saw p99 \
+{idle["p99_ms"]:.1f} ms, max {idle["max_ms"]:.1f} ms.
+- This machine's parallel headroom: a single-thread copy of the model's size runs \
+{r["parallel_memcpy"]:.2f}x slower when both cores copy at once (they share memory \
+bandwidth), which bounds two servers loading at the same time.
 - Trainer-side extra memory: the shm buffers, {p1["allocated_mb"]:.0f} MB with \
 {p1["buffer_mb"]} MiB buffers and {ps["allocated_mb"]:.0f} MB with {ps["buffer_mb"]} MiB \
 buffers, bounded by the buffer size, not the model size. Peak RSS grew by \
