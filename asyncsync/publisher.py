@@ -38,6 +38,7 @@ from asyncsync.backends.shm import (
     ShmTrainerSendWeightsArgs,
     manifest_of,
     plan_chunks,
+    start_then,
     trainer_send_weights,
 )
 
@@ -489,10 +490,14 @@ class AsyncWeightPublisher:
             stats = ChunkStats()
             if round_manifest is not None:  # bad input: refused before start
                 plan_chunks(round_manifest, self._buffers.buffer_bytes)
-            client.started = True
-            bridge.call(start)
+
+            def start_round() -> None:
+                client.started = True
+                bridge.call(start)
+
             args = ShmTrainerSendWeightsArgs(
-                send_mode=client.update_weights,
+                # start once chunk 0 is packed (see start_then)
+                send_mode=start_then(start_round, client.update_weights),
                 buffers=self._buffers,
                 rank=0,
                 manifest=round_manifest,

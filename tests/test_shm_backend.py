@@ -373,3 +373,67 @@ def test_trainer_engine_drives_the_round_through_a_sync_client() -> None:
     other.send_weights()
     other.shutdown()
     assert calls == before
+
+
+def test_the_round_starts_once_chunk_zero_is_packed() -> None:
+    """start_weight_update comes after the first chunk is packed (no trainer work while
+    the servers already hold the round), and a source that fails before the first chunk
+    is complete never starts a round."""
+    from asyncsync.backends.shm import ShmTrainerEngine
+
+    params = _params(layers=3, width=32)
+    events: list[str] = []
+    chunk_names: dict[int, list[str]] = {}
+
+    class Source(_Source):
+        def __iter__(self) -> Any:
+            for name, tensor in self.params:
+                events.append(f"yield:{name}")
+                yield name, tensor
+
+    class Client:
+        def start_weight_update(self) -> None:
+            events.append("start")
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            events.append(f"update:{update_info['chunk']}")
+            chunk_names[update_info["chunk"]] = update_info["names"]
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            events.append("finish")
+
+    engine = ShmTrainerEngine(
+        client=Client(), source=Source(params), is_sender=True, buffers=ShmBuffers(16384)
+    )
+    try:
+        engine.send_weights()
+    finally:
+        engine.shutdown()
+    first_chunk = engine.last_stats.chunks  # type: ignore[union-attr]
+    assert first_chunk > 1
+    assert len(chunk_names[0]) > 1
+    start = events.index("start")
+    assert events[start + 1] == "update:0"
+    packed_before_start = {e.removeprefix("yield:") for e in events[:start]}
+    assert set(chunk_names[0]) <= packed_before_start  # all of chunk 0 was packed first
+    assert set(chunk_names[1]).isdisjoint(packed_before_start)  # chunk 1 was not
+    assert events.count("start") == 1
+    assert events[-1] == "finish"
+
+    # The source breaks before chunk 0 is complete: the servers were never touched.
+    events.clear()
+
+    class Broken(_Source):
+        def __iter__(self) -> Any:
+            yield from self.params[: len(chunk_names[0]) - 1]  # chunk 0 but its last tensor
+            raise RuntimeError("the trainer's gather failed")
+
+    engine = ShmTrainerEngine(
+        client=Client(), source=Broken(params), is_sender=True, buffers=ShmBuffers(16384)
+    )
+    try:
+        with pytest.raises(RuntimeError, match="gather failed"):
+            engine.send_weights()
+    finally:
+        engine.shutdown()
+    assert events == []

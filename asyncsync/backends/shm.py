@@ -391,6 +391,29 @@ def stream_chunks(
     return stats
 
 
+def start_then(
+    start: Callable[[], None], send: Callable[[dict[str, Any]], None]
+) -> Callable[[dict[str, Any]], None]:
+    """``send`` that calls ``start`` once, before the first chunk is sent.
+
+    The servers' round begins only when chunk 0 is packed: bad input found while
+    packing touches no server, and the trainer's CPU-heavy packing of chunk 0 does not
+    run while the servers are already busy with the round (vLLM-CPU's workers
+    busy-poll for a second after every request they serve, which starves a trainer on
+    the same cores). Later chunks are packed while earlier ones load, as before.
+    """
+    started = False
+
+    def start_and_send(info: dict[str, Any]) -> None:
+        nonlocal started
+        if not started:
+            started = True  # once, also when it fails: the round then fails
+            start()
+        send(info)
+
+    return start_and_send
+
+
 # --------------------------------------------------------------------------- 0.3x style
 @dataclass
 class ShmTrainerInitInfo:
@@ -467,12 +490,11 @@ class ShmTrainerEngine:
             return
         if manifest is not None:
             plan_chunks(manifest, self.buffers.buffer_bytes)  # refuse bad input before start
-        self.client.start_weight_update()
         self.last_stats = stream_chunks(
             items,
             manifest,
             self.buffers,
-            self.client.update_weights,
+            start_then(self.client.start_weight_update, self.client.update_weights),
             cancel=self.cancel,
             on_chunk=self.on_chunk,
         )
