@@ -301,8 +301,8 @@ p99 {lag1["p99_ms"]:.1f} ms, max {lag1["max_ms"]:.1f} ms; 2 servers p99 \
 awaited vLLM's own reload on both servers (no asyncsync work at all) saw p99 \
 {idle["p99_ms"]:.1f} ms, max {idle["max_ms"]:.1f} ms.
 - This machine's parallel headroom: a single-thread copy of the model's size runs \
-{r["parallel_memcpy"]:.2f}x slower when both cores copy at once (they share memory \
-bandwidth), which bounds two servers loading at the same time.
+{r["parallel_memcpy"]:.2f}x slower when both cores copy at once (the memory bandwidth \
+they share).
 - Trainer-side extra memory: the shm buffers, {p1["allocated_mb"]:.0f} MB with \
 {p1["buffer_mb"]} MiB buffers and {ps["allocated_mb"]:.0f} MB with {ps["buffer_mb"]} MiB \
 buffers, bounded by the buffer size, not the model size. Peak RSS grew by \
