@@ -969,10 +969,11 @@ def _generation_request(
     if not extra and stop_token_ids is None and request_id is None:
         # The common shape: one validated request (and its encoded fields) per distinct
         # set of arguments, shared by every generation that asks for it.
-        try:
-            return _plain_request(
-                max_tokens, temperature, top_p, top_k, logprobs, seed, n, cache_salt, model
-            )
+        try:  # positional: GenerationRequest's field order
+            return _shared_request(
+                max_tokens, temperature, top_p, top_k, logprobs, None, seed, n, cache_salt,
+                None, model,
+            )  # fmt: skip
         except TypeError:  # an unhashable argument: validated (and refused) below
             pass
     return GenerationRequest(
@@ -991,26 +992,5 @@ def _generation_request(
     )
 
 
-@functools.lru_cache(maxsize=512, typed=True)  # typed: 1, 1.0 and True stay apart
-def _plain_request(
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    logprobs: int | None,
-    seed: int | None,
-    n: int,
-    cache_salt: str | None,
-    model: str | None,
-) -> GenerationRequest:
-    return GenerationRequest(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        logprobs=logprobs,
-        seed=seed,
-        n=n,
-        cache_salt=cache_salt,
-        model=model,
-    )
+#: One validated request per distinct set of arguments (typed: 1, 1.0 and True differ).
+_shared_request = functools.lru_cache(maxsize=512, typed=True)(GenerationRequest)

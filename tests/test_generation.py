@@ -168,6 +168,11 @@ def test_encoded_body_equals_the_body_and_is_shared_per_arguments(kwargs: dict[s
     again = _generation_request(**args, extra=dict(extra))
     shared = not extra and args["stop_token_ids"] is None and args["request_id"] is None
     assert (again is req) == shared
+    stop = args.pop("stop_token_ids")
+    expected = az.generation.GenerationRequest(
+        **args, stop_token_ids=None if stop is None else tuple(stop), extra=extra
+    )
+    assert req == expected  # every argument in its field, shared or not
 
 
 def test_shared_requests_keep_argument_types_apart() -> None:
