@@ -249,9 +249,11 @@ class PromptScores:
 class GenerationRequest:
     """What to generate, independent of the route (private; built by the client).
 
-    Never mutated after construction (one request is shared by every prompt of a
-    batch). Not ``frozen``: a frozen dataclass's ``__init__`` costs about a microsecond
-    more, paid on every generation.
+    Its fields are never changed after construction: one request is shared by every
+    prompt of a batch, and by every generation with the same arguments (see
+    ``client._generation_request``). Only ``_encoded``, a cache of the encoded body
+    fields, is filled in on first use. Not ``frozen``: a frozen dataclass's ``__init__``
+    costs about a microsecond more, paid on every generation.
     """
 
     max_tokens: int | None = 16
