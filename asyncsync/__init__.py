@@ -3,6 +3,13 @@
 Everything users import lives in this namespace; see ``__all__``.
 """
 
+from asyncsync._completion import (
+    Completion,
+    PromptScores,
+    RetokenizedWarning,
+    TokenDelta,
+    WeightVersionSpan,
+)
 from asyncsync._errors import (
     AsyncSyncError,
     FleetError,
@@ -14,19 +21,22 @@ from asyncsync._errors import (
     ServerTimeout,
     ServerUnavailable,
 )
+from asyncsync._generate import CompletionStream
+from asyncsync._genwire import (
+    GenerateOptions,
+    RequestOptions,
+    RoutedGenerateOptions,
+    RoutedOptions,
+    SamplingOptions,
+)
+from asyncsync._protocol import WeightComparison
 from asyncsync._retry import RetryPolicy
 from asyncsync._routing import StalenessStats
+from asyncsync._state import ServerState
 from asyncsync._timeouts import Timeouts
-from asyncsync.client import AsyncVLLMClient, WeightComparison
-from asyncsync.fleet import Fleet, FleetResult, Outcome, ServerState
-from asyncsync.generation import (
-    Completion,
-    CompletionStream,
-    PromptScores,
-    RetokenizedWarning,
-    TokenDelta,
-    WeightVersionSpan,
-)
+from asyncsync._types import FleetResult, Outcome
+from asyncsync.client import AsyncVLLMClient
+from asyncsync.fleet import Fleet
 from asyncsync.publisher import AsyncWeightPublisher, PublishReport, ServerOutcome
 from asyncsync.trajectory import Trajectory
 
@@ -41,6 +51,7 @@ __all__ = [
     "Fleet",
     "FleetError",
     "FleetResult",
+    "GenerateOptions",
     "GenerationAborted",
     "GenerationError",
     "Outcome",
@@ -48,8 +59,12 @@ __all__ = [
     "ProtocolError",
     "PublishError",
     "PublishReport",
+    "RequestOptions",
     "RetokenizedWarning",
     "RetryPolicy",
+    "RoutedGenerateOptions",
+    "RoutedOptions",
+    "SamplingOptions",
     "ServerError",
     "ServerOutcome",
     "ServerState",

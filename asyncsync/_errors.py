@@ -96,7 +96,13 @@ def _rebuild(
 
 class ServerError(AsyncSyncError):
     """The server answered with a non-2xx status, or with a 2xx body that is not the
-    JSON the route promises (never mistaken for a success)."""
+    JSON the route promises (never mistaken for a success).
+
+    Attributes:
+        retry_after: seconds from the answer's ``Retry-After`` header, if it sent one.
+    """
+
+    retry_after: float | None = None
 
 
 class ServerTimeout(AsyncSyncError, TimeoutError):

@@ -5,7 +5,8 @@
 - :func:`ineligibility`: why a server cannot take a generation now (or None).
 - :func:`choose`: least outstanding requests among eligible servers, with session
   affinity.
-- :class:`StalenessStats`: how many versions behind completions were, fleet-wide.
+- :class:`StalenessStats` and :func:`staleness_of`: how many versions behind
+  completions were, fleet-wide.
 
 Nothing here touches the network; :class:`asyncsync.Fleet` applies these decisions.
 """
@@ -15,27 +16,22 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:
-    from asyncsync.fleet import ServerState
+from asyncsync._completion import Completion
+from asyncsync._state import Reason, ServerState
 
 __all__ = [
     "TRANSIENT",
-    "Reason",
     "SessionTable",
     "StalenessStats",
     "VersionHistory",
     "choose",
     "ineligibility",
+    "staleness_of",
 ]
 
-#: Why a server is skipped. Transient reasons pass by themselves (a round ends, a
-#: request finishes); a session pinned to a server waits through them instead of
-#: moving, to keep its prefix cache.
-Reason = Literal[
-    "unhealthy", "dirty", "updating", "paused", "stale", "unknown_version", "below_min", "busy"
-]
+#: Skip reasons that pass by themselves (a round ends, a request finishes); a session
+#: pinned to a server waits through them instead of moving, to keep its prefix cache.
 TRANSIENT: frozenset[Reason] = frozenset({"updating", "paused", "busy", "below_min"})
 
 
@@ -97,18 +93,14 @@ def ineligibility(
 ) -> Reason | None:
     """Why ``state``'s server cannot take a generation now, or None if it can.
 
-    Checks, in order: healthy, not dirty, not updating, not paused, version (at most
-    ``max_staleness`` versions behind the newest, when anything was published; ``None``
-    disables the check), at least ``min_version``, and below its concurrency limit.
+    Checks, in order: fit to serve (:meth:`ServerState.unfit`: healthy, not dirty, not
+    updating, not paused), version (at most ``max_staleness`` versions behind the
+    newest, when anything was published; ``None`` disables the check), at least
+    ``min_version``, and below its concurrency limit.
     """
-    if not state.healthy:
-        return "unhealthy"
-    if state.dirty:
-        return "dirty"
-    if state.updating:
-        return "updating"
-    if state.paused:
-        return "paused"
+    unfit = state.unfit()
+    if unfit is not None:
+        return unfit
     if max_staleness is not None and len(history):
         lag = history.behind(state.weight_version)
         if lag is None:
@@ -158,6 +150,29 @@ def choose(
         if reason in TRANSIENT:
             return None, skipped
     return best, skipped
+
+
+def staleness_of(history: VersionHistory, c: Completion) -> int | None:
+    """Versions behind the newest of the oldest version among ``c``'s tokens: from the
+    spans when every span with tokens names its version, else from the version at
+    admission (client-side spans of a version that changed in flight), and from the
+    version at completion when there are no tokens. None when a version is unknown."""
+    worst = -1
+    unknown = False
+    for span in c.weight_versions:
+        if span.end > span.start:
+            if span.version is None:
+                return history.behind(c.admitted_version)
+            lag = history.behind(span.version)
+            if lag is None:
+                unknown = True
+            elif lag > worst:
+                worst = lag
+    if unknown:
+        return None
+    if worst < 0:
+        return history.behind(c.completed_version)
+    return worst
 
 
 class SessionTable:

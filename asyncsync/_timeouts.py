@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Literal
+from dataclasses import dataclass, replace
 
-__all__ = ["Deadline", "Phase", "Timeouts"]
+from asyncsync._types import Phase
 
-#: The phase a route belongs to; each phase has its own deadline.
-Phase = Literal["control", "update", "generate"]
+__all__ = ["Timeouts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,59 +51,11 @@ class Timeouts:
         value: float | None = getattr(self, phase)
         return value
 
+    def with_generate(self, seconds: float | None) -> Timeouts:
+        """These deadlines with the generate phase's replaced (a per-call timeout)."""
+        return replace(self, generate=seconds)
+
     @classmethod
     def uniform(cls, seconds: float | None) -> Timeouts:
         """The same deadline for every phase (handy in tests)."""
         return cls(connect=seconds, control=seconds, update=seconds, generate=seconds)
-
-
-class Deadline:
-    """``asyncio.timeout(delay)`` for a loop the caller already holds.
-
-    The same semantics as the standard library's (the task is cancelled when the delay
-    passes and ``TimeoutError`` is raised from the ``CancelledError``; a cancellation
-    from anywhere else propagates untouched), without looking the loop up three times
-    per use: on Python 3.11 every ``asyncio.get_running_loop()`` is a ``getpid()``
-    system call, and this runs once per request.
-    """
-
-    __slots__ = ("_cancelling", "_delay", "_expired", "_handle", "_loop", "_task")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, delay: float | None) -> None:
-        self._loop = loop
-        self._delay = delay
-        self._task: asyncio.Task[Any] | None = None
-        self._cancelling = 0
-        self._handle: asyncio.TimerHandle | None = None
-        self._expired = False
-
-    async def __aenter__(self) -> None:
-        if self._delay is None:
-            return
-        task = asyncio.current_task(self._loop)
-        if task is None:
-            raise RuntimeError("a Deadline must be used inside a task")
-        self._task = task
-        self._cancelling = task.cancelling()
-        self._handle = self._loop.call_later(self._delay, self._on_timeout)
-
-    def _on_timeout(self) -> None:
-        assert self._task is not None
-        self._handle = None
-        self._expired = True
-        self._task.cancel()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        if self._expired:
-            assert self._task is not None
-            self._expired = False
-            if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
-                raise TimeoutError from exc

@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync.generation import Completion, check_prompt
+from asyncsync._completion import Completion
+from asyncsync._genwire import check_prompt
 
 if TYPE_CHECKING:
     from asyncsync.client import AsyncVLLMClient

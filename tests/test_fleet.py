@@ -301,7 +301,7 @@ async def test_add_and_remove_servers_at_runtime(fakes: list[FakeVLLMServer]) ->
         state = await fleet.add_server(fakes[1].url, check=True)
         assert state.vllm_version == "0.32.0"
         assert fleet.urls == (fakes[0].url, fakes[1].url)
-        assert fleet.client(fakes[1].url)._session is fleet.session
+        assert fleet.client(fakes[1].url).session is fleet.session
         with pytest.raises(ValueError, match="already"):
             await fleet.add_server(fakes[1].url + "/")
         async with az.AsyncVLLMClient(fakes[2].url) as own:
@@ -330,7 +330,7 @@ async def test_fleet_lifecycle(fakes: list[FakeVLLMServer]) -> None:
     async with fleet:
         session = fleet.session
         assert session is not None
-        assert all(fleet.client(f.url)._session is session for f in fakes)
+        assert all(fleet.client(f.url).session is session for f in fakes)
         await fleet.health()
     assert session.closed
     assert fleet.session is None

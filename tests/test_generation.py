@@ -12,15 +12,16 @@ import pytest
 import pytest_asyncio
 
 import asyncsync as az
-from asyncsync.generation import (
-    _generation_call,
-    parse_completions,
-    parse_generate,
+from asyncsync._genwire import (
+    COMPLETIONS_ROUTE,
+    GENERATE_ROUTE,
+    parse_answer,
     parse_legacy_logprobs,
     parse_prompt_logprobs,
     parse_spans,
     retokenize,
 )
+from asyncsync._protocol import Call, Malformed
 from asyncsync.testing import FakeVLLMServer, Fault
 from asyncsync.testing._fake import FakeLM
 
@@ -135,67 +136,79 @@ async def test_request_body_on_each_route(fake32: FakeVLLMServer) -> None:
     "kwargs",
     [
         {},
-        {"max_tokens": 3, "temperature": 0.0, "logprobs": 2, "seed": 7, "n": 2},
+        {"max_tokens": 3, "temperature": 0.0, "logprobs": 2, "seed": 7},
         {"stop_token_ids": [7, 8], "cache_salt": "s", "model": "m", "min_tokens": 2},
-        {"request_id": "r-1", "top_p": 0.5, "top_k": 3},
+        {"request_id": "r-1", "top_p": 0.5, "top_k": 3, "timeout": 9.0, "route": "generate"},
     ],
 )
-def test_encoded_body_equals_the_body_and_is_shared_per_arguments(kwargs: dict[str, Any]) -> None:
+def test_every_option_lands_in_its_field_and_in_the_body(kwargs: dict[str, Any]) -> None:
     from asyncsync import _json
-    from asyncsync.client import _generation_request
-    from asyncsync.generation import (
-        COMPLETIONS_ROUTE,
-        GENERATE_ROUTE,
-        completions_body,
-        generate_body,
-        generation_payload,
-    )
+    from asyncsync._genwire import request_body, split_options
 
-    args = {
-        "max_tokens": 16, "temperature": 1.0, "top_p": None, "top_k": None, "logprobs": None,
-        "stop_token_ids": None, "seed": None, "n": 1, "cache_salt": None, "request_id": None,
-        "model": None,
+    req, send = split_options(kwargs, n=2)
+    sampling: dict[str, Any] = {"n": 2, "max_tokens": 16, "temperature": 1.0}
+    top: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in ("timeout", "route"):
+            assert getattr(send, key) == value
+        elif key in ("cache_salt", "model", "request_id"):
+            assert getattr(req, key) == value
+            top[key] = value
+        else:
+            sampling[key] = value
+    assert (send.route, send.timeout) == (kwargs.get("route", "auto"), kwargs.get("timeout"))
+    prompt = [1, 2, 3]
+    got = _json.loads(request_body(GENERATE_ROUTE, prompt, req))
+    assert got == {"token_ids": prompt, "sampling_params": sampling, **top}
+    got = _json.loads(request_body(COMPLETIONS_ROUTE, prompt, req, stream=True))
+    assert got == {
+        "prompt": prompt, **sampling, "return_token_ids": True,
+        "return_tokens_as_token_ids": True, **top, "stream": True,
     }  # fmt: skip
-    extra = {k: v for k, v in kwargs.items() if k not in args}
-    args.update({k: v for k, v in kwargs.items() if k in args})
-    req = _generation_request(**args, extra=extra)
-    for prompt in ([1, 2, 3], [5], list(range(300))):
-        for _ in range(2):  # the second time from the encoded fields kept on the request
-            got = _json.loads(generation_payload(GENERATE_ROUTE, prompt, req))
-            assert got == generate_body(prompt, req)
-            got = _json.loads(generation_payload(COMPLETIONS_ROUTE, prompt, req))
-            assert got == completions_body(prompt, req)
-    again = _generation_request(**args, extra=dict(extra))
-    shared = not extra and args["stop_token_ids"] is None and args["request_id"] is None
-    assert (again is req) == shared
-    stop = args.pop("stop_token_ids")
-    expected = az.generation.GenerationRequest(
-        **args, stop_token_ids=None if stop is None else tuple(stop), extra=extra
-    )
-    assert req == expected  # every argument in its field, shared or not
 
 
-def test_shared_requests_keep_argument_types_apart() -> None:
-    from asyncsync.client import _generation_request
+def test_options_are_validated_and_misplaced_ones_named() -> None:
+    from asyncsync._genwire import split_options
 
-    base = {
-        "max_tokens": 4, "top_p": None, "top_k": None, "logprobs": None,
-        "stop_token_ids": None, "seed": None, "cache_salt": None, "request_id": None,
-        "model": None, "extra": {},
-    }  # fmt: skip
-    as_int = _generation_request(temperature=1, n=1, **base)
-    as_float = _generation_request(temperature=1.0, n=1, **base)
-    assert as_int is not as_float
-    assert type(as_float.temperature) is float
-    _generation_request(temperature=1.0, n=1, **base)
+    req, _ = split_options({"temperature": 1})
+    assert req.temperature == 1 and type(req.temperature) is int  # sent as given
     with pytest.raises(ValueError, match="n must be an int"):
-        _generation_request(temperature=1.0, n=True, **base)  # not the cached n=1
+        split_options({}, n=True)
     with pytest.raises(ValueError, match="max_tokens"):
-        _generation_request(temperature=1.0, n=1, **{**base, "max_tokens": [4]})
+        split_options({"max_tokens": [4]})
+    with pytest.raises(ValueError, match="max_tokens"):
+        split_options({"max_tokens": 0})
+    with pytest.raises(ValueError, match="route must be one of"):
+        split_options({"route": "fast"})
+    with pytest.raises(ValueError, match="'stream' cannot be passed"):
+        split_options({"stream": True})
+    with pytest.raises(TypeError, match="session_id: routing options belong to Fleet"):
+        split_options({"session_id": "s"}, where="generate")
+    _, send = split_options({"session_id": "s", "min_version": "v1"}, routed=True)
+    assert (send.session_id, send.min_version) == ("s", "v1")
+
+
+def test_fleet_and_client_take_the_same_generation_options() -> None:
+    """A client's generation options are exactly a fleet's minus routing."""
+    import inspect
+    from typing import get_type_hints
+
+    routing = {"session_id", "min_version", "admission_timeout"}
+    client_opts = get_type_hints(az.GenerateOptions, include_extras=True)
+    fleet_opts = get_type_hints(az.RoutedGenerateOptions, include_extras=True)
+    assert client_opts == {k: v for k, v in fleet_opts.items() if k not in routing}
+    assert set(get_type_hints(az.RequestOptions)) == set(client_opts) - {"request_id"}
+    assert set(get_type_hints(az.RoutedOptions)) == set(fleet_opts) - {"request_id", "session_id"}
+    for name in ("generate", "generate_batch", "stream", "score"):
+        client_params = inspect.signature(getattr(az.AsyncVLLMClient, name)).parameters
+        fleet_params = inspect.signature(getattr(az.Fleet, name)).parameters
+        for pname, param in client_params.items():
+            assert fleet_params[pname].kind == param.kind, (name, pname)
+            assert fleet_params[pname].default == param.default, (name, pname)
 
 
 def test_prompt_checks_name_the_offending_position() -> None:
-    from asyncsync.generation import check_prompt, check_prompts
+    from asyncsync._genwire import check_prompt, check_prompts
 
     assert check_prompt([0, 5, 511], vocab_size=512) == [0, 5, 511]
     with pytest.raises(ValueError, match=r"ids\[2\] = 512 is outside .*vocab_size=512"):
@@ -378,9 +391,11 @@ async def test_malformed_responses_are_generation_errors_naming_the_server(
 async def test_http_errors_keep_their_type(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:
         with pytest.raises(az.ServerError, match="too_short") as info:
-            await client._send(  # an empty prompt, which the client itself refuses
-                _generation_call("/inference/v1/generate", 1, None),
-                b'{"token_ids": [], "sampling_params": {}}',
+            raw: Call[None] = Call(
+                "generate", "POST", GENERATE_ROUTE, "generate", lambda _d: None, "a completion"
+            )
+            await client.endpoint.request(  # an empty prompt, which the client itself refuses
+                raw, b'{"token_ids": [], "sampling_params": {}}'
             )
         assert info.value.status == 400
         with pytest.raises(ValueError, match="must not be empty"):
@@ -469,8 +484,6 @@ def test_prompt_logprobs_string_and_int_keys_and_missing_token() -> None:
         lps, tops, _ranks = parse_prompt_logprobs(data, [1, 5])
         assert lps == [None, -1.5]
         assert tops[1] == {5: -1.5, 9: -0.2}
-    from asyncsync._http import Malformed
-
     with pytest.raises(Malformed, match="no entry for the given token 7"):
         parse_prompt_logprobs(as_json, [1, 7])
     with pytest.raises(Malformed):
@@ -516,7 +529,7 @@ def test_parse_023_generate_shape() -> None:
         "prompt_logprobs": None,
         "kv_transfer_params": None,
     }
-    choice = parse_generate(data, 1, 1)[0]
+    choice = parse_answer(data, GENERATE_ROUTE, 1, 1)[0]
     assert choice.token_ids == [7]
     assert choice.logprobs == [-0.5]
     assert choice.top_logprobs == [{7: -0.5, 3: -1.5}]
@@ -535,8 +548,11 @@ def test_parse_legacy_logprobs_by_string_keeps_text_keys() -> None:
     assert by_id is None
     assert by_text == [{" bl": -0.1, "5": -2.0}]
     assert named is None
-    parsed = parse_completions(
-        {"choices": [{"index": 0, "text": " bl", "token_ids": [346], "logprobs": data}]}, 1, 2
+    parsed = parse_answer(
+        {"choices": [{"index": 0, "text": " bl", "token_ids": [346], "logprobs": data}]},
+        COMPLETIONS_ROUTE,
+        1,
+        2,
     )
     assert parsed[0].top_logprobs_text == [{" bl": -0.1, "5": -2.0}]
 
@@ -548,8 +564,6 @@ def test_parse_spans_must_tile_the_output() -> None:
     )
     assert spans is not None
     assert [(s.version, len(s)) for s in spans] == [("a", 2), ("b", 1)]
-    from asyncsync._http import Malformed
-
     with pytest.raises(Malformed):
         parse_spans([{"version": "a", "start": 1, "end": 3}], 3)
 

@@ -11,8 +11,8 @@ import pytest
 import pytest_asyncio
 
 import asyncsync as az
+from asyncsync import ServerState
 from asyncsync._routing import SessionTable, StalenessStats, VersionHistory, choose, ineligibility
-from asyncsync.fleet import ServerState
 from asyncsync.testing import FakeVLLMServer, free_port
 
 PROMPT = [1, 2, 3]

@@ -1,0 +1,104 @@
+"""A fleet's servers: their clients and states in order, and a signal when any changes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Iterator
+
+from asyncsync._protocol import normalize_url
+from asyncsync._state import ServerState
+from asyncsync.client import AsyncVLLMClient
+
+__all__ = ["Members"]
+
+
+class Members:
+    """The servers of a fleet, in the order they were added.
+
+    Each server has one client (whose :class:`~asyncsync.ServerState` is the server's
+    one record) and is either owned (built and closed by the fleet) or borrowed.
+    :meth:`notify` wakes everything waiting in :meth:`changed` (routing waits for an
+    eligible server this way).
+    """
+
+    def __init__(self) -> None:
+        self._clients: dict[str, AsyncVLLMClient] = {}
+        self._owned: set[str] = set()
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def add(self, client: AsyncVLLMClient, *, owned: bool) -> ServerState:
+        url = client.base_url
+        if url in self._clients:
+            raise ValueError(f"server {url} is already in the fleet")
+        self._clients[url] = client
+        if owned:
+            self._owned.add(url)
+        self.notify()
+        return client.server_state
+
+    def remove(self, url: str) -> tuple[AsyncVLLMClient, bool]:
+        """Drop ``url``; returns its client and whether the fleet owned it."""
+        client = self._clients.pop(url)
+        owned = url in self._owned
+        self._owned.discard(url)
+        self.notify()
+        return client, owned
+
+    def owned(self) -> list[AsyncVLLMClient]:
+        return [self._clients[url] for url in self._clients if url in self._owned]
+
+    def client(self, url: str) -> AsyncVLLMClient:
+        return self._clients[normalize_url(url)]
+
+    def state(self, url: str) -> ServerState:
+        return self.client(url).server_state
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(self._clients)
+
+    def states(self) -> Iterator[ServerState]:
+        return (c.server_state for c in self._clients.values())
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def __contains__(self, url: str) -> bool:
+        return url in self._clients
+
+    def resolve(self, targets: Iterable[str] | None) -> list[str]:
+        """The URLs ``targets`` names (all when None), checked and deduplicated."""
+        if targets is None:
+            return list(self._clients)
+        if isinstance(targets, str):
+            raise TypeError("targets must be an iterable of URLs, not one string")
+        urls: list[str] = []
+        for target in targets:
+            url = normalize_url(target)
+            if url not in self._clients:
+                raise KeyError(f"server {url} is not in the fleet")
+            if url not in urls:
+                urls.append(url)
+        return urls
+
+    # --------------------------------------------------------------- change signal
+    def notify(self) -> None:
+        """Wake everything waiting in :meth:`changed` (a server's state changed)."""
+        if not self._waiters:
+            return
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def changed(self, within: float) -> None:
+        """Return at the next :meth:`notify`, or after ``within`` seconds."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            async with asyncio.timeout(within):
+                await fut
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(fut)

@@ -1,0 +1,481 @@
+"""vLLM's RL control routes as data: planned calls, payloads and response parsers.
+
+Pure wire knowledge, no I/O: each ``plan_*`` function turns a route's arguments (and the
+protocol generation the server speaks) into a :class:`Call`, which carries the method,
+route, deadline phase, JSON payload and the parser of the 2xx answer. A fleet plans and
+encodes a call once per protocol generation and sends the same bytes to every server;
+:mod:`asyncsync._transport` sends it.
+
+The two generations of vLLM's RL protocol:
+
+- vLLM 0.23-style servers: ``/start_weight_update`` needs a JSON body with
+  ``is_checkpoint_format``; ``packed`` travels inside ``update_info``; ``update_info`` is
+  one dict; ``/finish_weight_update`` ignores its body, so the client records the weight
+  version itself; ``/weight_info``, ``/update_weight_version``, ``/weight_checker`` and
+  ``/shutdown_weight_transfer_engine`` do not exist.
+- vLLM 0.32-style servers: no body on start; ``update_info`` may be a list with one dict
+  per worker rank; the version goes to the server with finish.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from asyncsync import _json
+from asyncsync._errors import ProtocolError
+from asyncsync._types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
+
+__all__ = [
+    "NO_BODY",
+    "Call",
+    "Malformed",
+    "WeightComparison",
+    "check_version_arg",
+    "describe_error_body",
+    "normalize_url",
+    "protocol_for_version",
+]
+
+T = TypeVar("T")
+
+_MIN_SUPPORTED = (0, 23)
+_CURRENT = (0, 32)
+_VERSION_RE = re.compile(r"^\s*v?(\d+)\.(\d+)")
+
+
+#: Marker for "this request has no body" (distinct from a JSON ``null``).
+NO_BODY: Any = object()
+
+
+class Malformed(Exception):
+    """Raised by a response parser: the 2xx body is not what the route promises."""
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One planned request: everything but the server and the encoded body.
+
+    A call is planned once per vLLM protocol generation and sent to many servers; its
+    payload is encoded once by the caller and the bytes are shared.
+    """
+
+    op: str
+    method: Literal["GET", "POST"]
+    route: str
+    phase: Phase
+    parse: Callable[[Any], T]
+    expect: str
+    payload: Any = NO_BODY
+    params: tuple[tuple[str, str], ...] = ()
+    idempotent: bool = False
+    json_response: bool = True
+    #: Weight version the client records when the call succeeds.
+    record_version: str | None = None
+    #: A hint added to the message when the server answers 404.
+    not_found_hint: str | None = None
+
+    def encode(self) -> bytes | None:
+        """The request body as JSON bytes, or ``None`` when the call has no body."""
+        if self.payload is NO_BODY:
+            return None
+        return _json.dumps(self.payload)
+
+
+def describe_error_body(body: bytes) -> str | None:
+    """The human message inside a vLLM error body, for all shapes vLLM uses.
+
+    1. ``{"error": "<string>"}`` (pause, resume, is_paused, abort_requests);
+    2. OpenAI style ``{"error": {"message", "type", "param", "code"}}`` (validation
+       errors, HTTPException, worker failures "Call to collective_rpc method failed: ...");
+    3. FastAPI's own ``{"detail": "..."}`` for unknown routes and methods (404, 405).
+
+    Returns ``None`` when the body is none of these (e.g. a proxy's HTML page).
+    """
+    try:
+        data = _json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    error = data.get("error")
+    if isinstance(error, str):
+        return error
+    if isinstance(error, dict):
+        message = error.get("message")
+        if not isinstance(message, str):
+            return None
+        kind = error.get("type")
+        param = error.get("param")
+        text = f"{kind}: {message}" if isinstance(kind, str) and kind else message
+        if isinstance(param, str) and param:
+            text = f"{text} (param {param})"
+        return text
+    detail = data.get("detail")
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list) and detail:
+        return "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail)
+    return None
+
+
+def protocol_for_version(version: str) -> ProtocolGeneration:
+    """The protocol generation of a server reporting ``version`` (``GET /version``).
+
+    vLLM >= 0.32 speaks the current protocol; 0.23 up to 0.32 the 0.23 one. Older servers
+    have no weight-transfer routes: :class:`~asyncsync.ProtocolError`.
+    """
+    match = _VERSION_RE.match(version)
+    if match is None:
+        raise ProtocolError(f"cannot read the vLLM version {version!r}")
+    parsed = (int(match.group(1)), int(match.group(2)))
+    if parsed < _MIN_SUPPORTED:
+        raise ProtocolError(
+            f"vLLM {version} is not supported: asyncsync needs vLLM >= 0.23 "
+            "(the weight-transfer routes)"
+        )
+    return "0.32" if parsed >= _CURRENT else "0.23"
+
+
+@dataclass(frozen=True, slots=True)
+class WeightComparison:
+    """Result of ``/weight_checker`` with ``action="compare"``.
+
+    Attributes:
+        match: every checksum equals the baseline's.
+        mismatches: keys (``"dp0:pp0:pcp0:tp0:<param>"``) that differ or are missing.
+    """
+
+    match: bool
+    mismatches: tuple[str, ...]
+
+
+# ----------------------------------------------------------------------- parsers
+def _obj(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise Malformed("not a JSON object")
+    return data
+
+
+def _field(data: Any, key: str, kind: type[T]) -> T:
+    value = _obj(data).get(key)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise Malformed(f"{key!r} missing or not {kind.__name__}")
+    return value
+
+
+def _parse_message(data: Any) -> None:
+    _field(data, "message", str)
+
+
+def _parse_none(_body: bytes) -> None:
+    return None
+
+
+def _status_parser(expected: str) -> Any:
+    def parse(data: Any) -> None:
+        if _field(data, "status", str) != expected:
+            raise Malformed(f"status is not {expected!r}")
+
+    return parse
+
+
+def _parse_version(data: Any) -> str:
+    return _field(data, "version", str)
+
+
+def _parse_is_paused(data: Any) -> bool:
+    return _field(data, "is_paused", bool)
+
+
+def _parse_aborted(data: Any) -> int:
+    if _field(data, "status", str) != "aborted":
+        raise Malformed("status is not 'aborted'")
+    return _field(data, "aborted", int)
+
+
+def _parse_weight_version(data: Any) -> str:
+    return _field(data, "weight_version", str)
+
+
+def _parse_world_size(data: Any) -> int:
+    return _field(data, "world_size", int)
+
+
+def _parse_checksums(data: Any) -> dict[str, str]:
+    checksums = _field(data, "checksums", dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in checksums.items()):
+        raise Malformed("checksums are not strings")
+    return dict(checksums)
+
+
+def _parse_comparison(data: Any) -> WeightComparison:
+    match = _field(data, "match", bool)
+    mismatches = _field(data, "mismatches", list)
+    if not all(isinstance(m, str) for m in mismatches):
+        raise Malformed("mismatches are not strings")
+    return WeightComparison(match=match, mismatches=tuple(mismatches))
+
+
+def _version_parser(expected: str) -> Any:
+    def parse(data: Any) -> None:
+        if _field(data, "success", bool) is not True:
+            raise Malformed("success is not true")
+        if _field(data, "new_version", str) != expected:
+            raise Malformed(f"new_version is not {expected!r}")
+
+    return parse
+
+
+def _reset_cache_parser(protocol: ProtocolGeneration) -> Any:
+    def parse(body: bytes) -> bool:
+        if not body.strip() and protocol == "0.23":
+            return True  # older servers answer reset_prefix_cache with an empty 200
+        try:
+            data = _json.loads(body)
+        except ValueError as exc:
+            raise Malformed("not JSON") from exc
+        return _field(data, "success", bool)
+
+    return parse
+
+
+# ------------------------------------------------------------------------- plans
+# Each plan is a pure function of the protocol generation and the arguments, so a fleet
+# plans (and encodes) a call once per generation and sends the same bytes to every server.
+
+_MESSAGE = '{"message": str}'
+
+
+def _needs_current(route: str, protocol: ProtocolGeneration, server: str | None) -> None:
+    if protocol != "0.32":
+        raise ProtocolError(
+            f"{route} needs vLLM >= 0.32; this server speaks the vLLM {protocol} protocol",
+            server=server,
+            route=route,
+        )
+
+
+def plan_health() -> Call[None]:
+    return Call(
+        "health", "GET", "/health", "control", _parse_none, "HTTP 200",
+        idempotent=True, json_response=False,
+    )  # fmt: skip
+
+
+def plan_version() -> Call[str]:
+    return Call(
+        "version", "GET", "/version", "control", _parse_version, '{"version": str}',
+        idempotent=True, not_found_hint="is this a vLLM server?",
+    )  # fmt: skip
+
+
+def plan_pause(mode: PauseMode, clear_cache: bool | None) -> Call[None]:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    params: tuple[tuple[str, str], ...] = (("mode", mode),)
+    if clear_cache is not None:
+        params += (("clear_cache", "true" if clear_cache else "false"),)
+    return Call(
+        "pause", "POST", "/pause", "control", _status_parser("paused"),
+        '{"status": "paused"}', params=params,
+    )  # fmt: skip
+
+
+def plan_resume() -> Call[None]:
+    return Call(
+        "resume", "POST", "/resume", "control", _status_parser("resumed"),
+        '{"status": "resumed"}',
+    )  # fmt: skip
+
+
+def plan_is_paused() -> Call[bool]:
+    return Call(
+        "is_paused", "GET", "/is_paused", "control", _parse_is_paused,
+        '{"is_paused": bool}', idempotent=True,
+    )  # fmt: skip
+
+
+def plan_abort_requests(request_ids: Sequence[str] | None) -> Call[int]:
+    if isinstance(request_ids, str):
+        raise TypeError("request_ids must be a sequence of ids, not one string")
+    payload: dict[str, Any] = {} if request_ids is None else {"request_ids": list(request_ids)}
+    return Call(
+        "abort_requests", "POST", "/abort_requests", "control", _parse_aborted,
+        '{"status": "aborted", "aborted": int}', payload=payload,
+        not_found_hint="on vLLM 0.23 /abort_requests exists only with --tokens-only; "
+        "vLLM >= 0.32 always serves it",
+    )  # fmt: skip
+
+
+def plan_weight_info(protocol: ProtocolGeneration, server: str | None = None) -> Call[str]:
+    _needs_current("/weight_info", protocol, server)
+    return Call(
+        "weight_info", "GET", "/weight_info", "control", _parse_weight_version,
+        '{"weight_version": str}', idempotent=True,
+    )  # fmt: skip
+
+
+def plan_update_weight_version(
+    protocol: ProtocolGeneration, new_version: str, server: str | None = None
+) -> Call[None]:
+    _needs_current("/update_weight_version", protocol, server)
+    check_version_arg(new_version)
+    return Call(
+        "update_weight_version", "POST", "/update_weight_version", "control",
+        _version_parser(new_version), '{"success": true, "new_version": str}',
+        payload={"new_version": new_version}, record_version=new_version,
+    )  # fmt: skip
+
+
+def plan_weight_checksums(
+    protocol: ProtocolGeneration, server: str | None = None
+) -> Call[dict[str, str]]:
+    _needs_current("/weight_checker", protocol, server)
+    return Call(
+        "weight_checksums", "POST", "/weight_checker", "control", _parse_checksums,
+        '{"checksums": {str: str}}', payload={"action": "checksum"},
+    )  # fmt: skip
+
+
+def plan_compare_weights(
+    protocol: ProtocolGeneration, baseline: Mapping[str, str], server: str | None = None
+) -> Call[WeightComparison]:
+    _needs_current("/weight_checker", protocol, server)
+    return Call(
+        "compare_weights", "POST", "/weight_checker", "control", _parse_comparison,
+        '{"match": bool, "mismatches": [str]}',
+        payload={"action": "compare", "baseline": dict(baseline)},
+    )  # fmt: skip
+
+
+def plan_get_world_size(include_dp: bool) -> Call[int]:
+    return Call(
+        "get_world_size", "GET", "/get_world_size", "control", _parse_world_size,
+        '{"world_size": int}', params=(("include_dp", "true" if include_dp else "false"),),
+        idempotent=True,
+    )  # fmt: skip
+
+
+def plan_reset_prefix_cache(
+    protocol: ProtocolGeneration, reset_running_requests: bool, reset_external: bool
+) -> Call[bool]:
+    params: tuple[tuple[str, str], ...] = ()
+    if reset_running_requests:
+        params += (("reset_running_requests", "true"),)
+    if reset_external:
+        params += (("reset_external", "true"),)
+    return Call(
+        "reset_prefix_cache", "POST", "/reset_prefix_cache", "control",
+        _reset_cache_parser(protocol), '{"success": bool}', params=params,
+        json_response=False,
+    )  # fmt: skip
+
+
+def plan_init_weight_transfer_engine(init_info: Mapping[str, Any]) -> Call[None]:
+    if not isinstance(init_info, Mapping):
+        raise TypeError(f"init_info must be a mapping, got {type(init_info).__name__}")
+    return Call(
+        "init_weight_transfer_engine", "POST", "/init_weight_transfer_engine", "update",
+        _parse_message, _MESSAGE, payload={"init_info": init_info},
+    )  # fmt: skip
+
+
+def plan_start_weight_update(
+    protocol: ProtocolGeneration, is_checkpoint_format: bool | None, server: str | None = None
+) -> Call[None]:
+    if protocol == "0.23":
+        payload: Any = {
+            "is_checkpoint_format": True if is_checkpoint_format is None else is_checkpoint_format
+        }
+    else:
+        if is_checkpoint_format is not None:
+            raise ProtocolError(
+                "is_checkpoint_format is a vLLM 0.23 option; vLLM >= 0.32 takes no body on "
+                "/start_weight_update",
+                server=server,
+                route="/start_weight_update",
+            )
+        payload = NO_BODY
+    return Call(
+        "start_weight_update", "POST", "/start_weight_update", "update", _parse_message,
+        _MESSAGE, payload=payload,
+    )  # fmt: skip
+
+
+def plan_update_weights(
+    protocol: ProtocolGeneration,
+    update_info: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    packed: bool | None,
+    server: str | None = None,
+) -> Call[None]:
+    route = "/update_weights"
+    info: Any
+    if isinstance(update_info, Mapping):
+        info = update_info
+    elif isinstance(update_info, (list, tuple)):
+        if not all(isinstance(item, Mapping) for item in update_info):
+            raise TypeError("update_info list items must be mappings (one per worker rank)")
+        if protocol == "0.23":
+            raise ProtocolError(
+                "a per-rank update_info list needs vLLM >= 0.32; vLLM 0.23 takes one dict",
+                server=server,
+                route=route,
+            )
+        info = list(update_info)
+    else:
+        raise TypeError(
+            f"update_info must be a mapping or a list of mappings, got {type(update_info).__name__}"
+        )
+    if packed is not None:
+        if protocol == "0.32":
+            raise ProtocolError(
+                "packed belongs in init_info on vLLM >= 0.32 (an update_info with 'packed' "
+                "is rejected there); pass packed only to vLLM 0.23 servers",
+                server=server,
+                route=route,
+            )
+        info = {**info, "packed": packed}
+    return Call(
+        "update_weights", "POST", route, "update", _parse_message, _MESSAGE,
+        payload={"update_info": info},
+    )  # fmt: skip
+
+
+def plan_finish_weight_update(
+    protocol: ProtocolGeneration, weight_version: str | None
+) -> Call[None]:
+    if weight_version is not None:
+        check_version_arg(weight_version)
+    payload: Any = NO_BODY
+    if protocol == "0.32" and weight_version is not None:
+        payload = {"weight_version": weight_version}
+    return Call(
+        "finish_weight_update", "POST", "/finish_weight_update", "update", _parse_message,
+        _MESSAGE, payload=payload, record_version=weight_version,
+    )  # fmt: skip
+
+
+def plan_shutdown_weight_transfer_engine(
+    protocol: ProtocolGeneration, server: str | None = None
+) -> Call[None]:
+    _needs_current("/shutdown_weight_transfer_engine", protocol, server)
+    return Call(
+        "shutdown_weight_transfer_engine", "POST", "/shutdown_weight_transfer_engine",
+        "update", _parse_message, _MESSAGE,
+    )  # fmt: skip
+
+
+def check_version_arg(version: str) -> None:
+    """A weight version is a non-empty string (TypeError otherwise)."""
+    if not isinstance(version, str) or not version:
+        raise TypeError(f"a weight version must be a non-empty string, got {version!r}")
+
+
+def normalize_url(base_url: str) -> str:
+    """``base_url`` without a trailing slash; ValueError unless it is http(s)."""
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    return base_url.rstrip("/")

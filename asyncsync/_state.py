@@ -1,0 +1,182 @@
+"""What asyncsync knows about one server, and the rules that change it.
+
+:class:`ServerState` is the one record per server: the client writes it for its own
+calls and a :class:`~asyncsync.Fleet` shares the same object, so a server's weight
+version has one source of truth. The rules live here and nowhere else:
+
+- *fit to serve* (:meth:`ServerState.unfit`): healthy, not dirty, not mid-update, not
+  paused;
+- *unreachable* (:func:`unreachable`): what makes a server unhealthy;
+- the transition after each call's outcome (:func:`observe`), including *dirty*: a
+  weight-sync call that failed, was cancelled or got no answer leaves the server's
+  weights in an unknown state until a later round finishes there (a frozen server runs
+  its queued requests when it thaws).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from asyncsync._errors import ServerError, ServerTimeout, ServerUnavailable
+from asyncsync._types import Outcome, Phase, ProtocolGeneration
+
+__all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
+
+#: Why a server is skipped by routing; the first four are the server's own state
+#: (:meth:`ServerState.unfit`), the others depend on the fleet and the request.
+Reason = Literal[
+    "unhealthy", "dirty", "updating", "paused", "stale", "unknown_version", "below_min", "busy"
+]
+
+#: Operations that change a server's weights.
+UPDATE_OPS = frozenset({"start_weight_update", "update_weights", "finish_weight_update"})
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What is known about one server, as last observed. Mutable; read it freely.
+
+    Attributes:
+        url: the server's base URL.
+        vllm_version: from ``GET /version`` once known.
+        protocol: ``"0.23"`` or ``"0.32"`` once known.
+        weight_version: the last version finished (or read with ``weight_info``) here.
+        paused: paused by this fleet (or observed paused) and not resumed since.
+        updating: ``start_weight_update`` succeeded and no finish has yet.
+        dirty: left mid-update (a weight-sync call failed, was cancelled or got no
+            answer after or during a start); holds weights of no known version until a
+            later round finishes here.
+        healthy: False after the server could not be reached or did not answer, True
+            after any success.
+        outstanding: requests in flight to this server.
+        last_error: the most recent failure, None after a success.
+        max_concurrency: the most generations routed here at once (None: no limit).
+        routed: generations routed here so far (load spread).
+    """
+
+    url: str
+    vllm_version: str | None = None
+    protocol: ProtocolGeneration | None = None
+    weight_version: str | None = None
+    paused: bool = False
+    updating: bool = False
+    dirty: bool = False
+    healthy: bool = True
+    outstanding: int = 0
+    last_error: BaseException | None = None
+    max_concurrency: int | None = None
+    routed: int = 0
+
+    def unfit(self) -> Reason | None:
+        """Why this server cannot serve generations now, by its own state (None: fit).
+        The one rule for "fit to serve"; routing adds version and load checks."""
+        if not self.healthy:
+            return "unhealthy"
+        if self.dirty:
+            return "dirty"
+        if self.updating:
+            return "updating"
+        if self.paused:
+            return "paused"
+        return None
+
+    @property
+    def available(self) -> bool:
+        """Fit to serve generations: healthy, not dirty, not updating, not paused."""
+        return self.unfit() is None
+
+    def record_version(self, version: str | None) -> None:
+        """The server now holds weights ``version`` (the one writer of it)."""
+        self.weight_version = version
+
+    def mark(self, *, dirty: bool) -> None:
+        """Mark dirty, or clean again (in sync, no update active)."""
+        self.dirty = dirty
+        if not dirty:
+            self.updating = False
+
+
+def unreachable(error: BaseException, phase: Phase, *, connected: bool = True) -> bool:
+    """The server could not be reached or did not answer: it is unhealthy.
+
+    A connection failure always counts. A deadline counts on control and update calls;
+    a generation that outlived its (caller-chosen) deadline only counts when the
+    connection itself was never established (``connected=False``).
+    """
+    if isinstance(error, ServerUnavailable):
+        return True
+    if isinstance(error, ServerTimeout):
+        return phase != "generate" or not connected
+    return False
+
+
+def observe(
+    state: ServerState,
+    op: str,
+    phase: Phase,
+    outcome: Outcome[Any],
+    *,
+    version: str | None = None,
+    connected: bool = True,
+) -> None:
+    """Update ``state`` after operation ``op`` ended with ``outcome``.
+
+    ``version``: the weight version the call sets when it succeeds (finish, update of
+    the version). ``connected``: whether a failed request got as far as a connection.
+    """
+    error = outcome.error
+    if error is None:
+        state.healthy = True
+        state.last_error = None
+        _succeeded(state, op, outcome.value)
+        if version is not None:
+            state.record_version(version)
+        return
+    state.last_error = error
+    if unreachable(error, phase, connected=connected) or (
+        op == "health" and isinstance(error, ServerError)
+    ):
+        state.healthy = False  # /health answers 503 when vLLM's engine is dead
+    if op in UPDATE_OPS:
+        _weight_call_failed(state, op, error)
+
+
+def observe_cancelled(state: ServerState, op: str) -> None:
+    """A call was cancelled while in flight: a weight-sync call may still run there."""
+    if op in UPDATE_OPS and (state.updating or op == "start_weight_update"):
+        state.dirty = True
+
+
+def _succeeded(state: ServerState, op: str, value: Any) -> None:
+    match op:
+        case "pause":
+            state.paused = True
+        case "resume":
+            state.paused = False
+        case "is_paused":
+            state.paused = bool(value)
+        case "weight_info" if isinstance(value, str):
+            state.record_version(value)
+        case "start_weight_update":
+            state.updating = True
+        case "end_weight_update":  # an update sent to be rejected was rejected
+            state.updating = False
+        case "finish_weight_update":
+            state.mark(dirty=False)
+        case _:
+            pass
+
+
+def _weight_call_failed(state: ServerState, op: str, error: BaseException) -> None:
+    """A weight-sync call failed. vLLM drops its active update when an update fails, so
+    the server is no longer updating, but its weights are of no known version. A call
+    that got no answer may still run when the server thaws: dirty as well."""
+    no_answer = isinstance(error, (ServerTimeout, ServerUnavailable))
+    if op == "start_weight_update":
+        if no_answer:
+            state.dirty = True
+        return
+    if state.updating or state.dirty or no_answer:
+        state.updating = False
+        state.dirty = True

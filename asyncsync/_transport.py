@@ -1,0 +1,398 @@
+"""The HTTP boundary: every aiohttp call asyncsync makes, plain and streamed.
+
+- :class:`Transport` owns (or borrows) one aiohttp session, created lazily inside the
+  running loop and closed on exit; the clients of a fleet borrow the fleet's.
+- :class:`Endpoint` is one server on a transport: base URL, credentials, deadlines and
+  retry policy. It sends a planned :class:`~asyncsync._protocol.Call` with the phase's
+  deadline, retries idempotent calls, and records each outcome in the server's
+  :class:`~asyncsync._state.ServerState`.
+- :func:`map_error` is the one place where aiohttp and socket errors become asyncsync
+  errors, and :func:`status_error` the one place where a non-2xx answer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+import yarl
+
+from asyncsync import _json
+from asyncsync._errors import (
+    AsyncSyncError,
+    ProtocolError,
+    ServerError,
+    ServerTimeout,
+    ServerUnavailable,
+)
+from asyncsync._protocol import Call, Malformed, describe_error_body
+from asyncsync._retry import NO_RETRY, RetryPolicy, is_retryable, parse_retry_after, retry_delay
+from asyncsync._state import ServerState, observe
+from asyncsync._timeouts import Timeouts
+from asyncsync._types import Outcome
+
+__all__ = ["KEEPALIVE_TIMEOUT", "Endpoint", "Transport", "map_error", "never_sent", "status_error"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: Seconds an idle pooled connection is kept. Below uvicorn's 5 s keep-alive timeout, so
+#: the client closes idle connections before vLLM does: otherwise a request written just
+#: as the server closes an idle connection fails with "Server disconnected", and a
+#: generation (not idempotent) cannot be resent blindly.
+KEEPALIVE_TIMEOUT = 4.0
+
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
+_LOST_ERRNOS = _STALE_ERRNOS | {errno.ECONNABORTED}
+_JSON_CONTENT = {"Content-Type": "application/json"}
+
+
+class Transport:
+    """One aiohttp session and its lifecycle (``unopened`` -> ``open`` -> ``closed``).
+
+    The session is created on first use, inside the running loop (never at import or
+    construction time); a ``session`` passed in is borrowed and never closed. After
+    :meth:`aclose`, using the transport raises :class:`~asyncsync.ServerUnavailable`.
+
+    Args:
+        session: an aiohttp session to borrow, or a function of the server URL
+            returning one (called on each use; it may raise to refuse, e.g. while its
+            owner is not open).
+        connection_limit: cap on concurrent connections of an owned session (None: no
+            cap; a fan-out to N servers needs N).
+        owner: what to name in errors (e.g. ``"this Fleet"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession
+        | Callable[[str | None], aiohttp.ClientSession]
+        | None = None,
+        connection_limit: int | None = None,
+        owner: str = "this client",
+    ) -> None:
+        self._borrowed = session
+        self._session: aiohttp.ClientSession | None = None
+        self._connection_limit = connection_limit
+        self._owner = owner
+        self.state: Literal["unopened", "open", "closed"] = "unopened"
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The aiohttp session in use (None before an own one is created, or while a
+        lender refuses to lend one)."""
+        if callable(self._borrowed):
+            try:
+                return self._borrowed(None)
+            except ServerUnavailable:
+                return None
+        return self._session
+
+    def open(self, server: str | None = None) -> aiohttp.ClientSession:
+        """The session, created now if needed (must run inside the event loop);
+        ``server`` is named in the error when the transport is closed."""
+        if self.state == "closed":
+            raise ServerUnavailable(f"{self._owner} is closed; create a new one", server=server)
+        borrowed = self._borrowed
+        if callable(borrowed):
+            self._session = borrowed(server)
+        elif borrowed is not None:
+            self._session = borrowed
+        elif self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(
+                    limit=self._connection_limit or 0, keepalive_timeout=KEEPALIVE_TIMEOUT
+                ),
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
+        if self._session.closed:
+            raise ServerUnavailable(
+                f"the aiohttp session {self._owner} uses is closed", server=server
+            )
+        self.state = "open"
+        return self._session
+
+    async def aclose(self) -> None:
+        """Close an owned session (a borrowed one stays open). Idempotent; completes
+        even when the caller is being cancelled, then re-raises the cancellation."""
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        session, self._session = self._session, None
+        if session is None or self._borrowed is not None or session.closed:
+            return
+        task = asyncio.ensure_future(session.close())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await task
+            raise
+
+
+class Endpoint:
+    """One server reached through a :class:`Transport`.
+
+    Holds what every request to the server needs (URL, headers, deadlines, retry
+    policy) and the server's :class:`~asyncsync._state.ServerState`, which every
+    outcome updates.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        transport: Transport,
+        *,
+        state: ServerState,
+        api_key: str | None,
+        timeouts: Timeouts,
+        retry: RetryPolicy,
+    ) -> None:
+        self.url = url
+        self.transport = transport
+        self.state = state
+        self.timeouts = timeouts
+        self.retry = retry
+        self.headers: dict[str, str] = {"Accept": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self._json_headers = {**self.headers, **_JSON_CONTENT}
+        self._urls: dict[str, yarl.URL] = {}
+        # The last answer from this server was a 5xx (see _resend_after_server_error).
+        self._after_server_error = False
+
+    def url_of(self, route: str) -> yarl.URL:
+        """The parsed URL of ``route`` on this server (parsed once, not per request)."""
+        url = self._urls.get(route)
+        if url is None:
+            url = self._urls[route] = yarl.URL(self.url + route)
+        return url
+
+    async def request(
+        self, call: Call[T], body: bytes | None, *, timeouts: Timeouts | None = None
+    ) -> T:
+        """Send ``call`` with ``body`` (already encoded) and return the parsed answer.
+
+        Idempotent calls are retried under the retry policy; nothing else is. Every
+        failure is an :class:`~asyncsync.AsyncSyncError` naming the server and route,
+        raised ``from`` the underlying error. ``timeouts`` overrides the deadlines.
+        """
+        policy = self.retry if call.idempotent else NO_RETRY
+        attempt = 1
+        while True:
+            try:
+                value = await self._observed(
+                    call, self._resend_after_server_error(call, body, timeouts or self.timeouts)
+                )
+            except AsyncSyncError as err:
+                if attempt >= policy.attempts or not is_retryable(err, policy):
+                    raise
+                await asyncio.sleep(retry_delay(attempt, err, policy))
+                attempt += 1
+            else:
+                return value
+
+    async def _observed(self, call: Call[Any], exchange: Awaitable[R]) -> R:
+        """``exchange``'s result, its outcome recorded in the server's state."""
+        try:
+            value = await exchange
+        except AsyncSyncError as err:
+            self._after_server_error = err.status is not None and err.status >= 500
+            failed: Outcome[Any] = Outcome(self.url, error=err)
+            observe(self.state, call.op, call.phase, failed, connected=not never_sent(err))
+            raise
+        self._after_server_error = False
+        ok: Outcome[Any] = Outcome(self.url, value=value)
+        observe(self.state, call.op, call.phase, ok, version=call.record_version)
+        return value
+
+    async def _resend_after_server_error(
+        self, call: Call[T], body: bytes | None, timeouts: Timeouts
+    ) -> T:
+        """Send once; after a 5xx from this server, once more if the pooled connection
+        turned out to be closed.
+
+        When vLLM fails with an exception its handlers do not catch (every worker
+        failure, "Call to collective_rpc method failed: ..."), uvicorn sends the 500 and
+        then closes the connection; aiohttp has already put that connection back in its
+        pool, and the next request written on it fails at once with "Server
+        disconnected" or "Connection reset", unread by the server. Only then is the
+        request sent again, on a fresh connection: the server never read the first copy.
+        """
+        if not self._after_server_error:
+            return await self._send_once(call, body, timeouts)
+        try:
+            return await self._send_once(call, body, timeouts)
+        except ServerUnavailable as err:
+            if not _stale_connection(err.__cause__):
+                raise
+        return await self._send_once(call, body, timeouts)
+
+    async def _send_once(self, call: Call[T], body: bytes | None, timeouts: Timeouts) -> T:
+        session = self.transport.open(self.url)
+        deadline = timeouts.for_phase(call.phase)
+        try:
+            async with (
+                asyncio.timeout(deadline),
+                session.request(
+                    call.method,
+                    self.url_of(call.route),
+                    params=call.params or None,
+                    data=body,
+                    headers=self.headers if body is None else self._json_headers,
+                    timeout=_client_timeout(timeouts.connect),
+                    allow_redirects=False,
+                ) as resp,
+            ):
+                payload = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise map_error(exc, call, self.url, timeouts) from exc
+        if not 200 <= resp.status < 300:
+            raise status_error(call, self.url, resp, payload)
+        return parse_answer(call, self.url, resp.status, payload)
+
+    async def open_stream(
+        self, call: Call[Any], body: bytes, deadline: float | None
+    ) -> aiohttp.ClientResponse:
+        """Send a streamed request and return the open 200 response (headers read, the
+        body not). ``deadline``: absolute loop time for the headers (None: no limit).
+        A non-2xx answer raises the same errors as :meth:`request`; the caller
+        releases the returned response."""
+        return await self._observed(call, self._open_stream(call, body, deadline))
+
+    async def _open_stream(
+        self, call: Call[Any], body: bytes, deadline: float | None
+    ) -> aiohttp.ClientResponse:
+        session = self.transport.open(self.url)
+        headers = {**self._json_headers, "Accept": "text/event-stream"}
+        try:
+            async with asyncio.timeout_at(deadline):
+                resp = await session.request(
+                    call.method,
+                    self.url_of(call.route),
+                    data=body,
+                    headers=headers,
+                    timeout=_client_timeout(self.timeouts.connect),
+                    allow_redirects=False,
+                )
+                if resp.status == 200:
+                    return resp
+                try:
+                    payload = await resp.read()
+                finally:
+                    resp.release()
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise map_error(exc, call, self.url, self.timeouts, waiting="response headers") from exc
+        raise status_error(call, self.url, resp, payload)
+
+
+def _client_timeout(connect: float | None) -> aiohttp.ClientTimeout:
+    # The whole exchange runs under asyncio.timeout(the phase's deadline); aiohttp
+    # itself only bounds the connect.
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect)
+
+
+def parse_answer(call: Call[T], server: str, status: int, payload: bytes) -> T:
+    """The parsed 2xx ``payload``; a body the route does not promise is a
+    :class:`~asyncsync.ServerError`, never a success."""
+    try:
+        data: Any = _json.loads(payload) if call.json_response else payload
+        return call.parse(data)
+    except (ValueError, Malformed) as exc:
+        excerpt = _text(payload).strip()
+        shown = repr(excerpt[:120] + ("..." if len(excerpt) > 120 else "")) if excerpt else None
+        raise ServerError(
+            f"malformed {status} response: expected {call.expect}, got {shown or 'an empty body'}",
+            server=server,
+            route=call.route,
+            status=status,
+            body=_text(payload),
+        ) from exc
+
+
+def status_error(
+    call: Call[Any], server: str, resp: aiohttp.ClientResponse, body: bytes
+) -> AsyncSyncError:
+    """The error for a non-2xx answer: :class:`~asyncsync.ProtocolError` for 404 (a
+    route this server does not serve, with the call's hint), else
+    :class:`~asyncsync.ServerError` carrying vLLM's message and any ``Retry-After``."""
+    message = describe_error_body(body)
+    status = resp.status
+    if status == 404:
+        hint = call.not_found_hint or (
+            "the RL routes exist only when vLLM runs with VLLM_SERVER_DEV_MODE=1"
+        )
+        detail = f" ({message})" if message else ""
+        return ProtocolError(
+            f"{call.method} {call.route} is not served by this server{detail}: {hint}",
+            server=server,
+            route=call.route,
+            status=status,
+            body=_text(body),
+        )
+    if message is None:
+        excerpt = _text(body).strip()
+        message = f"HTTP {status} {resp.reason or ''}".strip()
+        if excerpt:
+            message = f"{message}: {excerpt[:200]}"
+    err = ServerError(message, server=server, route=call.route, status=status, body=_text(body))
+    err.retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+    return err
+
+
+def map_error(
+    exc: BaseException,
+    call: Call[Any],
+    server: str,
+    timeouts: Timeouts,
+    *,
+    waiting: str = "response",
+) -> AsyncSyncError:
+    """The asyncsync error for a transport failure (``exc`` is raised ``from``)."""
+    route = call.route
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return ServerTimeout(
+            f"could not connect within {timeouts.connect:g} s (connect deadline)",
+            server=server,
+            route=route,
+        )
+    if isinstance(exc, TimeoutError):
+        deadline = timeouts.for_phase(call.phase)
+        limit = "no deadline" if deadline is None else f"{deadline:g} s"
+        return ServerTimeout(
+            f"no {waiting} within {limit} ({call.phase} deadline)", server=server, route=route
+        )
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return ServerUnavailable(f"cannot connect: {exc.os_error}", server=server, route=route)
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)) or (
+        isinstance(exc, aiohttp.ClientOSError) and exc.errno in _LOST_ERRNOS
+    ):
+        return ServerUnavailable(
+            "connection lost before the response was complete "
+            f"({type(exc).__name__}: {exc}); the server may or may not have applied {route}",
+            server=server,
+            route=route,
+        )
+    return ServerUnavailable(
+        f"request failed: {type(exc).__name__}: {exc}", server=server, route=route
+    )
+
+
+def never_sent(err: BaseException) -> bool:
+    """The request failed before the server could read it (connection refused or not
+    established in time): resending it elsewhere cannot duplicate work."""
+    return isinstance(err.__cause__, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+
+
+def _stale_connection(exc: BaseException | None) -> bool:
+    """An error aiohttp raises when a pooled connection was closed by the server."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _STALE_ERRNOS
+
+
+def _text(body: bytes) -> str:
+    return body.decode("utf-8", errors="replace")
