@@ -1,4 +1,4 @@
-"""Sessions: tests, lint, typecheck, demo, bench.
+"""Sessions: tests, unit, lint, typecheck, demo, bench.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
@@ -41,6 +41,23 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def unit(session: nox.Session) -> None:
+    """The inner loop: every test that needs neither vLLM nor a server (fakes, parsers,
+    routing, the shm backend's trainer side); under a minute once installed."""
+    session.install(
+        "-e", ".[torch,fast]", "pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3"
+    )
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "not vllm and not server_deps and not slow",
+        *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """ruff: lint and formatting."""
     session.install("ruff>=0.6")
@@ -51,7 +68,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on the package."""
-    session.install("-e", ".[fast]", "mypy>=1.10", "types-tqdm", "types-psutil")
+    session.install("-e", ".[fast]", "mypy>=1.10", "types-tqdm")
     session.run("mypy", "--strict", "asyncsync")
 
 
