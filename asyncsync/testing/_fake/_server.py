@@ -23,10 +23,23 @@ from typing import Any, Literal
 from aiohttp import web
 
 from asyncsync import _json
+from asyncsync.testing._fake._faults import Fault, FaultQueue, error_response
+from asyncsync.testing._fake._recording import RecordedRequest
+from asyncsync.testing._fake._responses import (
+    ClosingResponse,
+    bad_request,
+    method_not_allowed,
+    not_found,
+    openai_error,
+    read_embedded,
+    read_json,
+    usage,
+    validation_error,
+    worker_failure,
+)
 
 __all__ = ["FakeLM", "FakeVLLMServer", "Fault", "RecordedRequest"]
 
-ErrorShape = Literal["collective", "openai", "string", "detail", "text"]
 _PAUSE_MODES = ("abort", "wait", "keep")
 _DEFAULT_PARAMS = (
     "model.embed_tokens.weight",
@@ -35,136 +48,6 @@ _DEFAULT_PARAMS = (
     "model.norm.weight",
     "lm_head.weight",
 )
-_HTTP_PHRASES = {
-    400: "Bad Request",
-    403: "Forbidden",
-    404: "Not Found",
-    500: "Internal Server Error",
-}
-_OPENAI_TYPES = {400: "Bad Request", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-@dataclass(frozen=True, slots=True)
-class RecordedRequest:
-    """A request the fake received (recorded before any fault or handling)."""
-
-    method: str
-    path: str
-    query: dict[str, str]
-    body: bytes
-    headers: dict[str, str]
-    at: float
-
-    @property
-    def json(self) -> Any:
-        """The body parsed as JSON, or None when empty or not JSON."""
-        if not self.body:
-            return None
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return None
-
-
-@dataclass(frozen=True, slots=True)
-class Fault:
-    """A misbehaviour to inject on a route (see the constructors)."""
-
-    kind: Literal["delay", "hang", "error", "malformed", "drop", "die"]
-    seconds: float = 0.0
-    status: int = 500
-    shape: ErrorShape = "collective"
-    message: str | None = None
-    body: bytes = b""
-    content_type: str = "application/json"
-
-    @classmethod
-    def delay(cls, seconds: float) -> Fault:
-        """Answer normally after ``seconds``."""
-        return cls("delay", seconds=seconds)
-
-    @classmethod
-    def hang(cls) -> Fault:
-        """Never answer (until the client gives up or the server stops)."""
-        return cls("hang")
-
-    @classmethod
-    def error(
-        cls, status: int = 500, message: str | None = None, *, shape: ErrorShape = "collective"
-    ) -> Fault:
-        """Answer with an error body in one of vLLM's shapes: ``collective`` (500, a
-        worker failure), ``openai`` (``{"error": {...}}``), ``string`` (``{"error": "..."}``),
-        ``detail`` (FastAPI's ``{"detail": "..."}``) or ``text`` (not JSON). A
-        ``collective`` failure of ``/update_weights`` also ends the active update, as in
-        vLLM."""
-        return cls("error", status=status, shape=shape, message=message)
-
-    @classmethod
-    def malformed(
-        cls, body: bytes = b"<html>oops</html>", content_type: str = "text/html"
-    ) -> Fault:
-        """Answer 200 with ``body`` (not what the route promises)."""
-        return cls("malformed", body=body, content_type=content_type)
-
-    @classmethod
-    def drop(cls) -> Fault:
-        """Close the connection without answering (connection reset)."""
-        return cls("drop")
-
-    @classmethod
-    def die(cls) -> Fault:
-        """The whole server dies mid-request: the request's connection and every other
-        one are cut, and the port stops accepting connections."""
-        return cls("die")
-
-
-@dataclass(slots=True)
-class _Injected:
-    fault: Fault
-    remaining: int | None
-
-
-def _collective(message: str) -> str:
-    return (
-        f"Call to collective_rpc method failed: Worker failed with error '{message}', "
-        "please check the stack trace above for the root cause"
-    )
-
-
-def _openai(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.json_response(body, status=status)
-
-
-def _validation(loc: str, kind: str, msg: str, value: Any, ctx: str | None = None) -> web.Response:
-    """vLLM's rendering of a FastAPI/pydantic validation error (400, not 422)."""
-    err: dict[str, Any] = {"type": kind, "loc": loc, "msg": msg, "input": value}
-    if ctx is not None:
-        err["ctx"] = {"expected": ctx}
-    return _openai(400, f"1 validation error:\n  {err!r}", "Bad Request", loc)
-
-
-class _ClosingResponse(web.Response):
-    """A response after which the connection is closed, without a ``Connection: close``
-    header: what uvicorn does when an exception escapes vLLM's handlers."""
-
-
-def _worker_failure(message: str, status: int = 500) -> web.Response:
-    """A worker failure as vLLM sends it: 500 "Call to collective_rpc method failed: ..."
-    and then the connection is closed (see :class:`_ClosingResponse`)."""
-    body = {
-        "error": {
-            "message": _collective(message),
-            "type": "InternalServerError",
-            "param": None,
-            "code": status,
-        }
-    }
-    return _ClosingResponse(text=json.dumps(body), status=status, content_type="application/json")
-
-
-def _not_found() -> web.Response:
-    return web.json_response({"detail": "Not Found"}, status=404)
 
 
 def _checksum(seed: str) -> str:
@@ -320,7 +203,7 @@ class FakeVLLMServer:
         self._zeroed = False
         self.requests: list[RecordedRequest] = []
         self.cancelled: list[str] = []
-        self._faults: dict[str, list[_Injected]] = {}
+        self._faults = FaultQueue()
         self._runner: web.AppRunner | None = None
         self._site: web.SockSite | None = None
         self._alive = False
@@ -419,9 +302,7 @@ class FakeVLLMServer:
     def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:
         """Apply ``fault`` to the next ``times`` requests on ``route`` (``None``: all of
         them; route ``"*"``: every route)."""
-        if times is not None and times < 1:
-            raise ValueError("times must be >= 1 or None")
-        self._faults.setdefault(route, []).append(_Injected(fault, times))
+        self._faults.inject(route, fault, times)
 
     def clear_faults(self) -> None:
         self._faults.clear()
@@ -435,44 +316,22 @@ class FakeVLLMServer:
         """The recorded requests on ``path``."""
         return [r for r in self.requests if r.path == path]
 
-    def _take_fault(self, path: str) -> Fault | None:
-        for key in (path, "*"):
-            queue = self._faults.get(key)
-            if not queue:
-                continue
-            injected = queue[0]
-            if injected.remaining is not None:
-                injected.remaining -= 1
-                if injected.remaining <= 0:
-                    queue.pop(0)
-            return injected.fault
-        return None
-
     @web.middleware
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
         body = await request.read()
-        self.requests.append(
-            RecordedRequest(
-                request.method,
-                request.path,
-                dict(request.query),
-                body,
-                dict(request.headers),
-                time.monotonic(),
-            )
-        )
+        self.requests.append(RecordedRequest.of(request, body))
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
-            fault = self._take_fault(request.path)
+            fault = self._faults.take(request.path)
             result: web.StreamResponse | None = None
             if fault is not None:
                 result = await self._apply(fault, request)
             if result is None:
                 result = await handler(request)
-            if isinstance(result, _ClosingResponse):
+            if isinstance(result, ClosingResponse):
                 # Close once this response is sent, without a "Connection: close" header.
                 request.protocol.close()
             return result
@@ -489,7 +348,7 @@ class FakeVLLMServer:
         if fault.kind == "error":
             if fault.shape == "collective" and request.path == "/update_weights":
                 self.update_active = False  # as vLLM does after a worker failure there
-            return self._error_response(fault)
+            return error_response(fault)
         if fault.kind == "malformed":
             return web.Response(status=200, body=fault.body, content_type=fault.content_type)
         if fault.kind in ("drop", "die"):
@@ -500,31 +359,15 @@ class FakeVLLMServer:
             raise asyncio.CancelledError  # nothing more to send on a cut connection
         raise AssertionError(fault.kind)  # pragma: no cover
 
-    def _error_response(self, fault: Fault) -> web.Response:
-        status = fault.status
-        if fault.shape == "collective":
-            return _openai(
-                status, _collective(fault.message or "injected fault"), "InternalServerError"
-            )
-        message = fault.message or "injected fault"
-        if fault.shape == "openai":
-            kind = _OPENAI_TYPES.get(status, _HTTP_PHRASES.get(status, "Error"))
-            return _openai(status, message, kind)
-        if fault.shape == "string":
-            return web.json_response({"error": message}, status=status)
-        if fault.shape == "detail":
-            return web.json_response({"detail": message}, status=status)
-        return web.Response(status=status, text=message, content_type="text/plain")
-
     # ------------------------------------------------------------------ routes
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         routes = self._routes()
         entry = routes.get(request.path)
         if entry is None:
-            return _not_found()
+            return not_found()
         method, handler = entry
         if request.method != method:
-            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+            return method_not_allowed()
         result: web.StreamResponse = await handler(request)
         return result
 
@@ -557,22 +400,6 @@ class FakeVLLMServer:
             )
         return routes
 
-    async def _json_body(self, request: web.Request) -> tuple[bool, Any]:
-        raw = await request.read()
-        if not raw:
-            return False, None
-        try:
-            return True, _json.loads(raw)
-        except ValueError:
-            return False, None
-
-    async def _embedded(self, request: web.Request, name: str) -> tuple[Any, web.Response | None]:
-        """FastAPI's ``Body(embed=True)``: ``{name: value}``; missing -> 400 validation."""
-        ok, data = await self._json_body(request)
-        if not ok or not isinstance(data, dict) or name not in data:
-            return None, _validation(f"body.{name}", "missing", "Field required", "None")
-        return data[name], None
-
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -582,7 +409,7 @@ class FakeVLLMServer:
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
         if mode not in _PAUSE_MODES:
-            return _validation(
+            return validation_error(
                 "query.mode",
                 "literal_error",
                 "Input should be 'abort', 'wait' or 'keep'",
@@ -610,9 +437,9 @@ class FakeVLLMServer:
         try:
             body = json.loads(raw)
         except ValueError:
-            return _openai(400, "Invalid JSON format", "Bad Request")
+            return openai_error(400, "Invalid JSON format", "Bad Request")
         if not isinstance(body, dict):
-            return _openai(400, "Request body must be a JSON object", "Bad Request")
+            return openai_error(400, "Request body must be a JSON object", "Bad Request")
         ids = body.get("request_ids")
         return web.json_response({"status": "aborted", "aborted": len(ids) if ids else 0})
 
@@ -620,7 +447,7 @@ class FakeVLLMServer:
         return web.json_response({"weight_version": self.weight_version})
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
-        value, error = await self._embedded(request, "new_version")
+        value, error = await read_embedded(request, "new_version")
         if error is not None:
             return error
         self.weight_version = str(value)
@@ -632,24 +459,24 @@ class FakeVLLMServer:
         return {f"dp0:pp0:pcp0:tp0:{p}": _checksum(f"{seed}:{p}") for p in self._params}
 
     async def _weight_checker(self, request: web.Request) -> web.Response:
-        action, error = await self._embedded(request, "action")
+        action, error = await read_embedded(request, "action")
         if error is not None:
             return error
         if action not in ("checksum", "reset", "compare"):
-            return _validation(
+            return validation_error(
                 "body.action",
                 "literal_error",
                 "Input should be 'checksum', 'reset' or 'compare'",
                 action,
                 "'checksum', 'reset' or 'compare'",
             )
-        _ok, data = await self._json_body(request)
+        _ok, data = await read_json(request)
         baseline = data.get("baseline") if isinstance(data, dict) else None
         if action == "reset":
             self._zeroed = True
             return web.json_response({"status": "reset"})
         if action == "compare" and baseline is None:
-            return _openai(400, "action='compare' requires a 'baseline' object", "Bad Request")
+            return openai_error(400, "action='compare' requires a 'baseline' object", "Bad Request")
         checksums = self.checksums()
         if action == "checksum":
             return web.json_response({"checksums": checksums})
@@ -667,18 +494,18 @@ class FakeVLLMServer:
 
     def _no_backend(self) -> web.Response | None:
         if self.backend is None:
-            return _worker_failure(
+            return worker_failure(
                 "Weight transfer not configured. "
                 "Please set weight_transfer_config to enable weight transfer."
             )
         return None
 
     async def _init(self, request: web.Request) -> web.Response:
-        init_info, error = await self._embedded(request, "init_info")
+        init_info, error = await read_embedded(request, "init_info")
         if error is not None:
             return error
         if not isinstance(init_info, dict):
-            return _validation(
+            return validation_error(
                 "body.init_info", "dict_type", "Input should be a valid dictionary", init_info
             )
         if (failure := self._no_backend()) is not None:
@@ -688,14 +515,14 @@ class FakeVLLMServer:
 
     async def _start(self, request: web.Request) -> web.Response:
         if self.protocol == "0.23":
-            ok, body = await self._json_body(request)
+            ok, body = await read_json(request)
             if not ok or not isinstance(body, dict):
-                return _validation("body", "missing", "Field required", "None")
+                return validation_error("body", "missing", "Field required", "None")
             self.start_bodies.append(body)
         if (failure := self._no_backend()) is not None:
             return failure
         if self.update_active:
-            return _worker_failure(
+            return worker_failure(
                 "start_weight_update called while a weight update is already active. "
                 "Call finish_weight_update first."
             )
@@ -703,7 +530,7 @@ class FakeVLLMServer:
         return web.json_response({"message": "Weight update started"})
 
     async def _update(self, request: web.Request) -> web.Response:
-        info, error = await self._embedded(request, "update_info")
+        info, error = await read_embedded(request, "update_info")
         if error is not None:
             return error
         allowed_list = self.protocol == "0.32"
@@ -711,13 +538,13 @@ class FakeVLLMServer:
             allowed_list and isinstance(info, list) and all(isinstance(i, dict) for i in info)
         )
         if not valid:
-            return _validation(
+            return validation_error(
                 "body.update_info", "dict_type", "Input should be a valid dictionary", info
             )
         if (failure := self._no_backend()) is not None:
             return failure
         if not self.update_active:
-            return _worker_failure("start_weight_update must be called before update_weights.")
+            return worker_failure("start_weight_update must be called before update_weights.")
         local = info[0] if isinstance(info, list) else info
         try:
             bad = sorted(self.reject_update_keys & set(local))
@@ -730,18 +557,18 @@ class FakeVLLMServer:
                 self.update_hook(info)
         except Exception as exc:
             self.update_active = False  # vLLM clears the active flag on a failed update
-            return _worker_failure(str(exc))
+            return worker_failure(str(exc))
         self._update_bodies.append(await request.read())
         return web.json_response({"message": "Weights updated"})
 
     async def _finish(self, request: web.Request) -> web.Response:
         version: Any = None
         if self.protocol == "0.32":
-            ok, body = await self._json_body(request)
+            ok, body = await read_json(request)
             if ok and isinstance(body, dict):
                 version = body.get("weight_version")
                 if version is not None and not isinstance(version, str):
-                    return _validation(
+                    return validation_error(
                         "body.weight_version",
                         "string_type",
                         "Input should be a valid string",
@@ -750,7 +577,7 @@ class FakeVLLMServer:
         if (failure := self._no_backend()) is not None:
             return failure
         if not self.update_active:
-            return _worker_failure(
+            return worker_failure(
                 "finish_weight_update called without a matching start_weight_update."
             )
         self.update_active = False
@@ -763,7 +590,7 @@ class FakeVLLMServer:
 
     async def _shutdown(self, request: web.Request) -> web.Response:
         if self.update_active:
-            return _worker_failure("Cannot release a trainer connection during a weight update")
+            return worker_failure("Cannot release a trainer connection during a weight update")
         return web.json_response({"message": "Weight transfer shut down"})
 
     # ------------------------------------------------------------ generation
@@ -942,24 +769,20 @@ class FakeVLLMServer:
             out.append(entry)
         return out
 
-    def _gen_error(self, message: str, status: int = 400) -> web.Response:
-        kind = "BadRequestError" if status == 400 else "InternalServerError"
-        return _openai(status, message, kind)
-
     async def _inference_generate(self, request: web.Request) -> web.StreamResponse:
         if self.protocol == "0.32" and not (self.scale_out or self.tokens_only):
-            return _openai(
+            return openai_error(
                 403,
                 "Scale-out endpoints are disabled. Restart vllm serve with "
                 "--enable-scale-out to enable them.",
                 "PermissionDeniedError",
             )
-        ok, body = await self._json_body(request)
+        ok, body = await read_json(request)
         if not ok or not isinstance(body, dict):
-            return _validation("body", "missing", "Field required", "None")
+            return validation_error("body", "missing", "Field required", "None")
         prompt = body.get("token_ids")
         if not isinstance(prompt, list) or not prompt:
-            return _openai(
+            return openai_error(
                 400,
                 "1 validation error:\n  {'type': 'too_short', 'loc': 'body.token_ids', 'msg': "
                 "'List should have at least 1 item after validation, not 0', 'input': "
@@ -969,12 +792,12 @@ class FakeVLLMServer:
                 "body.token_ids",
             )
         if (error := self._check_tokens(prompt, "token_ids")) is not None:
-            return self._gen_error(error)
+            return bad_request(error)
         if "sampling_params" not in body:
-            return _validation("body.sampling_params", "missing", "Field required", "None")
+            return validation_error("body.sampling_params", "missing", "Field required", "None")
         sp, error = self._sampling(body["sampling_params"], prompt)
         if error is not None or sp is None:
-            return self._gen_error(error or "bad sampling parameters")
+            return bad_request(error or "bad sampling parameters")
         rid = f"generate-tokens-{body.get('request_id') or secrets.token_hex(8)}"
         epoch = await self._admit_generation()
         if body.get("stream"):
@@ -1025,7 +848,7 @@ class FakeVLLMServer:
                 "request_id": rid,
                 "model": self.model,
                 "created": int(time.time()),
-                "usage": self._usage(len(prompt), completion_tokens),
+                "usage": usage(len(prompt), completion_tokens),
                 "prompt_logprobs": prompt_lps,
                 "prompt_token_id_logprobs": None,
                 "prompt_token_ids": prompt if body.get("return_token_ids") else None,
@@ -1037,16 +860,6 @@ class FakeVLLMServer:
                 "choices": choices,
             }
         )
-
-    @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
-        }
 
     async def _sse(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
@@ -1117,9 +930,9 @@ class FakeVLLMServer:
         return {"request_id": rid, "usage": None, "output_mode": "tokens", "choices": [choice]}
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        ok, body = await self._json_body(request)
+        ok, body = await read_json(request)
         if not ok or not isinstance(body, dict):
-            return _openai(400, "Invalid JSON body", "Bad Request")
+            return openai_error(400, "Invalid JSON body", "Bad Request")
         prompt = body.get("prompt")
         prompts: list[Any] = (
             prompt
@@ -1128,24 +941,24 @@ class FakeVLLMServer:
         )
         for p in prompts:
             if isinstance(p, str):
-                return self._gen_error("this fake serves token-id prompts only")
+                return bad_request("this fake serves token-id prompts only")
             if (error := self._check_tokens(p, "prompt")) is not None:
-                return self._gen_error(error)
+                return bad_request(error)
         k = body.get("logprobs")
         as_ids = bool(body.get("return_tokens_as_token_ids"))
         return_ids = bool(body.get("return_token_ids")) and self.return_token_ids
         if (k is not None or body.get("echo")) and not as_ids and not self.tokenizer:
-            return self._gen_error("Unable to get tokenizer because `skip_tokenizer_init=True`")
+            return bad_request("Unable to get tokenizer because `skip_tokenizer_init=True`")
         sp_raw = {key: body[key] for key in body if key not in ("prompt", "model", "stream")}
         sp_raw.setdefault("max_tokens", 16)
         checked = []
         for p in prompts:
             sp, error = self._sampling(sp_raw, p)
             if error is not None or sp is None:
-                return self._gen_error(error or "bad sampling parameters")
+                return bad_request(error or "bad sampling parameters")
             checked.append(sp)
         if body.get("stream") and checked[0]["prompt_logprobs"]:
-            return self._gen_error("`prompt_logprobs` are not available when `stream=True`.")
+            return bad_request("`prompt_logprobs` are not available when `stream=True`.")
         rid = f"cmpl-{secrets.token_hex(8)}"
         epoch = await self._admit_generation()
         if body.get("stream"):
@@ -1181,7 +994,7 @@ class FakeVLLMServer:
             "choices": choices,
             "service_tier": None,
             "system_fingerprint": f"vllm-{self.version}-fake",
-            "usage": self._usage(sum(len(p) for p in prompts), completion_tokens),
+            "usage": usage(sum(len(p) for p in prompts), completion_tokens),
         }
         if self.protocol == "0.32":
             response.update(
