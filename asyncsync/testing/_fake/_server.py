@@ -6,9 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
-import math
 import random
 import secrets
 import signal
@@ -18,82 +16,30 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 from aiohttp import web
 
 from asyncsync import _json
-from asyncsync.testing._fake._faults import Fault, FaultQueue, error_response
+from asyncsync.testing._fake._control import ControlRoutes
+from asyncsync.testing._fake._faults import Fault, error_response
+from asyncsync.testing._fake._lm import FakeLM, token_text
 from asyncsync.testing._fake._recording import RecordedRequest
 from asyncsync.testing._fake._responses import (
     ClosingResponse,
+    Routes,
     bad_request,
     method_not_allowed,
     not_found,
     openai_error,
-    read_embedded,
     read_json,
     usage,
     validation_error,
-    worker_failure,
 )
+from asyncsync.testing._fake._state import FakeState
+from asyncsync.testing._fake._weights import WeightRoutes
 
 __all__ = ["FakeLM", "FakeVLLMServer", "Fault", "RecordedRequest"]
-
-_PAUSE_MODES = ("abort", "wait", "keep")
-_DEFAULT_PARAMS = (
-    "model.embed_tokens.weight",
-    "model.layers.0.self_attn.qkv_proj.weight",
-    "model.layers.0.mlp.down_proj.weight",
-    "model.norm.weight",
-    "lm_head.weight",
-)
-
-
-def _checksum(seed: str) -> str:
-    return hashlib.sha256(seed.encode()).hexdigest()
-
-
-# ------------------------------------------------------------ generation model
-_LOG_HALF = math.log(0.5)
-
-
-class FakeLM:
-    """A deterministic stand-in for a language model over ``vocab_size`` tokens.
-
-    Given a context, the most likely next token ``g`` has probability 1/2 and every
-    other token shares the other half equally, so every logprob is known in closed form
-    (tests can check what the fake returns). ``g`` depends on the last token, the
-    context length and the weights' generation (the number of finished weight updates),
-    so publishing new weights changes the output, as it would on a real server.
-    """
-
-    def __init__(self, vocab_size: int = 512) -> None:
-        if vocab_size < 2:
-            raise ValueError("vocab_size must be >= 2")
-        self.vocab_size = vocab_size
-        self.rest_logprob = math.log(0.5 / (vocab_size - 1))
-
-    def greedy(self, context: Sequence[int], generation: int = 0) -> int:
-        return (context[-1] * 131 + len(context) * 17 + 5 + 97 * generation) % self.vocab_size
-
-    def logprob(self, context: Sequence[int], token: int, generation: int = 0) -> float:
-        return _LOG_HALF if token == self.greedy(context, generation) else self.rest_logprob
-
-    def rank(self, context: Sequence[int], token: int, generation: int = 0) -> int:
-        g = self.greedy(context, generation)
-        return 1 if token == g else 2 + (token - g - 1) % self.vocab_size
-
-    def top(self, context: Sequence[int], k: int, generation: int = 0) -> list[int]:
-        """The ``k`` most likely next tokens, in rank order."""
-        g = self.greedy(context, generation)
-        return [(g + i) % self.vocab_size for i in range(min(k, self.vocab_size))]
-
-    def sample(self, context: Sequence[int], rng: random.Random, generation: int = 0) -> int:
-        g = self.greedy(context, generation)
-        if rng.random() < 0.5:
-            return g
-        return (g + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
 
 
 @dataclass(slots=True)
@@ -116,11 +62,7 @@ def _spans(versions: Sequence[str]) -> list[dict[str, Any]]:
     return spans
 
 
-def _token_text(token: int) -> str:
-    return f"t{token} "
-
-
-class FakeVLLMServer:
+class FakeVLLMServer(FakeState):
     """An aiohttp server speaking vLLM's RL protocol (0.23 or 0.32), with fault injection.
 
     Args:
@@ -153,73 +95,10 @@ class FakeVLLMServer:
     them run on.
     """
 
-    def __init__(
-        self,
-        *,
-        version: str = "0.32.0",
-        backend: str | None = "fake",
-        tokens_only: bool = False,
-        delay: float = 0.0,
-        world_size: int = 1,
-        params: Sequence[str] = _DEFAULT_PARAMS,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        reject_update_keys: Sequence[str] | None = None,
-        update_hook: Callable[[Any], None] | None = None,
-        scale_out: bool = True,
-        tokenizer: bool = True,
-        return_token_ids: bool = True,
-        token_delay: float = 0.0,
-        vocab_size: int = 512,
-        max_model_len: int = 256,
-        model: str = "fake-model",
-    ) -> None:
-        self.version = version
-        major, minor = (int(x) for x in version.split(".")[:2])
-        self.protocol: Literal["0.23", "0.32"] = "0.32" if (major, minor) >= (0, 32) else "0.23"
-        self.backend = backend
-        self.tokens_only = tokens_only
-        self.delay = delay
-        self.world_size = world_size
-        self.host = host
-        self._port = port
-        if reject_update_keys is None:
-            reject_update_keys = ("packed",) if self.protocol == "0.32" else ()
-        self.reject_update_keys = frozenset(reject_update_keys)
-        self.update_hook = update_hook
-        # Observable state, as the real server would hold it.
-        self.paused = False
-        self.pause_modes: list[str] = []
-        self.weight_version = "default"
-        self.update_active = False
-        self.init_infos: list[Any] = []
-        # Accepted updates are kept as their raw bodies: parsed update_infos (thousands
-        # of small objects each) would make every GC pass of a long benchmark slower.
-        self._update_bodies: list[bytes] = []
-        self.start_bodies: list[Any] = []
-        self.finished = 0
-        self._generation = 0
-        self._params = tuple(params)
-        self._zeroed = False
-        self.requests: list[RecordedRequest] = []
-        self.cancelled: list[str] = []
-        self._faults = FaultQueue()
-        self._runner: web.AppRunner | None = None
-        self._site: web.SockSite | None = None
-        self._alive = False
-        self._hang_forever = asyncio.Event()  # never set: hung handlers wait on it
-        self.scale_out = scale_out
-        self.tokenizer = tokenizer
-        self.return_token_ids = return_token_ids
-        self.token_delay = token_delay
-        self.max_model_len = max_model_len
-        self.model = model
-        self.lm = FakeLM(vocab_size)
-        self.generation_requests = 0
-        self._pause_mode = "abort"
-        self._abort_epoch = 0
-        self._resumed = asyncio.Event()
-        self._resumed.set()
+    _runner: web.AppRunner | None = None
+    _site: web.SockSite | None = None
+    _alive = False
+    _routes: Routes  # set by start()
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -238,6 +117,12 @@ class FakeVLLMServer:
         return self._alive
 
     async def start(self) -> FakeVLLMServer:
+        self._routes = {
+            **ControlRoutes(self).routes(),
+            **WeightRoutes(self).routes(),
+            "/inference/v1/generate": ("POST", self._inference_generate),
+            "/v1/completions": ("POST", self._completions),
+        }
         app = web.Application(middlewares=[self._middleware])
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: a hung handler is cancelled when the client goes away,
@@ -298,24 +183,6 @@ class FakeVLLMServer:
             return 0
         return len(self._runner.server.connections)
 
-    # ------------------------------------------------------------------ faults
-    def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:
-        """Apply ``fault`` to the next ``times`` requests on ``route`` (``None``: all of
-        them; route ``"*"``: every route)."""
-        self._faults.inject(route, fault, times)
-
-    def clear_faults(self) -> None:
-        self._faults.clear()
-
-    @property
-    def updates(self) -> list[Any]:
-        """Every accepted ``update_info``, in order (parsed from the request bodies)."""
-        return [_json.loads(body)["update_info"] for body in self._update_bodies]
-
-    def requests_to(self, path: str) -> list[RecordedRequest]:
-        """The recorded requests on ``path``."""
-        return [r for r in self.requests if r.path == path]
-
     @web.middleware
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Any]
@@ -344,7 +211,7 @@ class FakeVLLMServer:
             await asyncio.sleep(fault.seconds)
             return None
         if fault.kind == "hang":
-            await self._hang_forever.wait()
+            await asyncio.Event().wait()  # never set: until the handler is cancelled
         if fault.kind == "error":
             if fault.shape == "collective" and request.path == "/update_weights":
                 self.update_active = False  # as vLLM does after a worker failure there
@@ -361,8 +228,7 @@ class FakeVLLMServer:
 
     # ------------------------------------------------------------------ routes
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
-        routes = self._routes()
-        entry = routes.get(request.path)
+        entry = self._routes.get(request.path)
         if entry is None:
             return not_found()
         method, handler = entry
@@ -370,228 +236,6 @@ class FakeVLLMServer:
             return method_not_allowed()
         result: web.StreamResponse = await handler(request)
         return result
-
-    def _routes(self) -> dict[str, tuple[str, Callable[[web.Request], Any]]]:
-        routes: dict[str, tuple[str, Callable[[web.Request], Any]]] = {
-            "/health": ("GET", self._health),
-            "/version": ("GET", self._version),
-            "/pause": ("POST", self._pause),
-            "/resume": ("POST", self._resume),
-            "/is_paused": ("GET", self._is_paused),
-            "/get_world_size": ("GET", self._get_world_size),
-            "/reset_prefix_cache": ("POST", self._reset_prefix_cache),
-            "/init_weight_transfer_engine": ("POST", self._init),
-            "/start_weight_update": ("POST", self._start),
-            "/update_weights": ("POST", self._update),
-            "/finish_weight_update": ("POST", self._finish),
-            "/inference/v1/generate": ("POST", self._inference_generate),
-            "/v1/completions": ("POST", self._completions),
-        }
-        if self.protocol == "0.32" or self.tokens_only:
-            routes["/abort_requests"] = ("POST", self._abort_requests)
-        if self.protocol == "0.32":
-            routes.update(
-                {
-                    "/weight_info": ("GET", self._weight_info),
-                    "/update_weight_version": ("POST", self._update_weight_version),
-                    "/weight_checker": ("POST", self._weight_checker),
-                    "/shutdown_weight_transfer_engine": ("POST", self._shutdown),
-                }
-            )
-        return routes
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": self.version})
-
-    async def _pause(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")
-        if mode not in _PAUSE_MODES:
-            return validation_error(
-                "query.mode",
-                "literal_error",
-                "Input should be 'abort', 'wait' or 'keep'",
-                mode,
-                "'abort', 'wait' or 'keep'",
-            )
-        self.paused = True
-        self.pause_modes.append(mode)
-        self._pause_mode = mode
-        self._resumed.clear()
-        if mode == "abort":
-            self._abort_epoch += 1  # in-flight generations end with "abort"
-        return web.json_response({"status": "paused"})
-
-    async def _resume(self, request: web.Request) -> web.Response:
-        self.paused = False
-        self._resumed.set()
-        return web.json_response({"status": "resumed"})
-
-    async def _is_paused(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_paused": self.paused})
-
-    async def _abort_requests(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return openai_error(400, "Invalid JSON format", "Bad Request")
-        if not isinstance(body, dict):
-            return openai_error(400, "Request body must be a JSON object", "Bad Request")
-        ids = body.get("request_ids")
-        return web.json_response({"status": "aborted", "aborted": len(ids) if ids else 0})
-
-    async def _weight_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
-
-    async def _update_weight_version(self, request: web.Request) -> web.Response:
-        value, error = await read_embedded(request, "new_version")
-        if error is not None:
-            return error
-        self.weight_version = str(value)
-        return web.json_response({"success": True, "new_version": self.weight_version})
-
-    def checksums(self) -> dict[str, str]:
-        """What ``/weight_checker`` reports now (changes with every finished update)."""
-        seed = "zero" if self._zeroed else f"gen{self._generation}"
-        return {f"dp0:pp0:pcp0:tp0:{p}": _checksum(f"{seed}:{p}") for p in self._params}
-
-    async def _weight_checker(self, request: web.Request) -> web.Response:
-        action, error = await read_embedded(request, "action")
-        if error is not None:
-            return error
-        if action not in ("checksum", "reset", "compare"):
-            return validation_error(
-                "body.action",
-                "literal_error",
-                "Input should be 'checksum', 'reset' or 'compare'",
-                action,
-                "'checksum', 'reset' or 'compare'",
-            )
-        _ok, data = await read_json(request)
-        baseline = data.get("baseline") if isinstance(data, dict) else None
-        if action == "reset":
-            self._zeroed = True
-            return web.json_response({"status": "reset"})
-        if action == "compare" and baseline is None:
-            return openai_error(400, "action='compare' requires a 'baseline' object", "Bad Request")
-        checksums = self.checksums()
-        if action == "checksum":
-            return web.json_response({"checksums": checksums})
-        assert isinstance(baseline, dict)
-        mismatches = sorted(
-            k for k in checksums.keys() | baseline.keys() if checksums.get(k) != baseline.get(k)
-        )
-        return web.json_response({"match": not mismatches, "mismatches": mismatches})
-
-    async def _get_world_size(self, request: web.Request) -> web.Response:
-        return web.json_response({"world_size": self.world_size})
-
-    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
-        return web.json_response({"success": True})
-
-    def _no_backend(self) -> web.Response | None:
-        if self.backend is None:
-            return worker_failure(
-                "Weight transfer not configured. "
-                "Please set weight_transfer_config to enable weight transfer."
-            )
-        return None
-
-    async def _init(self, request: web.Request) -> web.Response:
-        init_info, error = await read_embedded(request, "init_info")
-        if error is not None:
-            return error
-        if not isinstance(init_info, dict):
-            return validation_error(
-                "body.init_info", "dict_type", "Input should be a valid dictionary", init_info
-            )
-        if (failure := self._no_backend()) is not None:
-            return failure
-        self.init_infos.append(init_info)
-        return web.json_response({"message": "Weight transfer initialized"})
-
-    async def _start(self, request: web.Request) -> web.Response:
-        if self.protocol == "0.23":
-            ok, body = await read_json(request)
-            if not ok or not isinstance(body, dict):
-                return validation_error("body", "missing", "Field required", "None")
-            self.start_bodies.append(body)
-        if (failure := self._no_backend()) is not None:
-            return failure
-        if self.update_active:
-            return worker_failure(
-                "start_weight_update called while a weight update is already active. "
-                "Call finish_weight_update first."
-            )
-        self.update_active = True
-        return web.json_response({"message": "Weight update started"})
-
-    async def _update(self, request: web.Request) -> web.Response:
-        info, error = await read_embedded(request, "update_info")
-        if error is not None:
-            return error
-        allowed_list = self.protocol == "0.32"
-        valid = isinstance(info, dict) or (
-            allowed_list and isinstance(info, list) and all(isinstance(i, dict) for i in info)
-        )
-        if not valid:
-            return validation_error(
-                "body.update_info", "dict_type", "Input should be a valid dictionary", info
-            )
-        if (failure := self._no_backend()) is not None:
-            return failure
-        if not self.update_active:
-            return worker_failure("start_weight_update must be called before update_weights.")
-        local = info[0] if isinstance(info, list) else info
-        try:
-            bad = sorted(self.reject_update_keys & set(local))
-            if bad:
-                raise TypeError(
-                    f"WeightTransferUpdateInfo.__init__() got an unexpected keyword argument "
-                    f"'{bad[0]}'"
-                )
-            if self.update_hook is not None:
-                self.update_hook(info)
-        except Exception as exc:
-            self.update_active = False  # vLLM clears the active flag on a failed update
-            return worker_failure(str(exc))
-        self._update_bodies.append(await request.read())
-        return web.json_response({"message": "Weights updated"})
-
-    async def _finish(self, request: web.Request) -> web.Response:
-        version: Any = None
-        if self.protocol == "0.32":
-            ok, body = await read_json(request)
-            if ok and isinstance(body, dict):
-                version = body.get("weight_version")
-                if version is not None and not isinstance(version, str):
-                    return validation_error(
-                        "body.weight_version",
-                        "string_type",
-                        "Input should be a valid string",
-                        version,
-                    )
-        if (failure := self._no_backend()) is not None:
-            return failure
-        if not self.update_active:
-            return worker_failure(
-                "finish_weight_update called without a matching start_weight_update."
-            )
-        self.update_active = False
-        self.finished += 1
-        self._generation += 1
-        self._zeroed = False
-        if version is not None:
-            self.weight_version = version
-        return web.json_response({"message": "Weight update finished"})
-
-    async def _shutdown(self, request: web.Request) -> web.Response:
-        if self.update_active:
-            return worker_failure("Cannot release a trainer connection during a weight update")
-        return web.json_response({"message": "Weight transfer shut down"})
 
     # ------------------------------------------------------------ generation
     def _sampling(self, raw: Any, prompt: list[int]) -> tuple[dict[str, Any] | None, str | None]:
@@ -640,23 +284,6 @@ class FakeVLLMServer:
                 return f"Token id {t} is out of vocabulary"
         return None
 
-    async def _admit_generation(self) -> int:
-        """New requests wait while paused (as vLLM holds them); returns the abort epoch."""
-        while self.paused:
-            await self._resumed.wait()
-        self.generation_requests += 1
-        return self._abort_epoch
-
-    async def _gate(self, epoch: int) -> bool:
-        """Before each token: False when a pause(mode="abort") ended the request; waits
-        while paused with "keep" (frozen) and runs on with "wait" (draining)."""
-        while True:
-            if self._abort_epoch != epoch:
-                return False
-            if not self.paused or self._pause_mode == "wait":
-                return True
-            await self._resumed.wait()
-
     async def _sample(
         self,
         prompt: list[int],
@@ -672,7 +299,7 @@ class FakeVLLMServer:
         context = list(prompt)
         sample = _Sample([], [], [], [])
         for _ in range(sp["max_tokens"]):
-            if not await self._gate(epoch):
+            if not await self.gate(epoch):
                 sample.finish_reason = "abort"
                 break
             gen = self._generation
@@ -736,7 +363,7 @@ class FakeVLLMServer:
 
     def _legacy_logprobs(self, sample: _Sample, k: int, as_ids: bool, start: int = 0) -> Any:
         def key(t: int) -> str:
-            return f"token_id:{t}" if as_ids else _token_text(t).strip()
+            return f"token_id:{t}" if as_ids else token_text(t).strip()
 
         tokens, lps, tops, offsets = [], [], [], []
         for i in range(start, len(sample.token_ids)):
@@ -746,7 +373,7 @@ class FakeVLLMServer:
             tops.append(
                 {key(t): self.lm.logprob(ctx, t, gen) for t in self._top_ids(ctx, tok, k, gen)}
             )
-            offsets.append(sum(len(_token_text(t)) for t in sample.token_ids[:i]))
+            offsets.append(sum(len(token_text(t)) for t in sample.token_ids[:i]))
         return {
             "text_offset": offsets,
             "token_logprobs": lps,
@@ -764,7 +391,7 @@ class FakeVLLMServer:
                 entry[str(t)] = {
                     "logprob": self.lm.logprob(ctx, t, gen),
                     "rank": self.lm.rank(ctx, t, gen),
-                    "decoded_token": _token_text(t).strip() if self.tokenizer else None,
+                    "decoded_token": token_text(t).strip() if self.tokenizer else None,
                 }
             out.append(entry)
         return out
@@ -799,7 +426,7 @@ class FakeVLLMServer:
         if error is not None or sp is None:
             return bad_request(error or "bad sampling parameters")
         rid = f"generate-tokens-{body.get('request_id') or secrets.token_hex(8)}"
-        epoch = await self._admit_generation()
+        epoch = await self.admit()
         if body.get("stream"):
             return await self._stream_generate(request, prompt, sp, rid, epoch)
         samples = [await self._sample(prompt, sp, i, rid, epoch) for i in range(sp["n"])]
@@ -960,7 +587,7 @@ class FakeVLLMServer:
         if body.get("stream") and checked[0]["prompt_logprobs"]:
             return bad_request("`prompt_logprobs` are not available when `stream=True`.")
         rid = f"cmpl-{secrets.token_hex(8)}"
-        epoch = await self._admit_generation()
+        epoch = await self.admit()
         if body.get("stream"):
             return await self._stream_completions(
                 request, prompts[0], checked[0], rid, epoch, k, as_ids, return_ids
@@ -1003,7 +630,7 @@ class FakeVLLMServer:
         return web.json_response(response)
 
     def _text(self, token_ids: Sequence[int]) -> str:
-        return "".join(_token_text(t) for t in token_ids) if self.tokenizer else ""
+        return "".join(token_text(t) for t in token_ids) if self.tokenizer else ""
 
     async def _stream_completions(
         self,
