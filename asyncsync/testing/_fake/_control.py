@@ -6,44 +6,36 @@ import json
 
 from aiohttp import web
 
-from asyncsync.testing._fake._responses import Routes, openai_error, validation_error
+from asyncsync.testing._fake._responses import openai_error, validation_error
+from asyncsync.testing._fake._routes import RouteGroup, route
 from asyncsync.testing._fake._state import PAUSE_MODES, FakeState
 
 
-class ControlRoutes:
-    """``/health``, ``/version``, ``/pause``, ``/resume``, ``/is_paused``,
-    ``/get_world_size``, ``/reset_prefix_cache`` and ``/abort_requests`` (0.32, or 0.23
-    with ``--tokens-only``)."""
+def _serves_abort(state: FakeState) -> bool:
+    return state.protocol == "0.32" or state.tokens_only
 
-    def __init__(self, state: FakeState) -> None:
-        self.state = state
 
-    def routes(self) -> Routes:
-        routes: Routes = {
-            "/health": ("GET", self._health),
-            "/version": ("GET", self._version),
-            "/get_world_size": ("GET", self._get_world_size),
-            "/reset_prefix_cache": ("POST", self._reset_prefix_cache),
-            "/pause": ("POST", self._pause),
-            "/resume": ("POST", self._resume),
-            "/is_paused": ("GET", self._is_paused),
-        }
-        if self.state.protocol == "0.32" or self.state.tokens_only:
-            routes["/abort_requests"] = ("POST", self._abort_requests)
-        return routes
+class ControlRoutes(RouteGroup):
+    """The routes that neither change weights nor generate. ``/abort_requests`` exists
+    on 0.32, and on 0.23 with ``--tokens-only``."""
 
+    @route("GET", "/health")
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    @route("GET", "/version")
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.state.version})
 
+    @route("GET", "/get_world_size")
     async def _get_world_size(self, request: web.Request) -> web.Response:
         return web.json_response({"world_size": self.state.world_size})
 
+    @route("POST", "/reset_prefix_cache")
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
+    @route("POST", "/pause")
     async def _pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
@@ -57,13 +49,16 @@ class ControlRoutes:
         self.state.pause(mode)
         return web.json_response({"status": "paused"})
 
+    @route("POST", "/resume")
     async def _resume(self, request: web.Request) -> web.Response:
         self.state.resume()
         return web.json_response({"status": "resumed"})
 
+    @route("GET", "/is_paused")
     async def _is_paused(self, request: web.Request) -> web.Response:
         return web.json_response({"is_paused": self.state.paused})
 
+    @route("POST", "/abort_requests", served=_serves_abort)
     async def _abort_requests(self, request: web.Request) -> web.Response:
         # vLLM parses this body itself (json.loads), with its own error messages.
         raw = await request.read()

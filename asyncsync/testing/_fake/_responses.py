@@ -8,16 +8,11 @@ Plain answers are encoded by aiohttp's ``json_response`` (the standard library's
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from asyncsync import _json
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-#: A route group's table: path -> (HTTP method, handler).
-Routes = dict[str, tuple[str, Handler]]
 
 
 def collective(message: str) -> str:

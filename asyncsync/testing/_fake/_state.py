@@ -60,24 +60,24 @@ class FakeState:
     ) -> None:
         self.version = version
         self.protocol = protocol_of(version)
+        self.host, self._port = host, port
+        self.delay, self.token_delay = delay, token_delay
+        # The weight-transfer engine.
         self.backend = backend
-        self.tokens_only = tokens_only
-        self.scale_out = scale_out
-        self.tokenizer = tokenizer
-        self.return_token_ids = return_token_ids
+        self.world_size = world_size
+        self._params = tuple(params)
         if reject_update_keys is None:
             reject_update_keys = ("packed",) if self.protocol == "0.32" else ()
         self.reject_update_keys = frozenset(reject_update_keys)
         self.update_hook = update_hook
-        self.world_size = world_size
-        self.delay = delay
-        self.token_delay = token_delay
-        self.max_model_len = max_model_len
+        # Generation.
+        self.tokens_only = tokens_only
+        self.scale_out = scale_out
+        self.tokenizer = tokenizer
+        self.return_token_ids = return_token_ids
         self.lm = FakeLM(vocab_size)
+        self.max_model_len = max_model_len
         self.model = model
-        self.host = host
-        self._port = port
-        self._params = tuple(params)
         self._hold_nothing_yet()
 
     def _hold_nothing_yet(self) -> None:

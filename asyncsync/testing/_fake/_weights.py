@@ -7,13 +7,13 @@ from typing import Any
 from aiohttp import web
 
 from asyncsync.testing._fake._responses import (
-    Routes,
     openai_error,
     read_embedded,
     read_json,
     validation_error,
     worker_failure,
 )
+from asyncsync.testing._fake._routes import RouteGroup, route
 from asyncsync.testing._fake._state import FakeState
 
 _NOT_CONFIGURED = (
@@ -21,7 +21,11 @@ _NOT_CONFIGURED = (
 )
 
 
-class WeightRoutes:
+def _is_032(state: FakeState) -> bool:
+    return state.protocol == "0.32"
+
+
+class WeightRoutes(RouteGroup):
     """``/init_weight_transfer_engine`` and one update's ``/start_weight_update`` ->
     ``/update_weights`` (any number) -> ``/finish_weight_update``, as vLLM's workers
     enforce it: a second start, an update or finish without a start, and a failed update
@@ -29,26 +33,10 @@ class WeightRoutes:
     ``/weight_info``, ``/update_weight_version``, ``/weight_checker`` and
     ``/shutdown_weight_transfer_engine``. Without a backend every weight call fails."""
 
-    def __init__(self, state: FakeState) -> None:
-        self.state = state
-
-    def routes(self) -> Routes:
-        routes: Routes = {
-            "/init_weight_transfer_engine": ("POST", self._init),
-            "/start_weight_update": ("POST", self._start),
-            "/update_weights": ("POST", self._update),
-            "/finish_weight_update": ("POST", self._finish),
-        }
-        if self.state.protocol == "0.32":
-            routes["/weight_info"] = ("GET", self._weight_info)
-            routes["/update_weight_version"] = ("POST", self._update_weight_version)
-            routes["/weight_checker"] = ("POST", self._weight_checker)
-            routes["/shutdown_weight_transfer_engine"] = ("POST", self._shutdown)
-        return routes
-
     def _no_backend(self) -> web.Response | None:
         return worker_failure(_NOT_CONFIGURED) if self.state.backend is None else None
 
+    @route("POST", "/init_weight_transfer_engine")
     async def _init(self, request: web.Request) -> web.Response:
         init_info, error = await read_embedded(request, "init_info")
         if error is not None:
@@ -62,6 +50,7 @@ class WeightRoutes:
         self.state.init_infos.append(init_info)
         return web.json_response({"message": "Weight transfer initialized"})
 
+    @route("POST", "/start_weight_update")
     async def _start(self, request: web.Request) -> web.Response:
         state = self.state
         if state.protocol == "0.23":  # 0.23 requires a JSON body (is_checkpoint_format)
@@ -79,6 +68,7 @@ class WeightRoutes:
         state.update_active = True
         return web.json_response({"message": "Weight update started"})
 
+    @route("POST", "/update_weights")
     async def _update(self, request: web.Request) -> web.Response:
         info, error = await read_embedded(request, "update_info")
         if error is not None:
@@ -115,6 +105,7 @@ class WeightRoutes:
         if self.state.update_hook is not None:
             self.state.update_hook(info)
 
+    @route("POST", "/finish_weight_update")
     async def _finish(self, request: web.Request) -> web.Response:
         version: Any = None
         if self.state.protocol == "0.32":  # 0.23 ignores the body
@@ -137,14 +128,17 @@ class WeightRoutes:
         self.state.finish_update(version)
         return web.json_response({"message": "Weight update finished"})
 
+    @route("POST", "/shutdown_weight_transfer_engine", served=_is_032)
     async def _shutdown(self, request: web.Request) -> web.Response:
         if self.state.update_active:
             return worker_failure("Cannot release a trainer connection during a weight update")
         return web.json_response({"message": "Weight transfer shut down"})
 
+    @route("GET", "/weight_info", served=_is_032)
     async def _weight_info(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.state.weight_version})
 
+    @route("POST", "/update_weight_version", served=_is_032)
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         value, error = await read_embedded(request, "new_version")
         if error is not None:
@@ -152,6 +146,7 @@ class WeightRoutes:
         self.state.weight_version = str(value)
         return web.json_response({"success": True, "new_version": self.state.weight_version})
 
+    @route("POST", "/weight_checker", served=_is_032)
     async def _weight_checker(self, request: web.Request) -> web.Response:
         action, error = await read_embedded(request, "action")
         if error is not None:
