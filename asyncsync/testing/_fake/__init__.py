@@ -14,8 +14,18 @@ Run it in another process (many servers per process; the URLs are printed as one
 line on stdout)::
 
     python -m asyncsync.testing._fake_cli --count 64 --delay 0.05
+
+The modules, from the outside in: ``_server`` (lifecycle, fault injection, dispatch),
+``_cli`` (the separate process); the route groups ``_control``, ``_weights`` (the
+update lifecycle), ``_generate`` and ``_completions``, declared with ``_routes``; what
+they share: ``_state`` (configuration, what the server holds, pausing), ``_responses``
+(vLLM's error bodies), ``_faults``, ``_recording``; generation's ``_sampling``,
+``_logprobs``, ``_streaming`` (SSE) and ``_lm`` (the model).
 """
 
-from asyncsync.testing._fake._server import FakeLM, FakeVLLMServer, Fault, RecordedRequest
+from asyncsync.testing._fake._faults import Fault
+from asyncsync.testing._fake._lm import FakeLM
+from asyncsync.testing._fake._recording import RecordedRequest
+from asyncsync.testing._fake._server import FakeVLLMServer
 
 __all__ = ["FakeLM", "FakeVLLMServer", "Fault", "RecordedRequest"]
