@@ -51,6 +51,9 @@ class FakeVLLMServer(FakeState):
             ``/v1/completions`` (no token ids: the re-tokenize fallback case).
         token_delay: seconds per generated token (to pause or abort mid-generation).
         vocab_size, max_model_len, model: of the fake model (:class:`FakeLM`).
+        max_recorded: how many requests (:attr:`requests`) and accepted updates
+            (:attr:`updates`) the server keeps, the oldest dropped first; ``None``: all
+            of them (memory grows with every request).
 
     Generation follows :class:`FakeLM` (deterministic, closed-form logprobs). Pausing
     behaves like vLLM: new requests wait until resume; ``mode="abort"`` ends in-flight
@@ -151,7 +154,7 @@ class FakeVLLMServer(FakeState):
         """Every request is recorded, waits ``delay``, then meets its injected fault (if
         any) or its handler."""
         body = await request.read()
-        self.requests.append(RecordedRequest.of(request, body))
+        self.record(RecordedRequest.of(request, body))
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)

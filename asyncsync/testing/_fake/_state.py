@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -57,7 +58,10 @@ class FakeState:
         vocab_size: int = 512,
         max_model_len: int = 256,
         model: str = "fake-model",
+        max_recorded: int | None = 10_000,
     ) -> None:
+        if max_recorded is not None and max_recorded < 0:
+            raise ValueError(f"max_recorded must be >= 0 or None, got {max_recorded}")
         self.version = version
         self.protocol = protocol_of(version)
         self.host, self._port = host, port
@@ -78,9 +82,9 @@ class FakeState:
         self.lm = FakeLM(vocab_size)
         self.max_model_len = max_model_len
         self.model = model
-        self._hold_nothing_yet()
+        self._hold_nothing_yet(max_recorded)
 
-    def _hold_nothing_yet(self) -> None:
+    def _hold_nothing_yet(self, max_recorded: int | None) -> None:
         """What a server holds before its first request."""
         # Pausing (see pause(), admit() and gate()).
         self.paused = False
@@ -96,13 +100,13 @@ class FakeState:
         self.start_bodies: list[Any] = []
         # Accepted updates are kept as their raw bodies: parsed update_infos (thousands
         # of small objects each) would make every GC pass of a long benchmark slower.
-        self._update_bodies: list[bytes] = []
+        self._update_bodies: deque[bytes] = deque(maxlen=max_recorded)
         self.finished = 0
         self._generation = 0  # the model's weights: FakeLM's output changes with it
         self._zeroed = False  # weight_checker "reset" zeroed the weights
         # What tests injected and what the server saw.
         self._faults = FaultQueue()
-        self.requests: list[RecordedRequest] = []
+        self._recorded: deque[RecordedRequest] = deque(maxlen=max_recorded)
         self.cancelled: list[str] = []
         self.generation_requests = 0
 
@@ -115,13 +119,28 @@ class FakeState:
     def clear_faults(self) -> None:
         self._faults.clear()
 
+    @property
+    def max_recorded(self) -> int | None:
+        """How many requests, and accepted updates, are kept (``None``: all)."""
+        return self._recorded.maxlen
+
+    def record(self, request: RecordedRequest) -> None:
+        """Keeps ``request``, dropping the oldest beyond ``max_recorded``."""
+        self._recorded.append(request)
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """The last ``max_recorded`` requests received, oldest first (a copy)."""
+        return list(self._recorded)
+
     def requests_to(self, path: str) -> list[RecordedRequest]:
         """The recorded requests on ``path``."""
-        return [r for r in self.requests if r.path == path]
+        return [r for r in self._recorded if r.path == path]
 
     @property
     def updates(self) -> list[Any]:
-        """Every accepted ``update_info``, in order (parsed from the request bodies)."""
+        """The last ``max_recorded`` accepted ``update_info``, oldest first (parsed from
+        the request bodies)."""
         return [_json.loads(body)["update_info"] for body in self._update_bodies]
 
     # ------------------------------------------------------------ weights
