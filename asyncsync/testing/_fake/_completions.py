@@ -41,7 +41,7 @@ class CompletionsRoute(RouteGroup):
         if isinstance(parsed, web.Response):
             return parsed
         rid = f"cmpl-{secrets.token_hex(8)}"
-        epoch = await self.state.admit()
+        epoch = await self.state._admit()
         jobs = [
             Job(self.state, prompt, params, rid, epoch)
             for prompt, params in zip(parsed.prompts, parsed.params, strict=True)
@@ -112,6 +112,7 @@ class CompletionsRoute(RouteGroup):
         self, completion: _Completion, job: Job, index: int, sample: Sample
     ) -> dict[str, Any]:
         return_ids, prompt_k = completion.return_ids, job.params.prompt_logprobs
+        prompt_lps = None if prompt_k is None else prompt_logprobs(self.state, job.prompt, prompt_k)
         return {
             "index": index,
             "text": self._text(sample),
@@ -119,15 +120,7 @@ class CompletionsRoute(RouteGroup):
             "finish_reason": sample.finish_reason,
             "stop_reason": sample.stop_reason,
             "token_ids": sample.token_ids if return_ids else None,
-            "prompt_logprobs": None
-            if prompt_k is None
-            else prompt_logprobs(
-                self.state.lm,
-                job.prompt,
-                prompt_k,
-                self.state.weights_generation,
-                self.state.tokenizer,
-            ),
+            "prompt_logprobs": prompt_lps,
             "prompt_token_ids": job.prompt if return_ids else None,
             "routed_experts": None,
         }

@@ -46,12 +46,12 @@ class ControlRoutes(RouteGroup):
                 mode,
                 "'abort', 'wait' or 'keep'",
             )
-        self.state.pause(mode)
+        self.state._pause(mode)
         return web.json_response({"status": "paused"})
 
     @route("POST", "/resume")
     async def _resume(self, request: web.Request) -> web.Response:
-        self.state.resume()
+        self.state._resume()
         return web.json_response({"status": "resumed"})
 
     @route("GET", "/is_paused")

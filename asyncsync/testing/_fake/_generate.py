@@ -50,7 +50,7 @@ class GenerateRoute(RouteGroup):
             return parsed
         body, prompt, params = parsed
         rid = f"generate-tokens-{body.get('request_id') or secrets.token_hex(8)}"
-        job = Job(state, prompt, params, rid, await state.admit())
+        job = Job(state, prompt, params, rid, await state._admit())
         if body.get("stream"):
             return await stream(request, job, partial(self._event, job))
         samples = [await job.sample(i) for i in range(params.n)]
@@ -83,13 +83,7 @@ class GenerateRoute(RouteGroup):
         else:
             choices = [self._choice(i, s, k, end=s) for i, s in enumerate(samples)]
         prompt_k = job.params.prompt_logprobs
-        prompt_lps = (
-            None
-            if prompt_k is None
-            else prompt_logprobs(
-                state.lm, job.prompt, prompt_k, state.weights_generation, state.tokenizer
-            )
-        )
+        prompt_lps = None if prompt_k is None else prompt_logprobs(state, job.prompt, prompt_k)
         if state.protocol == "0.23":
             return {
                 "request_id": job.request_id,

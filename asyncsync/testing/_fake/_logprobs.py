@@ -8,7 +8,7 @@ from typing import Any
 
 from asyncsync.testing._fake._lm import FakeLM, token_text
 from asyncsync.testing._fake._sampling import Sample
-from asyncsync.testing._fake._state import ProtocolVersion
+from asyncsync.testing._fake._state import FakeState, ProtocolVersion
 
 
 def _top_ids(lm: FakeLM, context: list[int], token: int, k: int, gen: int) -> list[int]:
@@ -66,20 +66,19 @@ def legacy_logprobs(lm: FakeLM, sample: Sample, k: int, as_ids: bool) -> dict[st
     }
 
 
-def prompt_logprobs(
-    lm: FakeLM, prompt: list[int], k: int, generation: int, tokenizer: bool
-) -> list[Any]:
+def prompt_logprobs(state: FakeState, prompt: list[int], k: int) -> list[Any]:
     """``[None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...]``: each prompt token
-    after the first, with the top ``k`` others."""
+    after the first, with the top ``k`` others, under the server's current weights."""
+    lm, gen = state.lm, state._generation
     out: list[Any] = [None]
     for pos in range(1, len(prompt)):
         ctx, tok = prompt[:pos], prompt[pos]
         entry: dict[str, Any] = {}
-        for t in [tok, *[t for t in lm.top(ctx, k, generation) if t != tok][:k]]:
+        for t in [tok, *[t for t in lm.top(ctx, k, gen) if t != tok][:k]]:
             entry[str(t)] = {
-                "logprob": lm.logprob(ctx, t, generation),
-                "rank": lm.rank(ctx, t, generation),
-                "decoded_token": token_text(t).strip() if tokenizer else None,
+                "logprob": lm.logprob(ctx, t, gen),
+                "rank": lm.rank(ctx, t, gen),
+                "decoded_token": token_text(t).strip() if state.tokenizer else None,
             }
         out.append(entry)
     return out

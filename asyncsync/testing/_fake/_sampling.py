@@ -123,7 +123,7 @@ class Job:
 
     async def sample(self, index: int, on_token: OnToken | None = None) -> Sample:
         """Choice ``index``: token by token, pausing, aborting and changing weights as the
-        server does meanwhile (see :meth:`FakeState.gate`)."""
+        server does meanwhile (see ``FakeState._gate``)."""
         state, params = self.state, self.params
         seed = params.seed
         rng = random.Random(f"{seed}:{index}" if seed is not None else f"{self.request_id}:{index}")
@@ -131,10 +131,10 @@ class Job:
         context = list(self.prompt)
         sample = Sample()
         for _ in range(params.max_tokens):
-            if not await state.gate(self.epoch):
+            if not await state._gate(self.epoch):
                 sample.finish_reason = "abort"
                 break
-            gen = state.weights_generation
+            gen = state._generation
             token = state.lm.greedy(context, gen) if greedy else state.lm.sample(context, rng, gen)
             sample.contexts.append(context)  # never mutated: each step builds a new list
             sample.token_ids.append(token)

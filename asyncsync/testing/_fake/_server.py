@@ -154,7 +154,7 @@ class FakeVLLMServer(FakeState):
         """Every request is recorded, waits ``delay``, then meets its injected fault (if
         any) or its handler."""
         body = await request.read()
-        self.record(RecordedRequest.of(request, body))
+        self._record(RecordedRequest.of(request, body))
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)

@@ -36,6 +36,8 @@ class FakeState:
 
     :class:`~asyncsync.testing.FakeVLLMServer` (a subclass) documents the arguments and
     serves this state over HTTP: tests read, and may change, these attributes on it.
+    The methods with a leading underscore are the state's transitions, for the route
+    handlers of this package, not for tests.
     """
 
     def __init__(
@@ -86,7 +88,7 @@ class FakeState:
 
     def _hold_nothing_yet(self, max_recorded: int | None) -> None:
         """What a server holds before its first request."""
-        # Pausing (see pause(), admit() and gate()).
+        # Pausing (see _pause(), _admit() and _gate()).
         self.paused = False
         self.pause_modes: list[str] = []
         self._pause_mode = "abort"
@@ -124,7 +126,7 @@ class FakeState:
         """How many requests, and accepted updates, are kept (``None``: all)."""
         return self._recorded.maxlen
 
-    def record(self, request: RecordedRequest) -> None:
+    def _record(self, request: RecordedRequest) -> None:
         """Keeps ``request``, dropping the oldest beyond ``max_recorded``."""
         self._recorded.append(request)
 
@@ -144,16 +146,11 @@ class FakeState:
         return [_json.loads(body)["update_info"] for body in self._update_bodies]
 
     # ------------------------------------------------------------ weights
-    @property
-    def weights_generation(self) -> int:
-        """How many weight updates the model has gone through (FakeLM's ``generation``)."""
-        return self._generation
-
-    def accept_update(self, body: bytes) -> None:
+    def _accept_update(self, body: bytes) -> None:
         """Keeps the body of an accepted ``/update_weights`` (see :attr:`updates`)."""
         self._update_bodies.append(body)
 
-    def finish_update(self, version: str | None) -> None:
+    def _finish_update(self, version: str | None) -> None:
         """The active update finished: new weights, and their version when given."""
         self.update_active = False
         self.finished += 1
@@ -162,7 +159,7 @@ class FakeState:
         if version is not None:
             self.weight_version = version
 
-    def zero_weights(self) -> None:
+    def _zero_weights(self) -> None:
         """``/weight_checker`` ``reset``: the checksums are of zeroed weights until the
         next finished update."""
         self._zeroed = True
@@ -173,7 +170,7 @@ class FakeState:
         return {f"dp0:pp0:pcp0:tp0:{p}": _checksum(f"{seed}:{p}") for p in self._params}
 
     # ------------------------------------------------------------ pausing
-    def pause(self, mode: str) -> None:
+    def _pause(self, mode: str) -> None:
         """Like vLLM: new requests wait until resume; ``"abort"`` ends in-flight ones,
         ``"keep"`` freezes them, ``"wait"`` lets them run on."""
         self.paused = True
@@ -183,19 +180,19 @@ class FakeState:
         if mode == "abort":
             self._abort_epoch += 1  # in-flight generations end with "abort"
 
-    def resume(self) -> None:
+    def _resume(self) -> None:
         self.paused = False
         self._resumed.set()
 
-    async def admit(self) -> int:
+    async def _admit(self) -> int:
         """New requests wait while paused (as vLLM holds them); returns the abort epoch."""
         while self.paused:
             await self._resumed.wait()
         self.generation_requests += 1
         return self._abort_epoch
 
-    async def gate(self, epoch: int) -> bool:
-        """Before each token: False when a pause(mode="abort") ended the request; waits
+    async def _gate(self, epoch: int) -> bool:
+        """Before each token: False when a pause (mode="abort") ended the request; waits
         while paused with "keep" (frozen) and runs on with "wait" (draining)."""
         while True:
             if self._abort_epoch != epoch:

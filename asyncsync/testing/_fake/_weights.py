@@ -91,7 +91,7 @@ class WeightRoutes(RouteGroup):
         except Exception as exc:
             self.state.update_active = False  # vLLM clears the active flag on a failed update
             return worker_failure(str(exc))
-        self.state.accept_update(await request.read())
+        self.state._accept_update(await request.read())
         return web.json_response({"message": "Weights updated"})
 
     def _receive(self, info: Any) -> None:
@@ -125,7 +125,7 @@ class WeightRoutes(RouteGroup):
             return worker_failure(
                 "finish_weight_update called without a matching start_weight_update."
             )
-        self.state.finish_update(version)
+        self.state._finish_update(version)
         return web.json_response({"message": "Weight update finished"})
 
     @route("POST", "/shutdown_weight_transfer_engine", served=_is_032)
@@ -162,7 +162,7 @@ class WeightRoutes(RouteGroup):
         _ok, data = await read_json(request)
         baseline = data.get("baseline") if isinstance(data, dict) else None
         if action == "reset":
-            self.state.zero_weights()
+            self.state._zero_weights()
             return web.json_response({"status": "reset"})
         if action == "compare" and baseline is None:
             return openai_error(400, "action='compare' requires a 'baseline' object", "Bad Request")
