@@ -21,18 +21,6 @@ class RecordedRequest:
     headers: dict[str, str]
     at: float
 
-    @classmethod
-    def of(cls, request: web.Request, body: bytes) -> RecordedRequest:
-        """``request`` as received now, with its already read ``body``."""
-        return cls(
-            request.method,
-            request.path,
-            dict(request.query),
-            body,
-            dict(request.headers),
-            time.monotonic(),
-        )
-
     @property
     def json(self) -> Any:
         """The body parsed as JSON, or None when empty or not JSON."""
@@ -42,3 +30,15 @@ class RecordedRequest:
             return json.loads(self.body)
         except ValueError:
             return None
+
+
+def recorded(request: web.Request, body: bytes) -> RecordedRequest:
+    """``request`` as received now, with its already read ``body``."""
+    return RecordedRequest(
+        request.method,
+        request.path,
+        dict(request.query),
+        body,
+        dict(request.headers),
+        time.monotonic(),
+    )

@@ -13,7 +13,7 @@ from asyncsync.testing._fake._completions import CompletionsRoute
 from asyncsync.testing._fake._control import ControlRoutes
 from asyncsync.testing._fake._faults import Fault, error_response
 from asyncsync.testing._fake._generate import GenerateRoute
-from asyncsync.testing._fake._recording import RecordedRequest
+from asyncsync.testing._fake._recording import recorded
 from asyncsync.testing._fake._responses import (
     ClosingResponse,
     method_not_allowed,
@@ -154,7 +154,7 @@ class FakeVLLMServer(FakeState):
         """Every request is recorded, waits ``delay``, then meets its injected fault (if
         any) or its handler."""
         body = await request.read()
-        self._record(RecordedRequest.of(request, body))
+        self._record(recorded(request, body))
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
