@@ -103,6 +103,29 @@ async def test_requests_are_recorded() -> None:
     assert fake.requests_to("/pause") == [first]
 
 
+async def test_recorded_history_is_bounded() -> None:
+    async with FakeVLLMServer(max_recorded=3) as fake, aiohttp.ClientSession() as s:
+        assert fake.max_recorded == 3
+        await _raw(s, "POST", fake.url + "/start_weight_update")
+        for name in ("a", "b", "c", "d"):
+            await _raw(s, "POST", fake.url + "/update_weights", {"update_info": {"n": name}})
+        await _raw(s, "GET", fake.url + "/is_paused")
+        # The oldest requests and updates are dropped first.
+        assert [r.path for r in fake.requests] == ["/update_weights"] * 2 + ["/is_paused"]
+        assert [r.json for r in fake.requests_to("/update_weights")] == [
+            {"update_info": {"n": "c"}},
+            {"update_info": {"n": "d"}},
+        ]
+        assert fake.updates == [{"n": "b"}, {"n": "c"}, {"n": "d"}]
+        # A copy: changing it changes nothing recorded.
+        fake.requests.clear()
+        assert len(fake.requests) == 3
+    assert FakeVLLMServer().max_recorded == 10_000
+    assert FakeVLLMServer(max_recorded=None).max_recorded is None
+    with pytest.raises(ValueError, match="max_recorded"):
+        FakeVLLMServer(max_recorded=-1)
+
+
 async def test_faults_are_consumed_in_order() -> None:
     async with FakeVLLMServer() as fake, aiohttp.ClientSession() as s:
         fake.inject("/resume", Fault.error(503, "busy", shape="string"), times=2)

@@ -1,0 +1,203 @@
+"""``FakeVLLMServer``: serves a :class:`FakeState` over HTTP like vLLM's API server,
+and applies the faults a test injects."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import TracebackType
+
+from aiohttp import web
+
+from asyncsync.testing._fake._completions import CompletionsRoute
+from asyncsync.testing._fake._control import ControlRoutes
+from asyncsync.testing._fake._faults import Fault, error_response
+from asyncsync.testing._fake._generate import GenerateRoute
+from asyncsync.testing._fake._recording import recorded
+from asyncsync.testing._fake._responses import (
+    ClosingResponse,
+    method_not_allowed,
+    not_found,
+)
+from asyncsync.testing._fake._routes import Handler, Routes
+from asyncsync.testing._fake._state import FakeState
+from asyncsync.testing._fake._weights import WeightRoutes
+
+__all__ = ["FakeVLLMServer"]
+
+
+class FakeVLLMServer(FakeState):
+    """An aiohttp server speaking vLLM's RL protocol (0.23 or 0.32), with fault injection.
+
+    Args:
+        version: the vLLM version it claims (``GET /version``); ``"0.23.x"`` selects the
+            0.23 protocol, ``"0.32.x"`` (default) the current one.
+        backend: the weight-transfer backend name; ``None`` behaves like a server started
+            without ``--weight-transfer-config`` (weight routes answer 500).
+        tokens_only: like ``--tokens-only`` (0.23 serves ``/abort_requests`` only then).
+        delay: seconds every request waits before it is handled (a slow server).
+        world_size: answered by ``/get_world_size``.
+        params: parameter names the weight checker reports.
+        host, port: where to listen (port 0: a free one).
+        reject_update_keys: ``update_info`` keys the fake engine refuses with a worker
+            failure (default: ``packed`` on 0.32, like the IPC engine).
+        update_hook: called with each accepted ``update_info``; raising fails the update
+            like a worker error (and vLLM then drops its active update).
+        scale_out: like ``--enable-scale-out``: vLLM 0.32 serves ``/inference/v1/generate``
+            only then (or with ``tokens_only``), else 403.
+        tokenizer: False behaves like ``--skip-tokenizer-init`` (empty text; legacy
+            logprobs only with ``return_tokens_as_token_ids``).
+        return_token_ids: False emulates a server that ignores ``return_token_ids`` on
+            ``/v1/completions`` (no token ids: the re-tokenize fallback case).
+        token_delay: seconds per generated token (to pause or abort mid-generation).
+        vocab_size, max_model_len, model: of the fake model (:class:`FakeLM`).
+        max_recorded: how many requests (:attr:`requests`) and accepted updates
+            (:attr:`updates`) the server keeps, the oldest dropped first; ``None``: all
+            of them (memory grows with every request).
+
+    Generation follows :class:`FakeLM` (deterministic, closed-form logprobs). Pausing
+    behaves like vLLM: new requests wait until resume; ``mode="abort"`` ends in-flight
+    ones with ``finish_reason="abort"`` and the tokens so far; ``"keep"`` freezes them
+    (tokens after a weight update carry the new version: two spans); ``"wait"`` lets
+    them run on.
+    """
+
+    _runner: web.AppRunner | None = None
+    _site: web.SockSite | None = None
+    _alive = False
+    _routes: Routes  # set by start()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        if self._site is None:
+            raise RuntimeError("FakeVLLMServer is not started")
+        return f"http://{self.host}:{self._port}"
+
+    async def start(self) -> FakeVLLMServer:
+        """Listens on ``host:port`` (a free port for 0). The routes served follow the
+        configuration at this point (``version``, ``tokens_only``)."""
+        self._routes = {}
+        for group in (ControlRoutes, WeightRoutes, GenerateRoute, CompletionsRoute):
+            self._routes.update(group(self).routes())
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        # handler_cancellation: a hung handler is cancelled when the client goes away,
+        # so tests can see that a cancelled client closed its connection.
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.1
+        )
+        await runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self._port))
+            self._port = int(sock.getsockname()[1])
+            # uvicorn's (vLLM's) listen backlog; aiohttp's default of 128 drops SYNs when
+            # hundreds of clients connect at once, and each drop costs a 1 s retransmit.
+            site = web.SockSite(runner, sock, backlog=2048)
+            await site.start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        self._runner, self._site = runner, site
+        self._alive = True
+        return self
+
+    async def stop(self) -> None:
+        self._alive = False
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> FakeVLLMServer:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    @property
+    def alive(self) -> bool:
+        """False once stopped or killed by a ``die`` fault."""
+        return self._alive
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections currently open on this server."""
+        if self._runner is None or self._runner.server is None:
+            return 0
+        return len(self._runner.server.connections)
+
+    async def _die(self) -> None:
+        self._alive = False
+        if self._site is not None:
+            server = self._site._server  # the listening asyncio.Server
+            if server is not None:
+                server.close()
+        if self._runner is not None and self._runner.server is not None:
+            for proto in list(self._runner.server.connections):
+                if proto.transport is not None:
+                    proto.transport.abort()
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every request is recorded, waits ``delay``, then meets its injected fault (if
+        any) or its handler."""
+        body = await request.read()
+        self._record(recorded(request, body))
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            fault = self._faults.take(request.path)
+            result: web.StreamResponse | None = None
+            if fault is not None:
+                result = await self._apply(fault, request)
+            if result is None:
+                result = await handler(request)
+            if isinstance(result, ClosingResponse):
+                # Close once this response is sent, without a "Connection: close" header.
+                request.protocol.close()
+            return result
+        except asyncio.CancelledError:
+            self.cancelled.append(request.path)
+            raise
+
+    async def _apply(self, fault: Fault, request: web.Request) -> web.StreamResponse | None:
+        if fault.kind == "delay":
+            await asyncio.sleep(fault.seconds)
+            return None
+        if fault.kind == "hang":
+            await asyncio.Event().wait()  # never set: until the handler is cancelled
+        if fault.kind == "error":
+            if fault.shape == "collective" and request.path == "/update_weights":
+                self.update_active = False  # as vLLM does after a worker failure there
+            return error_response(fault)
+        if fault.kind == "malformed":
+            return web.Response(status=200, body=fault.body, content_type=fault.content_type)
+        if fault.kind in ("drop", "die"):
+            if request.transport is not None:
+                request.transport.abort()
+            if fault.kind == "die":
+                await self._die()
+            raise asyncio.CancelledError  # nothing more to send on a cut connection
+        raise AssertionError(fault.kind)  # pragma: no cover
+
+    # ------------------------------------------------------------------ routes
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        entry = self._routes.get(request.path)
+        if entry is None:
+            return not_found()
+        method, handler = entry
+        if request.method != method:
+            return method_not_allowed()
+        return await handler(request)

@@ -1,0 +1,206 @@
+"""What a fake vLLM server is configured with and what it holds, shared by its route
+handlers, with the pausing rules that generation follows."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+from asyncsync import _json
+from asyncsync.testing._fake._faults import Fault, FaultQueue
+from asyncsync.testing._fake._lm import FakeLM
+from asyncsync.testing._fake._recording import RecordedRequest
+
+ProtocolVersion = Literal["0.23", "0.32"]
+PAUSE_MODES = ("abort", "wait", "keep")
+DEFAULT_PARAMS = (
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+)
+
+
+def protocol_of(version: str) -> ProtocolVersion:
+    """The RL protocol a vLLM version speaks: 0.32's from 0.32 on, 0.23's before."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return "0.32" if (major, minor) >= (0, 32) else "0.23"
+
+
+class FakeState:
+    """The configuration and the state of one fake server, shared by its route handlers.
+
+    :class:`~asyncsync.testing.FakeVLLMServer` (a subclass) documents the arguments and
+    serves this state over HTTP: tests read, and may change, these attributes on it.
+    The methods with a leading underscore are the state's transitions, for the route
+    handlers of this package, not for tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        version: str = "0.32.0",
+        backend: str | None = "fake",
+        tokens_only: bool = False,
+        delay: float = 0.0,
+        world_size: int = 1,
+        params: Sequence[str] = DEFAULT_PARAMS,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        reject_update_keys: Sequence[str] | None = None,
+        update_hook: Callable[[Any], None] | None = None,
+        scale_out: bool = True,
+        tokenizer: bool = True,
+        return_token_ids: bool = True,
+        token_delay: float = 0.0,
+        vocab_size: int = 512,
+        max_model_len: int = 256,
+        model: str = "fake-model",
+        max_recorded: int | None = 10_000,
+    ) -> None:
+        if max_recorded is not None and max_recorded < 0:
+            raise ValueError(f"max_recorded must be >= 0 or None, got {max_recorded}")
+        self.version = version
+        self.protocol = protocol_of(version)
+        self.host, self._port = host, port
+        self.delay, self.token_delay = delay, token_delay
+        # The weight-transfer engine.
+        self.backend = backend
+        self.world_size = world_size
+        self._params = tuple(params)
+        if reject_update_keys is None:
+            reject_update_keys = ("packed",) if self.protocol == "0.32" else ()
+        self.reject_update_keys = frozenset(reject_update_keys)
+        self.update_hook = update_hook
+        # Generation.
+        self.tokens_only = tokens_only
+        self.scale_out = scale_out
+        self.tokenizer = tokenizer
+        self.return_token_ids = return_token_ids
+        self.lm = FakeLM(vocab_size)
+        self.max_model_len = max_model_len
+        self.model = model
+        self._hold_nothing_yet(max_recorded)
+
+    def _hold_nothing_yet(self, max_recorded: int | None) -> None:
+        """What a server holds before its first request."""
+        # Pausing (see _pause(), _admit() and _gate()).
+        self.paused = False
+        self.pause_modes: list[str] = []
+        self._pause_mode = "abort"
+        self._abort_epoch = 0  # pause(mode="abort") ends the requests of earlier epochs
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        # Weights and their updates.
+        self.weight_version = "default"
+        self.update_active = False
+        self.init_infos: list[Any] = []
+        self.start_bodies: list[Any] = []
+        # Accepted updates are kept as their raw bodies: parsed update_infos (thousands
+        # of small objects each) would make every GC pass of a long benchmark slower.
+        self._update_bodies: deque[bytes] = deque(maxlen=max_recorded)
+        self.finished = 0
+        self._generation = 0  # the model's weights: FakeLM's output changes with it
+        self._zeroed = False  # weight_checker "reset" zeroed the weights
+        # What tests injected and what the server saw.
+        self._faults = FaultQueue()
+        self._recorded: deque[RecordedRequest] = deque(maxlen=max_recorded)
+        self.cancelled: list[str] = []
+        self.generation_requests = 0
+
+    # ------------------------------------------------------------ faults and history
+    def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:
+        """Apply ``fault`` to the next ``times`` requests on ``route`` (``None``: all of
+        them; route ``"*"``: every route)."""
+        self._faults.inject(route, fault, times)
+
+    def clear_faults(self) -> None:
+        self._faults.clear()
+
+    @property
+    def max_recorded(self) -> int | None:
+        """How many requests, and accepted updates, are kept (``None``: all)."""
+        return self._recorded.maxlen
+
+    def _record(self, request: RecordedRequest) -> None:
+        """Keeps ``request``, dropping the oldest beyond ``max_recorded``."""
+        self._recorded.append(request)
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """The last ``max_recorded`` requests received, oldest first (a copy)."""
+        return list(self._recorded)
+
+    def requests_to(self, path: str) -> list[RecordedRequest]:
+        """The recorded requests on ``path``."""
+        return [r for r in self._recorded if r.path == path]
+
+    @property
+    def updates(self) -> list[Any]:
+        """The last ``max_recorded`` accepted ``update_info``, oldest first (parsed from
+        the request bodies)."""
+        return [_json.loads(body)["update_info"] for body in self._update_bodies]
+
+    # ------------------------------------------------------------ weights
+    def _accept_update(self, body: bytes) -> None:
+        """Keeps the body of an accepted ``/update_weights`` (see :attr:`updates`)."""
+        self._update_bodies.append(body)
+
+    def _finish_update(self, version: str | None) -> None:
+        """The active update finished: new weights, and their version when given."""
+        self.update_active = False
+        self.finished += 1
+        self._generation += 1
+        self._zeroed = False
+        if version is not None:
+            self.weight_version = version
+
+    def _zero_weights(self) -> None:
+        """``/weight_checker`` ``reset``: the checksums are of zeroed weights until the
+        next finished update."""
+        self._zeroed = True
+
+    def checksums(self) -> dict[str, str]:
+        """What ``/weight_checker`` reports now (changes with every finished update)."""
+        seed = "zero" if self._zeroed else f"gen{self._generation}"
+        return {f"dp0:pp0:pcp0:tp0:{p}": _checksum(f"{seed}:{p}") for p in self._params}
+
+    # ------------------------------------------------------------ pausing
+    def _pause(self, mode: str) -> None:
+        """Like vLLM: new requests wait until resume; ``"abort"`` ends in-flight ones,
+        ``"keep"`` freezes them, ``"wait"`` lets them run on."""
+        self.paused = True
+        self.pause_modes.append(mode)
+        self._pause_mode = mode
+        self._resumed.clear()
+        if mode == "abort":
+            self._abort_epoch += 1  # in-flight generations end with "abort"
+
+    def _resume(self) -> None:
+        self.paused = False
+        self._resumed.set()
+
+    async def _admit(self) -> int:
+        """New requests wait while paused (as vLLM holds them); returns the abort epoch."""
+        while self.paused:
+            await self._resumed.wait()
+        self.generation_requests += 1
+        return self._abort_epoch
+
+    async def _gate(self, epoch: int) -> bool:
+        """Before each token: False when a pause (mode="abort") ended the request; waits
+        while paused with "keep" (frozen) and runs on with "wait" (draining)."""
+        while True:
+            if self._abort_epoch != epoch:
+                return False
+            if not self.paused or self._pause_mode == "wait":
+                return True
+            await self._resumed.wait()
+
+
+def _checksum(seed: str) -> str:
+    return hashlib.sha256(seed.encode()).hexdigest()

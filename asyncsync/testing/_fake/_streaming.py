@@ -1,0 +1,61 @@
+"""Streamed generations as vLLM sends them: server-sent events, one per token.
+
+Both generation routes stream the same way and differ only in their events' bodies
+(an :data:`EventBody` builds one). Events are encoded with ``asyncsync._json`` (like
+vLLM's own streaming encoder, not the ``json.dumps`` of plain answers), which fixes
+their bytes: keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from asyncsync import _json
+from asyncsync.testing._fake._sampling import Job, Sample
+
+#: How many tokens an event carries (the last event of a choice may carry fewer). vLLM
+#: sends one per event unless it coalesces tokens under load.
+TOKENS_PER_EVENT = 1
+
+#: The body of one event: ``(choice index, the sample so far, start, stop, final)``;
+#: the event carries tokens ``start:stop``, and ``final`` ends its choice.
+EventBody = Callable[[int, Sample, int, int, bool], Any]
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(body: Any) -> bytes:
+    return b"data: " + _json.dumps(body) + b"\n\n"
+
+
+async def stream(request: web.Request, job: Job, event: EventBody) -> web.StreamResponse:
+    """Streams ``job``'s choices one after the other, then ``data: [DONE]``.
+
+    A token is sent once the next one exists, so the last event of a choice carries its
+    finish reason with its last tokens; an abort between two tokens gets an event of its
+    own (no tokens), as in vLLM.
+    """
+    response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for index in range(job.params.n):
+        await _stream_choice(response, job, index, event)
+    await response.write(_DONE)
+    return response
+
+
+async def _stream_choice(
+    response: web.StreamResponse, job: Job, index: int, event: EventBody
+) -> None:
+    sent = 0  # tokens of this choice sent so far
+
+    async def on_token(sample: Sample, pos: int) -> None:
+        nonlocal sent
+        if pos - sent >= TOKENS_PER_EVENT:  # tokens sent:pos are complete
+            await response.write(sse_event(event(index, sample, sent, pos, False)))
+            sent = pos
+
+    done = await job.sample(index, on_token)
+    await response.write(sse_event(event(index, done, sent, len(done.token_ids), True)))
