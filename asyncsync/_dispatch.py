@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 from asyncsync._completion import Completion
 from asyncsync._errors import AsyncSyncError, GenerationAborted, GenerationError
@@ -27,6 +27,7 @@ from asyncsync._transport import never_sent
 __all__ = ["Dispatcher", "RoutingPolicy"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: How often unhealthy servers are probed while generations wait (seconds).
 _PROBE_INTERVAL = 1.0
@@ -96,7 +97,7 @@ class Dispatcher:
         deadline = None if limit is None else time.monotonic() + limit
         while True:
             pinned = self.sessions.get(session_id) if session_id is not None else None
-            states = list(members.states())
+            states = members.states()
             state, skipped = choose(
                 states, self.history, max_staleness=self.policy.max_staleness,
                 min_version=send.min_version, pinned=pinned, exclude=exclude,
@@ -138,14 +139,21 @@ class Dispatcher:
             self.sessions.drop(send.session_id)
         return True
 
-    async def routed(self, send: SendOptions, run: Callable[[GenerationEngine], Awaitable[T]]) -> T:
-        """``run`` on an admitted server's engine; a request that never reached its
-        server (connection refused / not established) is sent to another one."""
+    async def routed(
+        self,
+        send: SendOptions,
+        call: Callable[Concatenate[GenerationEngine, P], Awaitable[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """``call(engine, *args, **kwargs)`` on an admitted server's engine; a request
+        that never reached its server (connection refused / not established) is sent to
+        another one."""
         tried: frozenset[str] = frozenset()
         while True:
             state = await self.admit(send, tried)
             try:
-                return await run(self.members.client(state.url).generator)
+                return await call(self.members.generator(state), *args, **kwargs)
             except AsyncSyncError as err:
                 if not self.failed_over(send, state, err):
                     raise
@@ -158,16 +166,14 @@ class Dispatcher:
     async def generate(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> list[Completion]:
-        async def run(engine: GenerationEngine) -> list[Completion]:
-            try:
-                out = await engine.generate(prompt, req, send)
-            except GenerationAborted as err:
-                self.tag(err.completions)
-                raise
-            self.tag(out)
-            return out
-
-        return await self.routed(send, run)
+        """One routed generation; its completions tagged with their staleness."""
+        try:
+            out = await self.routed(send, GenerationEngine.generate, prompt, req, send)
+        except GenerationAborted as err:
+            self.tag(err.completions)
+            raise
+        self.tag(out)
+        return out
 
     def stream(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
@@ -187,7 +193,7 @@ class _FleetLease:
     async def acquire(self) -> GenerationEngine:
         self._let_go()
         state = self._held = await self._dispatcher.admit(self._send, self._tried)
-        return self._dispatcher.members.client(state.url).generator
+        return self._dispatcher.members.generator(state)
 
     def unreached(self, err: AsyncSyncError) -> bool:
         assert self._held is not None

@@ -18,7 +18,7 @@ import asyncio
 import functools
 import time
 import warnings
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -121,22 +121,27 @@ class GenerationEngine:
 
     async def _send(
         self,
-        call_for: Callable[[str], Call[Any]],
-        body_for: Callable[[str], bytes],
+        prompt: list[int],
+        req: GenerationRequest,
         send: SendOptions,
+        prompt_logprobs: int | None = None,
     ) -> tuple[str, Any, float]:
-        """Send on the route ``send.route`` resolves to, falling back once; returns
-        (path, parsed answer, latency)."""
+        """Send a generation (a scoring request with ``prompt_logprobs``) on the route
+        ``send.route`` resolves to, falling back once; returns (path, parsed answer,
+        latency)."""
         timeouts = self.endpoint.timeouts
         if send.timeout is not None:
             timeouts = timeouts.with_generate(send.timeout)
         path = self.route_for(send.route)
         while True:
+            if prompt_logprobs is None:
+                call = _generation_call(path, req.n, req.logprobs, False)
+            else:
+                call = _scoring_call(path)
+            body = request_body(path, prompt, req, prompt_logprobs=prompt_logprobs)
             started = time.monotonic()
             try:
-                parsed = await self.endpoint.request(
-                    call_for(path), body_for(path), timeouts=timeouts
-                )
+                parsed = await self.endpoint.request(call, body, timeouts=timeouts)
             except AsyncSyncError as err:
                 if self._fell_back(send.route, path, err):
                     path = COMPLETIONS_ROUTE
@@ -156,11 +161,7 @@ class GenerationEngine:
         server aborted any sample."""
         state = self.state
         admitted = state.weight_version
-        _, parsed, latency = await self._send(
-            lambda path: _generation_call(path, req.n, req.logprobs, False),
-            lambda path: request_body(path, prompt, req),
-            send,
-        )
+        _, parsed, latency = await self._send(prompt, req, send)
         completions = completions_from(
             parsed, server=self.endpoint.url, prompt=prompt, latency=latency,
             admitted=admitted, completed=state.weight_version,
@@ -176,11 +177,7 @@ class GenerationEngine:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {top_k!r}")
         req = GenerationRequest(max_tokens=1, temperature=0.0)
-        path, parsed, latency = await self._send(
-            _scoring_call,
-            lambda path: request_body(path, token_ids, req, prompt_logprobs=top_k),
-            send,
-        )
+        path, parsed, latency = await self._send(token_ids, req, send, prompt_logprobs=top_k)
         try:
             logprobs, tops, ranks = parse_prompt_logprobs(parsed, token_ids)
         except Malformed as exc:

@@ -11,17 +11,17 @@ Pure functions and small records, no I/O. Two vLLM routes are spoken:
   strings on servers that ignore the flag). No versions.
 
 A response choice, whole or streamed in pieces, is read by one parser
-(:func:`parse_choice`) into a :class:`ChoicePart`; a plain answer is one part per sample,
-a stream is many, accumulated by :class:`StreamAssembler`. Both become
-:class:`~asyncsync.Completion` objects through :func:`completions_from`.
+(:func:`parse_choice`) into a :class:`~asyncsync.Completion`; a plain answer is one per
+sample, a stream is many pieces per sample, accumulated by :class:`StreamAssembler`.
+:func:`completions_from` completes both.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict, TypeGuard
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple, TypedDict, TypeGuard
 
 from asyncsync import _json
 from asyncsync._completion import Completion, TokenDelta, WeightVersionSpan
@@ -32,7 +32,6 @@ __all__ = [
     "COMPLETIONS_ROUTE",
     "GENERATE_ROUTE",
     "ROUTES",
-    "ChoicePart",
     "GenerateOptions",
     "GenerationRequest",
     "RequestOptions",
@@ -137,15 +136,23 @@ class RoutedGenerateOptions(RoutedOptions, total=False):
     session_id: str | None
 
 
-#: Sampling fields sent when set, in this order, before ``stop_token_ids`` and ``seed``.
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "logprobs")
+#: Fields of :class:`GenerationRequest` taken from the options by name.
+_REQUEST_FIELDS = frozenset(
+    {"max_tokens", "temperature", "top_p", "top_k", "logprobs", "stop_token_ids", "seed",
+     "cache_salt", "request_id", "model"}
+)  # fmt: skip
+#: Options that say how a request is sent (and, on a fleet, routed), not what it samples.
+_SEND_KEYS = frozenset({"timeout", "route", "tokenizer"})
 _ROUTING_KEYS = frozenset({"session_id", "min_version", "admission_timeout"})
+_NOT_SAMPLING = _REQUEST_FIELDS | _SEND_KEYS | _ROUTING_KEYS
 _RESERVED = frozenset({"token_ids", "prompt", "stream", "sampling_params", "n"})
+_NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
 
 
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """What to generate, independent of the prompt and the route (validated)."""
+class GenerationRequest(NamedTuple):
+    """What to generate, independent of the prompt and the route. Immutable; built and
+    validated by :func:`split_options` (a named tuple: built on every call, and a
+    tuple is the cheapest immutable record to build)."""
 
     n: int = 1
     max_tokens: int | None = 16
@@ -159,40 +166,31 @@ class GenerationRequest:
     request_id: str | None = None
     model: str | None = None
     #: Further vLLM sampling parameters (``ignore_eos``, ``min_tokens``...), sent as given.
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int)
-            or isinstance(self.max_tokens, bool)
-            or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an int >= 0 or None, got {self.logprobs!r}")
-        reserved = _RESERVED.intersection(self.extra)
-        if reserved:
-            raise ValueError(f"{sorted(reserved)[0]!r} cannot be passed as a sampling parameter")
+    extra: Mapping[str, Any] = _NO_EXTRA
 
     def sampling(self) -> dict[str, Any]:
-        """vLLM's ``sampling_params`` for this request."""
+        """vLLM's ``sampling_params`` for this request (fields left None are not sent)."""
         params: dict[str, Any] = {"n": self.n}
-        for name in _SAMPLING_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                params[name] = value
+        if self.max_tokens is not None:
+            params["max_tokens"] = self.max_tokens
+        if self.temperature is not None:
+            params["temperature"] = self.temperature
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        if self.top_k is not None:
+            params["top_k"] = self.top_k
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
         if self.stop_token_ids is not None:
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:
             params["seed"] = self.seed
-        params.update(self.extra)
+        if self.extra:
+            params.update(self.extra)
         return params
 
 
-@dataclass(frozen=True, slots=True)
-class SendOptions:
+class SendOptions(NamedTuple):
     """How a generation is sent and routed (see :class:`RoutedGenerateOptions`)."""
 
     timeout: float | None = None
@@ -202,9 +200,8 @@ class SendOptions:
     admission_timeout: float | None = None
     session_id: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
+
+_DEFAULT_SEND = SendOptions()
 
 
 def split_options(
@@ -215,36 +212,50 @@ def split_options(
     ``routed``: the caller is a fleet (routing options allowed); on a single client they
     are a TypeError naming what to use instead.
     """
-    rest = dict(options)
-    if not routed:
-        misplaced = sorted(_ROUTING_KEYS.intersection(rest))
-        if misplaced:
+    get = options.get
+    if not _ROUTING_KEYS.isdisjoint(options):
+        if not routed:
+            misplaced = ", ".join(sorted(_ROUTING_KEYS.intersection(options)))
             raise TypeError(
-                f"{where}() got {', '.join(misplaced)}: routing options belong to "
-                "Fleet.generate, not to a single server's client"
+                f"{where}() got {misplaced}: routing options belong to Fleet.generate, not "
+                "to a single server's client"
             )
-    send = SendOptions(
-        timeout=rest.pop("timeout", None),
-        route=rest.pop("route", "auto"),
-        tokenizer=rest.pop("tokenizer", None),
-        min_version=rest.pop("min_version", None),
-        admission_timeout=rest.pop("admission_timeout", None),
-        session_id=rest.pop("session_id", None),
-    )
-    known = {name: rest.pop(name) for name in _KNOWN_REQUEST_FIELDS if name in rest}
-    stop = known.pop("stop_token_ids", None)
+        send = _send_options(get)
+    elif not _SEND_KEYS.isdisjoint(options):
+        send = _send_options(get)
+    else:
+        send = _DEFAULT_SEND
+    max_tokens, logprobs, stop = get("max_tokens", 16), get("logprobs"), get("stop_token_ids")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
+    ):
+        raise ValueError(f"max_tokens must be an int >= 1 or None, got {max_tokens!r}")
+    if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+        raise ValueError(f"logprobs must be an int >= 0 or None, got {logprobs!r}")
+    extra = _NO_EXTRA
+    if not _NOT_SAMPLING.issuperset(options):
+        extra = {k: v for k, v in options.items() if k not in _NOT_SAMPLING}
+        reserved = _RESERVED.intersection(extra)
+        if reserved:
+            raise ValueError(f"{sorted(reserved)[0]!r} cannot be passed as a sampling parameter")
     request = GenerationRequest(
-        n=n,
-        stop_token_ids=None if stop is None else tuple(int(t) for t in stop),
-        extra=rest,
-        **known,
-    )
+        n, max_tokens, get("temperature", 1.0), get("top_p"), get("top_k"), logprobs,
+        None if stop is None else tuple(int(t) for t in stop), get("seed"),
+        get("cache_salt"), get("request_id"), get("model"), extra,
+    )  # fmt: skip
     return request, send
 
 
-_KNOWN_REQUEST_FIELDS = (
-    *_SAMPLING_FIELDS, "stop_token_ids", "seed", "cache_salt", "request_id", "model",
-)  # fmt: skip
+def _send_options(get: Callable[..., Any]) -> SendOptions:
+    send = SendOptions(
+        get("timeout"), get("route", "auto"), get("tokenizer"), get("min_version"),
+        get("admission_timeout"), get("session_id"),
+    )  # fmt: skip
+    if send.route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {send.route!r}")
+    return send
 
 
 # ------------------------------------------------------------------------ prompts
@@ -336,10 +347,12 @@ def request_body(
         body["return_tokens_as_token_ids"] = True
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
-    for name in ("cache_salt", "request_id", "model"):
-        value = getattr(req, name)
-        if value is not None:
-            body[name] = value
+    if req.cache_salt is not None:
+        body["cache_salt"] = req.cache_salt
+    if req.request_id is not None:
+        body["request_id"] = req.request_id
+    if req.model is not None:
+        body["model"] = req.model
     if stream:
         body["stream"] = True
     return _json.dumps(body)
@@ -485,26 +498,11 @@ def parse_spans(data: Any, n_tokens: int) -> list[WeightVersionSpan] | None:
 IdsRule = Literal["required", "fallback", "delta"]
 
 
-@dataclass(slots=True)
-class ChoicePart:
-    """What one response choice (or one streamed piece of it) carries."""
-
-    index: int
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
-    top_logprobs_text: list[dict[str, float]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    spans: list[WeightVersionSpan] | None = None
-    text: str | None = None
-    prompt_token_ids: list[int] | None = None
-
-
 def parse_choice(
-    raw: Any, want_logprobs: bool, ids_rule: IdsRule, tokens_before: int = 0
-) -> ChoicePart:
-    """One choice of either route, whole or a streamed piece.
+    raw: Any, want_logprobs: bool, ids_rule: IdsRule, path: str, tokens_before: int = 0
+) -> Completion:
+    """One choice of either route, whole or a streamed piece, as a completion that
+    :func:`completions_from` completes (server, latency, prompt, client-side versions).
 
     ``ids_rule``: ``"required"`` (token ids must be there), ``"fallback"`` (missing ids
     become :data:`ABSENT`, recovered from ``"token_id:N"`` logprob keys or re-tokenized
@@ -513,23 +511,34 @@ def parse_choice(
     """
     if not isinstance(raw, dict) or not _is_int(raw.get("index", 0)):
         raise Malformed("a choice is not an object with an index")
-    part = ChoicePart(int(raw.get("index", 0)), _choice_ids(raw, ids_rule))
-    reason, stop = raw.get("finish_reason"), raw.get("stop_reason")
+    reason, stop, text = raw.get("finish_reason"), raw.get("stop_reason"), raw.get("text")
     if reason is not None and type(reason) is not str:
         raise Malformed("finish_reason is not a string")
     if stop is not None and not (type(stop) is int or type(stop) is str):
         raise Malformed("stop_reason is not an int or string")
-    part.finish_reason, part.stop_reason = reason, stop
-    text = raw.get("text")
     if text is not None and type(text) is not str:
         raise Malformed("text is not a string")
-    part.text = text
-    if raw.get("prompt_token_ids") is not None:
-        part.prompt_token_ids = _int_list(raw["prompt_token_ids"], "prompt_token_ids")
-    if want_logprobs and (part.token_ids or part.token_ids is ABSENT):
-        _read_logprobs(part, raw.get("logprobs"))
-    part.spans = parse_spans(raw.get("weight_versions"), tokens_before + len(part.token_ids))
-    return part
+    prompt = raw.get("prompt_token_ids")
+    c = Completion(
+        prompt_token_ids=ABSENT if prompt is None else _int_list(prompt, "prompt_token_ids"),
+        token_ids=_choice_ids(raw, ids_rule),
+        logprobs=None,
+        top_logprobs=None,
+        finish_reason=reason,
+        weight_versions=(),
+        server="",
+        route=path,
+        latency=0.0,
+        index=raw.get("index", 0),
+        stop_reason=stop,
+        text=text,
+    )
+    if want_logprobs and (c.token_ids or c.token_ids is ABSENT):
+        _read_logprobs(c, raw.get("logprobs"))
+    spans = parse_spans(raw.get("weight_versions"), tokens_before + len(c.token_ids))
+    if spans:
+        c.weight_versions = tuple(spans)
+    return c
 
 
 def _choice_ids(raw: dict[str, Any], ids_rule: IdsRule) -> list[int]:
@@ -543,20 +552,20 @@ def _choice_ids(raw: dict[str, Any], ids_rule: IdsRule) -> list[int]:
     return []
 
 
-def _read_logprobs(part: ChoicePart, raw: Any) -> None:
+def _read_logprobs(c: Completion, raw: Any) -> None:
     if raw is None:
         raise Malformed("logprobs were requested but the response has none")
-    absent = part.token_ids is ABSENT
+    absent = c.token_ids is ABSENT
     if isinstance(raw, dict) and "content" in raw:
-        read = parse_content_logprobs(raw, len(part.token_ids))
+        read = parse_content_logprobs(raw, len(c.token_ids))
     else:
-        read = parse_legacy_logprobs(raw, None if absent else len(part.token_ids))
-    part.logprobs, part.top_logprobs, part.top_logprobs_text, named = read
+        read = parse_legacy_logprobs(raw, None if absent else len(c.token_ids))
+    c.logprobs, c.top_logprobs, c.top_logprobs_text, named = read
     if named is None:
         return
     if absent:
-        part.token_ids = named  # exact ids from "token_id:N" keys
-    elif named != part.token_ids:
+        c.token_ids = named  # exact ids from "token_id:N" keys
+    elif named != c.token_ids:
         raise Malformed("logprob entries name other tokens than token_ids")
 
 
@@ -571,37 +580,18 @@ def parse_answer(data: Any, path: str, n: int, logprobs: int | None) -> list[Com
     if len(choices) != n:
         raise Malformed(f"{len(choices)} choices for n={n}")
     rule: IdsRule = "required" if path == GENERATE_ROUTE else "fallback"
-    parts = [parse_choice(raw, logprobs is not None, rule) for raw in choices]
-    parts.sort(key=lambda p: p.index)
+    out = [parse_choice(raw, logprobs is not None, rule, path) for raw in choices]
+    if n > 1:
+        out.sort(key=lambda c: c.index)
     raw_prompt = data.get("prompt_token_ids")
-    prompt = _int_list(raw_prompt, "prompt_token_ids") if raw_prompt else None
     request_id = data.get("request_id" if path == GENERATE_ROUTE else "id")
-    return [
-        _completion(part, i, path, prompt, request_id if type(request_id) is str else None)
-        for i, part in enumerate(parts)
-    ]
-
-
-def _completion(
-    part: ChoicePart, index: int, path: str, prompt: list[int] | None, request_id: str | None
-) -> Completion:
-    prompt_ids = part.prompt_token_ids or prompt or ABSENT
-    return Completion(
-        prompt_token_ids=prompt_ids if index == 0 or prompt_ids is ABSENT else [*prompt_ids],
-        token_ids=part.token_ids,
-        logprobs=part.logprobs,
-        top_logprobs=part.top_logprobs,
-        finish_reason=part.finish_reason,
-        weight_versions=tuple(part.spans) if part.spans else (),
-        server="",
-        route=path,
-        latency=0.0,
-        index=index,
-        stop_reason=part.stop_reason,
-        top_logprobs_text=part.top_logprobs_text,
-        text=part.text,
-        request_id=request_id,
-    )
+    request_id = request_id if type(request_id) is str else None
+    for i, c in enumerate(out):
+        c.index, c.request_id = i, request_id
+        if raw_prompt and c.prompt_token_ids is ABSENT:
+            prompt = _int_list(raw_prompt, "prompt_token_ids")
+            c.prompt_token_ids = prompt if i == 0 else [*prompt]
+    return out
 
 
 def parse_scored(data: Any, path: str) -> Any:
@@ -681,7 +671,7 @@ class StreamAssembler:
     def __init__(self, n: int, logprobs: int | None, path: str) -> None:
         self.path = path
         self._want_logprobs = logprobs is not None
-        self._parts = {i: ChoicePart(i, []) for i in range(n)}
+        self._samples = {i: _empty(i, path) for i in range(n)}
         self._prompt: list[int] | None = None
         self._request_id: str | None = None
         self.done = False
@@ -713,53 +703,62 @@ class StreamAssembler:
 
     def _add(self, raw: Any) -> TokenDelta | None:
         index = raw.get("index", 0) if isinstance(raw, dict) else None
-        acc = self._parts.get(index) if _is_int(index) else None
+        acc = self._samples.get(index) if _is_int(index) else None
         if acc is None:
             raise Malformed(f"choice index {index!r} out of range")
-        part = parse_choice(raw, self._want_logprobs, "delta", len(acc.token_ids))
-        _accumulate(acc, part)
-        if part.prompt_token_ids is not None:
-            self._prompt = part.prompt_token_ids
-        if not part.token_ids and part.finish_reason is None:
+        piece = parse_choice(raw, self._want_logprobs, "delta", self.path, len(acc.token_ids))
+        _accumulate(acc, piece)
+        if piece.prompt_token_ids is not ABSENT:
+            self._prompt = piece.prompt_token_ids
+        if not piece.token_ids and piece.finish_reason is None:
             return None
         return TokenDelta(
-            index=part.index,
-            token_ids=part.token_ids,
-            logprobs=part.logprobs,
-            top_logprobs=part.top_logprobs,
-            finish_reason=part.finish_reason,
-            weight_versions=tuple(part.spans or ()),
+            index=piece.index,
+            token_ids=piece.token_ids,
+            logprobs=piece.logprobs,
+            top_logprobs=piece.top_logprobs,
+            finish_reason=piece.finish_reason,
+            weight_versions=piece.weight_versions,
         )
 
     def completions(self, prompt: list[int]) -> list[Completion]:
         """The assembled completions (``prompt``: what was sent, when the server did not
         echo it); Malformed if a sample never finished."""
-        parts = [self._parts[i] for i in sorted(self._parts)]
-        if any(p.finish_reason is None for p in parts):
+        samples = [self._samples[i] for i in sorted(self._samples)]
+        if any(c.finish_reason is None for c in samples):
             raise Malformed("the stream ended before every sample finished")
-        return [
-            _completion(p, p.index, self.path, self._prompt or prompt, self._request_id)
-            for p in parts
-        ]
+        sent = self._prompt or prompt
+        for c in samples:
+            c.request_id = self._request_id
+            c.prompt_token_ids = sent if c.index == 0 else [*sent]
+        return samples
 
 
 class StreamFailed(Exception):
     """A stream carried an error event (its raw JSON is the argument)."""
 
 
-def _accumulate(acc: ChoicePart, part: ChoicePart) -> None:
-    acc.token_ids.extend(part.token_ids)
-    if part.logprobs is not None:
-        acc.logprobs = (acc.logprobs or []) + part.logprobs
+def _empty(index: int, path: str) -> Completion:
+    return Completion(
+        prompt_token_ids=ABSENT, token_ids=[], logprobs=None, top_logprobs=None,
+        finish_reason=None, weight_versions=(), server="", route=path, latency=0.0,
+        index=index,
+    )  # fmt: skip
+
+
+def _accumulate(acc: Completion, piece: Completion) -> None:
+    acc.token_ids.extend(piece.token_ids)
+    if piece.logprobs is not None:
+        acc.logprobs = (acc.logprobs or []) + piece.logprobs
         acc.top_logprobs = (acc.top_logprobs or []) + (
-            part.top_logprobs or [{} for _ in part.logprobs]
+            piece.top_logprobs or [{} for _ in piece.logprobs]
         )
-    if part.text is not None:
-        acc.text = (acc.text or "") + part.text
-    if part.finish_reason is not None:
-        acc.finish_reason, acc.stop_reason = part.finish_reason, part.stop_reason
-    if part.spans is not None:
-        acc.spans = part.spans
+    if piece.text is not None:
+        acc.text = (acc.text or "") + piece.text
+    if piece.finish_reason is not None:
+        acc.finish_reason, acc.stop_reason = piece.finish_reason, piece.stop_reason
+    if piece.weight_versions:
+        acc.weight_versions = piece.weight_versions
 
 
 # ------------------------------------------------------------------- completing

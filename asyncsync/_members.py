@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
+from asyncsync._generate import GenerationEngine
 from asyncsync._protocol import normalize_url
 from asyncsync._state import ServerState
 from asyncsync.client import AsyncVLLMClient
@@ -23,6 +24,7 @@ class Members:
 
     def __init__(self) -> None:
         self._clients: dict[str, AsyncVLLMClient] = {}
+        self._states: tuple[ServerState, ...] = ()
         self._owned: set[str] = set()
         self._waiters: set[asyncio.Future[None]] = set()
 
@@ -31,6 +33,7 @@ class Members:
         if url in self._clients:
             raise ValueError(f"server {url} is already in the fleet")
         self._clients[url] = client
+        self._states += (client.server_state,)
         if owned:
             self._owned.add(url)
         self.notify()
@@ -39,6 +42,7 @@ class Members:
     def remove(self, url: str) -> tuple[AsyncVLLMClient, bool]:
         """Drop ``url``; returns its client and whether the fleet owned it."""
         client = self._clients.pop(url)
+        self._states = tuple(c.server_state for c in self._clients.values())
         owned = url in self._owned
         self._owned.discard(url)
         self.notify()
@@ -48,7 +52,12 @@ class Members:
         return [self._clients[url] for url in self._clients if url in self._owned]
 
     def client(self, url: str) -> AsyncVLLMClient:
+        """The client of ``url`` (any spelling of it: normalized first)."""
         return self._clients[normalize_url(url)]
+
+    def generator(self, state: ServerState) -> GenerationEngine:
+        """The generation engine of the server ``state`` describes."""
+        return self._clients[state.url].generator
 
     def state(self, url: str) -> ServerState:
         return self.client(url).server_state
@@ -57,8 +66,8 @@ class Members:
     def urls(self) -> tuple[str, ...]:
         return tuple(self._clients)
 
-    def states(self) -> Iterator[ServerState]:
-        return (c.server_state for c in self._clients.values())
+    def states(self) -> tuple[ServerState, ...]:
+        return self._states
 
     def __len__(self) -> int:
         return len(self._clients)

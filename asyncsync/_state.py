@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncsync._errors import ServerError, ServerTimeout, ServerUnavailable
-from asyncsync._types import Outcome, Phase, ProtocolGeneration
+from asyncsync._types import Phase, ProtocolGeneration
 
 __all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 
@@ -115,21 +115,22 @@ def observe(
     state: ServerState,
     op: str,
     phase: Phase,
-    outcome: Outcome[Any],
+    error: BaseException | None,
+    value: Any = None,
     *,
     version: str | None = None,
     connected: bool = True,
 ) -> None:
-    """Update ``state`` after operation ``op`` ended with ``outcome``.
+    """Update ``state`` after operation ``op`` ended with ``value`` or ``error``.
 
     ``version``: the weight version the call sets when it succeeds (finish, update of
     the version). ``connected``: whether a failed request got as far as a connection.
     """
-    error = outcome.error
     if error is None:
         state.healthy = True
         state.last_error = None
-        _succeeded(state, op, outcome.value)
+        if op in _STATEFUL_OPS:
+            _succeeded(state, op, value)
         if version is not None:
             state.record_version(version)
         return
@@ -148,6 +149,13 @@ def observe_cancelled(state: ServerState, op: str) -> None:
         state.dirty = True
 
 
+#: Operations whose success changes more than health (see _succeeded).
+_STATEFUL_OPS = frozenset(
+    {"pause", "resume", "is_paused", "weight_info", "start_weight_update",
+     "finish_weight_update"}
+)  # fmt: skip
+
+
 def _succeeded(state: ServerState, op: str, value: Any) -> None:
     match op:
         case "pause":
@@ -160,8 +168,6 @@ def _succeeded(state: ServerState, op: str, value: Any) -> None:
             state.record_version(value)
         case "start_weight_update":
             state.updating = True
-        case "end_weight_update":  # an update sent to be rejected was rejected
-            state.updating = False
         case "finish_weight_update":
             state.mark(dirty=False)
         case _:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import aiohttp
@@ -32,12 +32,10 @@ from asyncsync._protocol import Call, Malformed, describe_error_body
 from asyncsync._retry import NO_RETRY, RetryPolicy, is_retryable, parse_retry_after, retry_delay
 from asyncsync._state import ServerState, observe
 from asyncsync._timeouts import Timeouts
-from asyncsync._types import Outcome
 
 __all__ = ["KEEPALIVE_TIMEOUT", "Endpoint", "Transport", "map_error", "never_sent", "status_error"]
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 #: Seconds an idle pooled connection is kept. Below uvicorn's 5 s keep-alive timeout, so
 #: the client closes idle connections before vLLM does: otherwise a request written just
@@ -95,6 +93,9 @@ class Transport:
     def open(self, server: str | None = None) -> aiohttp.ClientSession:
         """The session, created now if needed (must run inside the event loop);
         ``server`` is named in the error when the transport is closed."""
+        session = self._session
+        if session is not None and self.state == "open" and not session.closed:
+            return session  # every request asks: the common case first
         if self.state == "closed":
             raise ServerUnavailable(f"{self._owner} is closed; create a new one", server=server)
         borrowed = self._borrowed
@@ -161,7 +162,8 @@ class Endpoint:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self._json_headers = {**self.headers, **_JSON_CONTENT}
         self._urls: dict[str, yarl.URL] = {}
-        # The last answer from this server was a 5xx (see _resend_after_server_error).
+        self._deadlines = _deadlines(timeouts)
+        # The last answer from this server was a 5xx (see request).
         self._after_server_error = False
 
     def url_of(self, route: str) -> yarl.URL:
@@ -176,77 +178,58 @@ class Endpoint:
     ) -> T:
         """Send ``call`` with ``body`` (already encoded) and return the parsed answer.
 
-        Idempotent calls are retried under the retry policy; nothing else is. Every
-        failure is an :class:`~asyncsync.AsyncSyncError` naming the server and route,
-        raised ``from`` the underlying error. ``timeouts`` overrides the deadlines.
+        Idempotent calls are retried under the retry policy; nothing else is, with one
+        exception: after a 5xx from this server, a request that failed because its pooled
+        connection turned out to be closed is sent once more. (When vLLM fails with an
+        exception its handlers do not catch, e.g. every worker failure, uvicorn sends
+        the 500 and then closes the connection; aiohttp has already put it back in its
+        pool, and the next request written on it fails at once, unread by the server.)
+
+        Every failure is an :class:`~asyncsync.AsyncSyncError` naming the server and
+        route, raised ``from`` the underlying error; the outcome is recorded in the
+        server's state either way. ``timeouts`` overrides the deadlines.
         """
+        timeouts = timeouts or self.timeouts
         policy = self.retry if call.idempotent else NO_RETRY
         attempt = 1
+        resend = self._after_server_error
         while True:
             try:
-                value = await self._observed(
-                    call, self._resend_after_server_error(call, body, timeouts or self.timeouts)
-                )
+                value = await self._send_once(call, body, timeouts)
             except AsyncSyncError as err:
+                if resend and _stale_connection(err.__cause__):
+                    resend = False
+                    continue
+                self._failed(call, err)
                 if attempt >= policy.attempts or not is_retryable(err, policy):
                     raise
                 await asyncio.sleep(retry_delay(attempt, err, policy))
                 attempt += 1
-            else:
-                return value
+                continue
+            self._succeeded(call, value)
+            return value
 
-    async def _observed(self, call: Call[Any], exchange: Awaitable[R]) -> R:
-        """``exchange``'s result, its outcome recorded in the server's state."""
-        try:
-            value = await exchange
-        except AsyncSyncError as err:
-            self._after_server_error = err.status is not None and err.status >= 500
-            failed: Outcome[Any] = Outcome(self.url, error=err)
-            observe(self.state, call.op, call.phase, failed, connected=not never_sent(err))
-            raise
+    def _succeeded(self, call: Call[Any], value: Any) -> None:
         self._after_server_error = False
-        ok: Outcome[Any] = Outcome(self.url, value=value)
-        observe(self.state, call.op, call.phase, ok, version=call.record_version)
-        return value
+        observe(self.state, call.op, call.phase, None, value, version=call.record_version)
 
-    async def _resend_after_server_error(
-        self, call: Call[T], body: bytes | None, timeouts: Timeouts
-    ) -> T:
-        """Send once; after a 5xx from this server, once more if the pooled connection
-        turned out to be closed.
-
-        When vLLM fails with an exception its handlers do not catch (every worker
-        failure, "Call to collective_rpc method failed: ..."), uvicorn sends the 500 and
-        then closes the connection; aiohttp has already put that connection back in its
-        pool, and the next request written on it fails at once with "Server
-        disconnected" or "Connection reset", unread by the server. Only then is the
-        request sent again, on a fresh connection: the server never read the first copy.
-        """
-        if not self._after_server_error:
-            return await self._send_once(call, body, timeouts)
-        try:
-            return await self._send_once(call, body, timeouts)
-        except ServerUnavailable as err:
-            if not _stale_connection(err.__cause__):
-                raise
-        return await self._send_once(call, body, timeouts)
+    def _failed(self, call: Call[Any], err: AsyncSyncError) -> None:
+        self._after_server_error = err.status is not None and err.status >= 500
+        observe(self.state, call.op, call.phase, err, connected=not never_sent(err))
 
     async def _send_once(self, call: Call[T], body: bytes | None, timeouts: Timeouts) -> T:
         session = self.transport.open(self.url)
-        deadline = timeouts.for_phase(call.phase)
+        deadlines = self._deadlines if timeouts is self.timeouts else _deadlines(timeouts)
         try:
-            async with (
-                asyncio.timeout(deadline),
-                session.request(
-                    call.method,
-                    self.url_of(call.route),
-                    params=call.params or None,
-                    data=body,
-                    headers=self.headers if body is None else self._json_headers,
-                    timeout=_client_timeout(timeouts.connect),
-                    allow_redirects=False,
-                ) as resp,
-            ):
+            async with session.request(
+                call.method,
+                self.url_of(call.route),
+                params=call.params or None,
+                data=body,
+                headers=self.headers if body is None else self._json_headers,
+                timeout=deadlines[call.phase],
+                allow_redirects=False,
+            ) as resp:
                 payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise map_error(exc, call, self.url, timeouts) from exc
@@ -261,7 +244,13 @@ class Endpoint:
         body not). ``deadline``: absolute loop time for the headers (None: no limit).
         A non-2xx answer raises the same errors as :meth:`request`; the caller
         releases the returned response."""
-        return await self._observed(call, self._open_stream(call, body, deadline))
+        try:
+            resp = await self._open_stream(call, body, deadline)
+        except AsyncSyncError as err:
+            self._failed(call, err)
+            raise
+        self._succeeded(call, None)
+        return resp
 
     async def _open_stream(
         self, call: Call[Any], body: bytes, deadline: float | None
@@ -275,7 +264,7 @@ class Endpoint:
                     self.url_of(call.route),
                     data=body,
                     headers=headers,
-                    timeout=_client_timeout(self.timeouts.connect),
+                    timeout=self._deadlines["connect"],
                     allow_redirects=False,
                 )
                 if resp.status == 200:
@@ -289,10 +278,15 @@ class Endpoint:
         raise status_error(call, self.url, resp, payload)
 
 
-def _client_timeout(connect: float | None) -> aiohttp.ClientTimeout:
-    # The whole exchange runs under asyncio.timeout(the phase's deadline); aiohttp
-    # itself only bounds the connect.
-    return aiohttp.ClientTimeout(total=None, sock_connect=connect)
+def _deadlines(timeouts: Timeouts) -> dict[str, aiohttp.ClientTimeout]:
+    """aiohttp's timeout for each phase: ``total`` is the phase's deadline and covers the
+    whole exchange (connecting, sending, waiting, reading the body); ``connect`` only
+    bounds the connection (a stream's own deadline covers the rest)."""
+    connect = timeouts.connect
+    return {
+        phase: aiohttp.ClientTimeout(total=timeouts.for_phase(phase), sock_connect=connect)
+        for phase in ("control", "update", "generate")
+    } | {"connect": aiohttp.ClientTimeout(total=None, sock_connect=connect)}
 
 
 def parse_answer(call: Call[T], server: str, status: int, payload: bytes) -> T:

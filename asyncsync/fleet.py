@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
 
@@ -20,7 +19,7 @@ from asyncsync._completion import Completion, PromptScores
 from asyncsync._control import FleetControl
 from asyncsync._dispatch import Dispatcher, RoutingPolicy
 from asyncsync._errors import GenerationError, ServerUnavailable
-from asyncsync._generate import CompletionStream, run_all
+from asyncsync._generate import CompletionStream, GenerationEngine, run_all
 from asyncsync._genwire import (
     GenerationRequest,
     RoutedGenerateOptions,
@@ -415,7 +414,7 @@ class Fleet(FleetControl):
             raise ValueError("session_ids must have one entry per prompt")
         return await run_all(
             [
-                self._dispatch.generate(p, req, replace(send, session_id=sid))
+                self._dispatch.generate(p, req, send._replace(session_id=sid))
                 for p, sid in zip(checked, sessions, strict=True)
             ]
         )
@@ -451,14 +450,14 @@ class Fleet(FleetControl):
              "min_version": min_version, "admission_timeout": admission_timeout},
             routed=True,
         )  # fmt: skip
-        return await self._dispatch.routed(send, lambda engine: engine.score(ids, top_k, send))
+        return await self._dispatch.routed(send, GenerationEngine.score, ids, top_k, send)
 
     def _options(
         self, options: Mapping[str, Any], n: int, where: str
     ) -> tuple[GenerationRequest, SendOptions]:
         req, send = split_options(options, n=n, routed=True, where=where)
         if send.tokenizer is None and self.tokenizer is not None:
-            send = replace(send, tokenizer=self.tokenizer)
+            send = send._replace(tokenizer=self.tokenizer)
         return req, send
 
 
