@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._bridge import LoopBridge, SyncFleetClient
 from asyncsync._errors import AsyncSyncError, FleetError, PublishError
-from asyncsync.backends._shm_format import BACKEND_NAME
+from asyncsync.backends._wire import BACKEND_NAME, ShmInitFields
 from asyncsync.backends.shm import (
     DEFAULT_BUFFER_BYTES,
     ChunkStats,
@@ -302,7 +302,7 @@ class AsyncWeightPublisher:
             return
         assert self.fleet is not None
         await self.fleet.init_weight_transfer_engine(
-            {"protocol": 1, "trainer_pid": os.getpid()},
+            ShmInitFields(trainer_pid=os.getpid()).to_json(),
             targets=self._targets(targets),
             require="all",
         )

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncsync.backends._segments import Segment, leaked_segments
-from asyncsync.backends._shm_format import Manifest, ShmFormatError, validate_chunk_layout
+from asyncsync.backends._wire import Manifest, ShmFormatError, validate_chunk_layout
 from asyncsync.backends.shm import (
     RoundCancelled,
     ShmBuffers,
@@ -261,8 +261,8 @@ def test_manifest_of_module_source() -> None:
 def test_vllm_023_engine_contract() -> None:
     """vLLM 0.23 drives the engine as ``receive_weights(update_info, load_weights)`` with
     its own layerwise reload; the adapter must validate and load the same wire format."""
+    from asyncsync.vllm_plugin._infos import ShmUpdateInfo
     from asyncsync.vllm_plugin.engine_v023 import ShmWeightTransferEngineV023
-    from asyncsync.vllm_plugin.engine_v032 import ShmUpdateInfo
 
     params = _params(layers=2, width=32)
     engine = ShmWeightTransferEngineV023(None, None, torch.nn.Module())

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from asyncsync.backends._segments import Segment
-from asyncsync.backends._shm_format import (
+from asyncsync.backends._wire import (
     BACKEND_NAME,
     DTYPE_SIZES,
     Manifest,
+    ShmInitFields,
     align,
 )
 
@@ -55,8 +56,6 @@ __all__ = [
 #: Default size of each of the two shared-memory buffers.
 DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 _MIB = 1024 * 1024
-
-PROTOCOL_VERSION = 1
 
 
 class RoundCancelled(Exception):
@@ -474,9 +473,7 @@ class ShmTrainerEngine:
             cancel=cancel,
         )
         if engine.is_sender:
-            client.init_weight_transfer_engine(
-                {"protocol": PROTOCOL_VERSION, "trainer_pid": os.getpid()}
-            )
+            client.init_weight_transfer_engine(ShmInitFields(trainer_pid=os.getpid()).to_json())
         return engine
 
     def send_weights(self) -> None:
