@@ -31,14 +31,14 @@ from asyncsync._errors import AsyncSyncError, FleetError, PublishError
 from asyncsync.backends._wire import BACKEND_NAME, ShmInitFields
 from asyncsync.backends.shm import (
     DEFAULT_BUFFER_BYTES,
-    ChunkStats,
     RoundCancelled,
+    SendStats,
     ShmBuffers,
     ShmTrainerEngine,
     ShmTrainerSendWeightsArgs,
+    StartOnFirstChunk,
     manifest_of,
     plan_chunks,
-    start_then,
     trainer_send_weights,
 )
 
@@ -344,12 +344,12 @@ class AsyncWeightPublisher:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
 
-        def run() -> ChunkStats:
+        def run() -> SendStats:
             source = _resolve(weights)
             args = ShmTrainerSendWeightsArgs(
                 send_mode=lambda info: None, buffers=self._buffers, rank=self.rank
             )
-            stats = ChunkStats()
+            stats = SendStats()
             args.stats = stats
             trainer_send_weights(iter(source), args)
             _barrier()
@@ -466,7 +466,7 @@ class AsyncWeightPublisher:
             bar = _Progress(_progress_enabled(progress), total, version)
             reporter = bar
 
-        def run_send() -> ChunkStats:
+        def run_send() -> SendStats:
             src = source if source is not None else _resolve(weights)
             round_manifest = manifest if source is not None else manifest_of(src)
             if self.api == "engine":
@@ -487,7 +487,7 @@ class AsyncWeightPublisher:
                 return engine.last_stats
             # 0.23 style: the caller drives start/finish (start from this thread through
             # the bridge); the backend's static send only streams chunks to send_mode.
-            stats = ChunkStats()
+            stats = SendStats()
             if round_manifest is not None:  # bad input: refused before start
                 plan_chunks(round_manifest, self._buffers.buffer_bytes)
 
@@ -496,8 +496,8 @@ class AsyncWeightPublisher:
                 bridge.call(start)
 
             args = ShmTrainerSendWeightsArgs(
-                # start once chunk 0 is packed (see start_then)
-                send_mode=start_then(start_round, client.update_weights),
+                # start once chunk 0 is packed (see StartOnFirstChunk)
+                send_mode=StartOnFirstChunk(start_round, client.update_weights),
                 buffers=self._buffers,
                 rank=0,
                 manifest=round_manifest,
@@ -563,7 +563,7 @@ class AsyncWeightPublisher:
 
     async def _run_round(
         self,
-        run_send: Callable[[], ChunkStats],
+        run_send: Callable[[], SendStats],
         cancel: threading.Event,
         pause: PauseMode | None,
         paused: list[str],
@@ -574,7 +574,7 @@ class AsyncWeightPublisher:
         client: SyncFleetClient,
         reset_prefix_cache: bool,
         version: str,
-    ) -> ChunkStats:
+    ) -> SendStats:
         """pause -> the blocking send in the worker thread -> finish (callback style) ->
         prefix-cache reset. ``paused`` is filled in as soon as a pause is attempted."""
         fleet = self.fleet

@@ -317,7 +317,7 @@ def test_plugin_entry_point_registers_the_engine() -> None:
     ids=["f32", "bf16", "bool", "transposed", "requires-grad", "int64", "conj-view"],
 )
 def test_pack_copies_bytes_exactly(tensor: torch.Tensor) -> None:
-    from asyncsync.backends.shm import _pack
+    from asyncsync.backends._shm_pack import _pack
 
     with Segment(1 << 20) as segment:
         _pack(segment, 64, tensor)
