@@ -2,7 +2,7 @@
 
 Packing lives in :mod:`asyncsync.backends._shm_pack`; this module offers it in the two
 shapes of vLLM's trainer engines, so that asyncsync's bridge is exercised exactly as with
-vLLM's own engines:
+vLLM's own engines, and registers it as the ``"shm"`` backend of the publisher:
 
 - vLLM 0.3x style: :meth:`ShmTrainerEngine.trainer_init` with a synchronous
   ``VLLMWeightSyncClient`` (four methods), then :meth:`ShmTrainerEngine.send_weights`
@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from asyncsync.backends._base import RoundCancelled, SendStats
+from asyncsync.backends._base import (
+    RoundCancelled,
+    SendControl,
+    SendStats,
+    TrainerApi,
+    TrainerBackend,
+)
 from asyncsync.backends._shm_pack import (
     DEFAULT_BUFFER_BYTES,
     ShmBuffers,
@@ -28,15 +34,19 @@ from asyncsync.backends._shm_pack import (
     plan_chunks,
     stream_chunks,
 )
-from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields
+from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields, ShmUpdateFields
 
 if TYPE_CHECKING:
     import torch
+
+    from asyncsync._bridge import SyncFleetClient
+    from asyncsync._weights import WeightSource
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
     "RoundCancelled",
     "SendStats",
+    "ShmBackend",
     "ShmBuffers",
     "ShmTrainerEngine",
     "ShmTrainerInitInfo",
@@ -100,6 +110,7 @@ class ShmTrainerInitInfo:
         return self.rank == 0
 
 
+@dataclass(kw_only=True, eq=False)
 class ShmTrainerEngine:
     """Trainer engine in vLLM 0.3x's shape: ``trainer_init`` then ``send_weights``.
 
@@ -108,25 +119,15 @@ class ShmTrainerEngine:
     manifest is sent with chunk 0 so workers validate before loading anything.
     """
 
-    def __init__(
-        self,
-        *,
-        client: SyncWeightClient,
-        source: Any,
-        is_sender: bool,
-        buffers: ShmBuffers,
-        cancel: threading.Event | None = None,
-        manifest: Manifest | None = None,
-    ) -> None:
-        self.client = client
-        self.source = source
-        #: the source's manifest when the caller already knows it (else read at send)
-        self.manifest = manifest
-        self.is_sender = is_sender
-        self.buffers = buffers
-        self.cancel = cancel
-        self.on_chunk: Callable[[int, int], None] | None = None
-        self.last_stats: SendStats | None = None
+    client: SyncWeightClient
+    source: Any
+    buffers: ShmBuffers
+    is_sender: bool = True
+    cancel: threading.Event | None = None
+    #: the source's manifest when the caller already knows it (else read at send)
+    manifest: Manifest | None = None
+    on_chunk: Callable[[int, int], None] | None = None
+    last_stats: SendStats | None = field(default=None, init=False)
 
     @classmethod
     def trainer_init(
@@ -203,3 +204,79 @@ def trainer_send_weights(
     )
     if trainer_args.stats is not None:
         trainer_args.stats.__dict__.update(stats.__dict__)
+
+
+# --------------------------------------------------------------------------- the backend
+class ShmBackend(TrainerBackend):
+    """``"shm"``: the publisher's shared-memory backend (servers run ``asyncsync_shm``).
+
+    Option: ``buffer_bytes``, the size of each of the two shared-memory buffers (they
+    bound the trainer's extra memory whatever the model size; a buffer must hold the
+    largest single tensor). ``api`` picks which of the two trainer-engine styles above
+    drives the round.
+    """
+
+    name = "shm"
+    server_backend = BACKEND_NAME
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        api: TrainerApi = "engine",
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ) -> None:
+        super().__init__(rank=rank, world_size=world_size, api=api)
+        self.buffers = ShmBuffers(buffer_bytes)
+
+    def init_info(self) -> Mapping[str, Any]:
+        return ShmInitFields(trainer_pid=os.getpid()).to_json()
+
+    def check(self, source: WeightSource) -> None:
+        manifest = manifest_of(source)  # TypeError for a dtype the wire cannot carry
+        if manifest is not None:
+            plan_chunks(manifest, self.buffers.buffer_bytes)  # a tensor over the buffer
+
+    def send(
+        self, source: WeightSource, client: SyncFleetClient | None, control: SendControl
+    ) -> SendStats:
+        if client is None:  # another rank: iterate in lockstep, send nothing
+            return stream_chunks(iter(source), None, self.buffers, None)
+        if self.api == "engine":
+            return self._send_engine_style(source, client, control)
+        return self._send_callback_style(source, client, control)
+
+    def _send_engine_style(
+        self, source: WeightSource, client: SyncFleetClient, control: SendControl
+    ) -> SendStats:
+        """vLLM 0.3x style: the engine drives start, update(s) and finish."""
+        engine = ShmTrainerEngine(client=client, source=source, buffers=self.buffers)
+        engine.cancel, engine.on_chunk = control.cancel, control.on_chunk
+        engine.send_weights()
+        assert engine.last_stats is not None
+        return engine.last_stats
+
+    def _send_callback_style(
+        self, source: WeightSource, client: SyncFleetClient, control: SendControl
+    ) -> SendStats:
+        """vLLM 0.23 style: the caller (here) drives start and finish around the static
+        send, which calls ``send_mode`` once per chunk."""
+        args = ShmTrainerSendWeightsArgs(
+            send_mode=StartOnFirstChunk(client.start_weight_update, client.update_weights),
+            buffers=self.buffers,
+            manifest=manifest_of(source),
+            cancel=control.cancel,
+            stats=SendStats(),
+            on_chunk=control.on_chunk,
+        )
+        trainer_send_weights(iter(source), args)
+        client.finish_weight_update()
+        assert args.stats is not None
+        return args.stats
+
+    def abort_info(self) -> Mapping[str, Any]:
+        return ShmUpdateFields.abort_json()
+
+    def close(self) -> None:
+        self.buffers.close()
