@@ -7,7 +7,9 @@ import torch
 
 import asyncsync as az
 from asyncsync._progress import Progress, progress_enabled
+from asyncsync._round import is_stale_round_error
 from asyncsync._weights import resolve
+from asyncsync.backends import register_backend, registered_backends
 
 
 def test_constructor_rejects_bad_arguments() -> None:
@@ -54,3 +56,21 @@ def test_progress_is_off_in_ci_and_when_asked(monkeypatch: pytest.MonkeyPatch) -
     bar(1, 50)  # a disabled bar accepts updates silently
     bar.close()
     assert bar.bar is None
+
+
+def test_an_unknown_backend_names_the_registered_ones() -> None:
+    with pytest.raises(ValueError, match=r"registered backends: .*'shm'"):
+        az.AsyncWeightPublisher(None, backend="gloo", rank=1, world_size=2)
+    assert "shm" in registered_backends()
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("shm", "asyncsync.backends.shm:ShmBackend")
+
+
+def test_a_stale_round_is_recognised_by_vllms_message() -> None:
+    vllm_says = (
+        "Call to collective_rpc method failed: start_weight_update called while a weight "
+        "update is already active. Call finish_weight_update first."
+    )
+    assert is_stale_round_error(az.ServerError(vllm_says, status=500))
+    assert not is_stale_round_error(az.ServerError("out of memory", status=500))
+    assert not is_stale_round_error(None)
