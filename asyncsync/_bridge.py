@@ -92,6 +92,7 @@ class SyncFleetClient:
         self._calls = calls
         self.version = version
         self._pending: list[Future[Any]] = []
+        self._pending_lock = threading.Lock()
 
     @classmethod
     def on_running_loop(
@@ -103,9 +104,10 @@ class SyncFleetClient:
         return cls(bridge, calls, version=version)
 
     def _begin(self, factory: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
-        self._pending = [f for f in self._pending if not f.done()]
         future = self._bridge.submit(factory)
-        self._pending.append(future)
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
         return future
 
     def begin_init(self, init_info: InitInfo) -> Future[None]:
@@ -136,7 +138,8 @@ class SyncFleetClient:
     def settle(self) -> None:
         """Wait for every fan-out begun here (their errors were raised where they were
         awaited, or are in the round's outcomes): none outlives the send."""
-        pending, self._pending = self._pending, []
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
         for future in pending:
             with contextlib.suppress(BaseException):
                 future.result()

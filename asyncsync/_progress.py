@@ -46,11 +46,16 @@ class Progress:
 
 
 def progress_reporter(
-    progress: bool | ProgressFn | None, total_bytes: int | None, version: str
+    progress: bool | ProgressFn | None,
+    total_bytes: Callable[[], int | None] | None,
+    version: str,
 ) -> tuple[ProgressFn, Progress | None]:
     """The per-chunk reporter for ``publish(progress=...)`` and the bar to close after
-    the round (None when the caller passed its own callback)."""
+    the round (None when the caller passed its own callback). ``total_bytes`` is asked
+    only when a bar is drawn."""
     if callable(progress):
         return progress, None
-    bar = Progress(progress_enabled(progress), total_bytes, version)
+    enabled = progress_enabled(progress)
+    total = total_bytes() if enabled and total_bytes is not None else None
+    bar = Progress(enabled, total, version)
     return bar, bar

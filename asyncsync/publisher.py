@@ -215,7 +215,7 @@ class AsyncWeightPublisher:
         if source is not None:
             self._backend.check(source)
         reporter, bar = progress_reporter(
-            progress, source.total_bytes() if source is not None else None, version
+            progress, source.total_bytes if source is not None else None, version
         )
         round_ = PublishRound(
             self.fleet,
