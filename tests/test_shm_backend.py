@@ -437,3 +437,19 @@ def test_the_round_starts_once_chunk_zero_is_packed() -> None:
     finally:
         engine.shutdown()
     assert events == []
+
+
+def test_wire_types_are_shared_and_checked() -> None:
+    """One protocol version and one definition of the info fields on both sides."""
+    from asyncsync.backends._wire import PROTOCOL_VERSION, ShmInitFields, ShmUpdateFields
+    from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
+
+    assert ShmInitInfo(**ShmInitFields(trainer_pid=7).to_json()).protocol == PROTOCOL_VERSION
+    with pytest.raises(ValueError, match="trainer speaks protocol 99"):
+        ShmInitInfo(protocol=99).check_protocol()
+    sent = ShmUpdateFields(round="r", names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
+    received = ShmUpdateFields.parse(ShmUpdateInfo(**sent.to_json()))  # as vLLM builds it
+    assert received.shapes == [(2, 3)]
+    assert received == ShmUpdateFields.parse(sent.to_json())
+    with pytest.raises(ShmFormatError, match="malformed update_info"):
+        ShmUpdateFields.parse({"chunk": "first"})
