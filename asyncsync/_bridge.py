@@ -5,7 +5,9 @@ A backend's trainer-side send is synchronous (vLLM's ``trainer_send_weights`` an
 rank-0 callback (0.23 style) or its ``VLLMWeightSyncClient`` (0.3x style) must not return
 before every server answered, so each call schedules the fleet's fan-out on the event
 loop with :func:`asyncio.run_coroutine_threadsafe` and blocks the *worker* thread on the
-result. The event loop keeps running other work meanwhile.
+result. The event loop keeps running other work meanwhile. A transport that must act
+while the HTTP call is in flight (a rendezvous, a broadcast) starts the fan-out with a
+``begin_*`` method instead and waits on the returned future when it is done.
 
 Calling an adapter from the event loop's own thread would deadlock; it raises instead.
 """
@@ -13,19 +15,24 @@ Calling an adapter from the event loop's own thread would deadlock; it raises in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["LoopBridge", "PhaseTimes", "SyncFleetClient"]
+__all__ = ["FleetCalls", "LoopBridge", "SyncFleetClient"]
 
 T = TypeVar("T")
 
+#: An init_info: one mapping for every server, or a function of the server's URL.
+InitInfo = Mapping[str, Any] | Callable[[str], Mapping[str, Any]]
+#: An update_info: one mapping, or (vLLM 0.32) one per worker rank.
+UpdateInfo = Any
+
 
 class LoopBridge:
-    """Runs coroutines on ``loop`` from worker threads and waits for their results."""
+    """Runs coroutines on ``loop`` from worker threads."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, cancel: threading.Event) -> None:
         self.loop = loop
@@ -36,80 +43,103 @@ class LoopBridge:
         """Record the loop's thread (call from inside the loop)."""
         self._loop_thread_id = threading.get_ident()
 
+    def submit(self, factory: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
+        """Schedule ``factory()`` on the loop and return its future at once."""
+        if threading.get_ident() == self._loop_thread_id:
+            raise RuntimeError(
+                "asyncsync bridge called from the event loop's own thread: this would "
+                "deadlock. Blocking sends must run in a worker thread."
+            )
+        return asyncio.run_coroutine_threadsafe(factory(), self.loop)
+
     def call(self, factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run ``factory()`` on the loop; block this (worker) thread until it is done.
 
         Errors raised on the loop side propagate here unchanged (with their server
         outcomes), so they surface from the backend's send and then from ``publish``.
         """
-        if threading.get_ident() == self._loop_thread_id:
-            raise RuntimeError(
-                "asyncsync bridge called from the event loop's own thread: this would "
-                "deadlock. Blocking sends must run in a worker thread."
-            )
-        future = asyncio.run_coroutine_threadsafe(factory(), self.loop)
-        return future.result()
+        return self.submit(factory).result()
 
 
-@dataclass
-class PhaseTimes:
-    """Seconds spent per phase of a round (wall clock as seen by the trainer)."""
+class FleetCalls(Protocol):
+    """The loop-side fan-outs behind a :class:`SyncFleetClient` (a publish round)."""
 
-    start: float = 0.0
-    transfer: float = 0.0
-    finish: float = 0.0
+    async def init(self, init_info: InitInfo) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def update(self, update_info: UpdateInfo) -> None: ...
+
+    async def finish(self, weight_version: str | None) -> None: ...
+
+    async def world_sizes(self) -> dict[str, int]: ...
 
 
 class SyncFleetClient:
     """vLLM's synchronous ``VLLMWeightSyncClient`` protocol, over an async fleet.
 
     Each method fans out to the targeted servers on the event loop and blocks the
-    calling worker thread until all of them answered. ``finish_weight_update`` carries
-    the round's version even when the backend's engine calls it without one (vLLM's
-    built-in engines do), so that the version travels with the data.
+    calling worker thread until all of them answered; ``begin_init`` and
+    ``begin_update`` start the fan-out and return its future at once. The fan-outs are
+    :class:`FleetCalls` of the current round, which records outcomes and timings.
+    ``finish_weight_update`` carries the round's version even when the backend's engine
+    calls it without one (vLLM's built-in engines do), so that the version travels with
+    the data.
     """
 
-    def __init__(
-        self,
-        bridge: LoopBridge,
-        *,
-        init: Callable[[dict[str, Any]], Awaitable[Any]],
-        start: Callable[[], Awaitable[Any]],
-        update: Callable[[Any], Awaitable[Any]],
-        finish: Callable[[str | None], Awaitable[Any]],
-        version: str | None,
-    ) -> None:
+    def __init__(self, bridge: LoopBridge, calls: FleetCalls, *, version: str | None) -> None:
         self._bridge = bridge
-        self._init = init
-        self._start = start
-        self._update = update
-        self._finish = finish
+        self._calls = calls
         self.version = version
-        self.times = PhaseTimes()
-        self.started = False
-        self.finished = False
+        self._pending: list[Future[Any]] = []
+        self._pending_lock = threading.Lock()
 
-    @staticmethod
-    async def _await(awaitable: Awaitable[T]) -> T:
-        return await awaitable
+    @classmethod
+    def on_running_loop(
+        cls, calls: FleetCalls, *, cancel: threading.Event, version: str | None = None
+    ) -> SyncFleetClient:
+        """A client for worker threads, bound to the running loop (call on the loop)."""
+        bridge = LoopBridge(asyncio.get_running_loop(), cancel=cancel)
+        bridge.bind_loop_thread()
+        return cls(bridge, calls, version=version)
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._bridge.call(lambda: self._await(self._init(init_info)))
+    def _begin(self, factory: Callable[[], Coroutine[Any, Any, T]]) -> Future[T]:
+        future = self._bridge.submit(factory)
+        with self._pending_lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(future)
+        return future
+
+    def begin_init(self, init_info: InitInfo) -> Future[None]:
+        """Start ``/init_weight_transfer_engine`` on every server; do not wait."""
+        return self._begin(lambda: self._calls.init(init_info))
+
+    def begin_update(self, update_info: UpdateInfo) -> Future[None]:
+        """Start ``/update_weights`` on every server; do not wait."""
+        return self._begin(lambda: self._calls.update(update_info))
+
+    def init_weight_transfer_engine(self, init_info: InitInfo) -> None:
+        self.begin_init(init_info).result()
 
     def start_weight_update(self) -> None:
-        t0 = time.perf_counter()
-        self.started = True
-        self._bridge.call(lambda: self._await(self._start()))
-        self.times.start += time.perf_counter() - t0
+        self._bridge.call(self._calls.start)
 
-    def update_weights(self, update_info: Any) -> None:
-        t0 = time.perf_counter()
-        self._bridge.call(lambda: self._await(self._update(update_info)))
-        self.times.transfer += time.perf_counter() - t0
+    def update_weights(self, update_info: UpdateInfo) -> None:
+        self.begin_update(update_info).result()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version
-        t0 = time.perf_counter()
-        self._bridge.call(lambda: self._await(self._finish(version)))
-        self.times.finish += time.perf_counter() - t0
-        self.finished = True
+        self._bridge.call(lambda: self._calls.finish(version))
+
+    def world_sizes(self) -> dict[str, int]:
+        """Each targeted server's ``/get_world_size`` (NCCL rank offsets)."""
+        return self._bridge.call(self._calls.world_sizes)
+
+    def settle(self) -> None:
+        """Wait for every fan-out begun here (their errors were raised where they were
+        awaited, or are in the round's outcomes): none outlives the send."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            with contextlib.suppress(BaseException):
+                future.result()

@@ -218,7 +218,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "pack_gbps": median_report.bytes / median_report.seconds["pack"] / 1e9,
                     "lag": all_lag.summary(),
                     "buffer_mb": buffer_mb,
-                    "allocated_mb": pub._buffers.allocated_bytes / 1e6,
+                    "allocated_mb": pub._backend.buffers.allocated_bytes / 1e6,  # type: ignore[attr-defined]
                     "rss_growth_mb": max(0, rss_after - rss_before) / 1e6,
                 }
                 print(

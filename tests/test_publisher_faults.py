@@ -1,10 +1,12 @@
-"""Publishing rounds against protocol-faithful fakes that misbehave on purpose."""
+"""Publishing rounds against protocol-faithful fakes that misbehave on purpose: every
+phase of a round failing in turn, cancellation, bad input."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -13,25 +15,17 @@ import torch
 
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault
+from tests.publish_fakes import ABORT, aborts_received, round_calls, shm_fakes
 
 pytestmark = pytest.mark.asyncio
 
 WEIGHTS = {f"model.layers.{i}.w": torch.full((64,), float(i)) for i in range(4)}
 
 
-def _like_the_shm_engine(info: Any) -> None:
-    """The real engine fails an abort on purpose (vLLM then clears its active update)."""
-    if isinstance(info, dict) and info.get("abort"):
-        raise RuntimeError("asyncsync_shm: round 'abort' aborted by the trainer")
-
-
 @pytest_asyncio.fixture
 async def fakes() -> AsyncIterator[list[FakeVLLMServer]]:
-    async with AsyncExitStack() as stack:
-        yield [
-            await stack.enter_async_context(FakeVLLMServer(update_hook=_like_the_shm_engine))
-            for _ in range(2)
-        ]
+    async with shm_fakes() as servers:
+        yield servers
 
 
 async def test_a_hung_server_fails_the_round_within_its_deadline(
@@ -55,8 +49,12 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
         assert publisher.version is None
         assert set(err.needs_resync) == {healthy.url, hung.url}
         assert fleet.state(healthy.url).dirty
-        # Nobody is left mid-update, and the pause was undone on both servers.
+        # Nobody is left mid-update: the round was ended on both servers with the abort
+        # update (the hung one answers again by then), and the pause was undone.
+        assert aborts_received(healthy) == [ABORT]
+        assert aborts_received(hung) == [ABORT]
         assert not healthy.update_active
+        assert not hung.update_active
         assert not healthy.paused
         assert not hung.paused
         # The next round goes through and clears the dirty marks.
@@ -80,10 +78,28 @@ async def test_a_round_left_open_by_a_dead_trainer_is_ended_and_retried(
     ):
         report = await publisher.publish(WEIGHTS, version="v1")
     assert report.version == "v1"
-    aborts = [u for u in stale.updates if isinstance(u, dict) and u.get("abort")]
-    assert aborts == []  # the abort was rejected, as the real engine does: not recorded
+    # The stale round was ended with one abort update (rejected, as the real engine
+    # does), then this round started there again; the fresh server saw no abort.
+    assert aborts_received(stale) == [ABORT]
+    assert aborts_received(fresh) == []
+    chunks = ["/update_weights"] * report.chunks
+    assert round_calls(stale) == [
+        "/start_weight_update",  # the dead trainer's
+        "/start_weight_update",  # this round's, refused: "already active"
+        "abort",
+        "/start_weight_update",
+        *chunks,
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
+    assert round_calls(fresh) == [
+        "/start_weight_update",
+        *chunks,
+        "/finish_weight_update",
+        "/reset_prefix_cache",
+    ]
     assert not stale.update_active
-    assert len([u for u in fresh.updates if not u.get("abort")]) == report.chunks
+    assert len(stale.updates) == len(fresh.updates) == report.chunks
 
 
 async def test_finish_failing_on_one_server_keeps_the_others_outcome(
@@ -107,3 +123,182 @@ async def test_finish_failing_on_one_server_keeps_the_others_outcome(
         assert not fleet.state(good.url).dirty
         assert fleet.state(bad.url).dirty
         assert err.needs_resync == (bad.url,)
+        # Only the server whose finish failed still held the update: it alone is ended.
+        assert aborts_received(bad) == [ABORT]
+        assert aborts_received(good) == []
+        assert not bad.update_active
+
+
+async def test_a_failed_pause_touches_no_update_and_resumes_every_server(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    good, bad = fakes
+    bad.inject("/pause", Fault.error(500, "engine busy", shape="string"))
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+    ):
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v1", pause="keep")
+        err = info.value
+        assert err.outcomes[bad.url].phase == "pause"
+        assert "engine busy" in str(err.outcomes[bad.url].error)
+        assert err.outcomes[good.url].ok
+        assert err.needs_resync == ()
+        assert publisher.version is None
+        assert not any(s.dirty for s in fleet.servers)
+    # No update was started anywhere; both servers were resumed.
+    assert round_calls(good) == ["/pause", "/resume"]
+    assert round_calls(bad) == ["/pause", "/resume"]
+    assert not good.paused
+
+
+async def test_a_failed_start_ends_the_round_where_it_started(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    good, bad = fakes
+    bad.inject("/start_weight_update", Fault.error(500, "out of memory"))
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+    ):
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v1")
+        err = info.value
+        assert err.outcomes[bad.url].phase == "start"
+        assert "out of memory" in str(err)
+        assert err.outcomes[good.url].ok
+        # The server that started holds an open update until the abort: it is dirty.
+        assert err.needs_resync == (good.url,)
+        assert fleet.state(good.url).dirty
+        assert not fleet.state(bad.url).dirty
+        assert publisher.version is None
+    assert round_calls(good) == ["/start_weight_update", "abort"]
+    assert round_calls(bad) == ["/start_weight_update"]
+    assert not good.update_active
+    assert good.updates == bad.updates == []
+
+
+async def test_a_failed_cache_reset_fails_the_round_after_the_finish(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    good, bad = fakes
+    bad.inject("/reset_prefix_cache", Fault.error(500, "cache locked", shape="openai"))
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+    ):
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v1")
+        err = info.value
+        assert err.outcomes[bad.url].phase == "reset_prefix_cache"
+        assert "cache locked" in str(err)
+        # Every server finished v1 (no update is left open, nobody is dirty), but stale
+        # KV blocks may remain on one of them: the round is not reported as published.
+        assert publisher.version is None
+        assert err.needs_resync == ()
+        assert [s.weight_version for s in fleet.servers] == ["v1", "v1"]
+    assert aborts_received(good) == aborts_received(bad) == []
+    assert good.finished == bad.finished == 1
+
+
+async def test_a_failed_resume_after_the_commit_is_reported_with_the_version_published(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    good, bad = fakes
+    bad.inject("/resume", Fault.error(500, "resume refused", shape="string"))
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+    ):
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v1", pause="wait")
+        err = info.value
+        assert err.outcomes[bad.url].phase == "resume"
+        assert err.outcomes[good.url].ok
+        assert "published version stays 'v1'" in str(err)
+        # Every server finished the round: the version is published all the same.
+        assert publisher.version == "v1"
+        assert [s.weight_version for s in fleet.servers] == ["v1", "v1"]
+        assert not any(s.dirty for s in fleet.servers)
+        assert err.needs_resync == ()
+        assert fleet.state(bad.url).paused  # still paused: the caller decides
+        assert not fleet.state(good.url).paused
+    assert aborts_received(bad) == []
+
+
+async def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    """Poll for ``condition`` (a fake's recorded requests) for ``within`` seconds."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110 - nothing to wait on but the fake's records
+            await asyncio.sleep(0.01)
+
+
+LAYERS = {f"model.layers.{i}.w": torch.full((1024,), float(i)) for i in range(8)}
+
+
+async def test_a_cancelled_publish_ends_the_round_at_a_chunk_boundary(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    for fake in fakes:
+        fake.inject("/update_weights", Fault.delay(0.3), times=None)
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=8192) as publisher,
+    ):
+        task = asyncio.create_task(publisher.publish(LAYERS, version="cancelled", pause="keep"))
+        await _until(lambda: all(f.requests_to("/update_weights") for f in fakes))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert publisher.version is None
+        for fake in fakes:
+            state = fleet.state(fake.url)
+            assert (state.dirty, state.updating, state.paused) == (True, False, False)
+            assert not fake.update_active
+            assert not fake.paused
+            assert aborts_received(fake) == [ABORT]
+            assert fake.finished == 0
+            # Stopped at a chunk boundary: the chunk in flight was delivered, no later one.
+            assert len(fake.updates) < len(LAYERS) // 2
+        # No update was left open: the next round goes through and clears the marks.
+        for fake in fakes:
+            fake.clear_faults()
+        report = await publisher.publish(LAYERS, version="after")
+        assert report.chunks > 2
+        assert publisher.version == "after"
+        assert not any(s.dirty for s in fleet.servers)
+
+
+async def test_input_the_backend_cannot_send_touches_no_server(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+    ):
+        await publisher.init()
+        too_big = {"model.layers.0.w": torch.zeros(2048)}
+        with pytest.raises(ValueError, match=re.escape("'model.layers.0.w' needs 8192 bytes")):
+            await publisher.publish(too_big, version="v1", pause="keep")
+        with pytest.raises(TypeError, match="cannot be sent over asyncsync_shm"):
+            await publisher.publish({"x": torch.zeros(2, dtype=torch.complex64)}, version="v1")
+
+        def swapped() -> list[tuple[str, torch.Tensor]]:  # found while packing chunk 0
+            items = list(WEIGHTS.items())
+            return [items[1], items[0], *items[2:]]
+
+        class Described:
+            def metadata(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+                return [(n, t.dtype, tuple(t.shape)) for n, t in WEIGHTS.items()]
+
+            def __iter__(self) -> Any:
+                return iter(swapped())
+
+        with pytest.raises(ValueError, match="iteration order must match"):
+            await publisher.publish(Described(), version="v1", pause="keep")
+        assert publisher.version is None
+        assert not any(s.dirty for s in fleet.servers)
+    for fake in fakes:
+        # Only the pause and resume of the last attempt (its order is found in the thread).
+        assert round_calls(fake) == ["/pause", "/resume"]

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync.publisher import _Progress, _progress_enabled, _resolve
+from asyncsync._progress import Progress, progress_enabled
+from asyncsync._round import is_stale_round_error
+from asyncsync._weights import resolve
+from asyncsync.backends import register_backend, registered_backends
 
 
 def test_constructor_rejects_bad_arguments() -> None:
@@ -31,25 +34,43 @@ async def test_publish_rejects_bad_version_and_pause() -> None:
 
 def test_sources_describe_themselves() -> None:
     module = torch.nn.Linear(3, 2)
-    assert [m[0] for m in _resolve(module).metadata() or []] == ["weight", "bias"]
+    assert [m[0] for m in resolve(module).metadata() or []] == ["weight", "bias"]
     pairs = [("a", torch.zeros(2)), ("b", torch.ones(3, 1))]
-    assert _resolve(pairs).metadata() == [("a", torch.float32, (2,)), ("b", torch.float32, (3, 1))]
-    assert _resolve(dict(pairs)).metadata() == _resolve(pairs).metadata()
+    assert resolve(pairs).metadata() == [("a", torch.float32, (2,)), ("b", torch.float32, (3, 1))]
+    assert resolve(dict(pairs)).metadata() == resolve(pairs).metadata()
     generator = (p for p in pairs)
-    assert _resolve(generator).metadata() is None  # streamed: validated chunk by chunk
-    assert [n for n, _ in _resolve(lambda: pairs)] == ["a", "b"]  # factories are called
+    assert resolve(generator).metadata() is None  # streamed: validated chunk by chunk
+    assert [n for n, _ in resolve(lambda: pairs)] == ["a", "b"]  # factories are called
     with pytest.raises(TypeError, match="takes a torch module"):
-        _resolve(42)
+        resolve(42)
 
 
 def test_progress_is_off_in_ci_and_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "true")
-    assert _progress_enabled(None) is False
-    assert _progress_enabled(True) is True
+    assert progress_enabled(None) is False
+    assert progress_enabled(True) is True
     monkeypatch.delenv("CI")
     monkeypatch.setenv("ASYNCSYNC_NO_PROGRESS", "1")
-    assert _progress_enabled(None) is False
-    bar = _Progress(False, 100, "v")
+    assert progress_enabled(None) is False
+    bar = Progress(False, 100, "v")
     bar(1, 50)  # a disabled bar accepts updates silently
     bar.close()
     assert bar.bar is None
+
+
+def test_an_unknown_backend_names_the_registered_ones() -> None:
+    with pytest.raises(ValueError, match=r"registered backends: .*'shm'"):
+        az.AsyncWeightPublisher(None, backend="gloo", rank=1, world_size=2)
+    assert "shm" in registered_backends()
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend("shm", "asyncsync.backends.shm:ShmBackend")
+
+
+def test_a_stale_round_is_recognised_by_vllms_message() -> None:
+    vllm_says = (
+        "Call to collective_rpc method failed: start_weight_update called while a weight "
+        "update is already active. Call finish_weight_update first."
+    )
+    assert is_stale_round_error(az.ServerError(vllm_says, status=500))
+    assert not is_stale_round_error(az.ServerError("out of memory", status=500))
+    assert not is_stale_round_error(None)

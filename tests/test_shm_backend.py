@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncsync.backends._segments import Segment, leaked_segments
-from asyncsync.backends._shm_format import Manifest, ShmFormatError, validate_chunk_layout
+from asyncsync.backends._wire import Manifest, ShmFormatError, validate_chunk_layout
 from asyncsync.backends.shm import (
     RoundCancelled,
     ShmBuffers,
@@ -261,8 +261,8 @@ def test_manifest_of_module_source() -> None:
 def test_vllm_023_engine_contract() -> None:
     """vLLM 0.23 drives the engine as ``receive_weights(update_info, load_weights)`` with
     its own layerwise reload; the adapter must validate and load the same wire format."""
+    from asyncsync.vllm_plugin._infos import ShmUpdateInfo
     from asyncsync.vllm_plugin.engine_v023 import ShmWeightTransferEngineV023
-    from asyncsync.vllm_plugin.engine_v032 import ShmUpdateInfo
 
     params = _params(layers=2, width=32)
     engine = ShmWeightTransferEngineV023(None, None, torch.nn.Module())
@@ -317,7 +317,7 @@ def test_plugin_entry_point_registers_the_engine() -> None:
     ids=["f32", "bf16", "bool", "transposed", "requires-grad", "int64", "conj-view"],
 )
 def test_pack_copies_bytes_exactly(tensor: torch.Tensor) -> None:
-    from asyncsync.backends.shm import _pack
+    from asyncsync.backends._shm_pack import _pack
 
     with Segment(1 << 20) as segment:
         _pack(segment, 64, tensor)
@@ -437,3 +437,19 @@ def test_the_round_starts_once_chunk_zero_is_packed() -> None:
     finally:
         engine.shutdown()
     assert events == []
+
+
+def test_wire_types_are_shared_and_checked() -> None:
+    """One protocol version and one definition of the info fields on both sides."""
+    from asyncsync.backends._wire import PROTOCOL_VERSION, ShmInitFields, ShmUpdateFields
+    from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
+
+    assert ShmInitInfo(**ShmInitFields(trainer_pid=7).to_json()).protocol == PROTOCOL_VERSION
+    with pytest.raises(ValueError, match="trainer speaks protocol 99"):
+        ShmInitInfo(protocol=99).check_protocol()
+    sent = ShmUpdateFields(round="r", names=["a"], dtype_names=["float32"], shapes=[[2, 3]])
+    received = ShmUpdateFields.parse(ShmUpdateInfo(**sent.to_json()))  # as vLLM builds it
+    assert received.shapes == [(2, 3)]
+    assert received == ShmUpdateFields.parse(sent.to_json())
+    with pytest.raises(ShmFormatError, match="malformed update_info"):
+        ShmUpdateFields.parse({"chunk": "first"})

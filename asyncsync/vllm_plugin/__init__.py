@@ -9,21 +9,31 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.backends._shm_format import BACKEND_NAME
+from asyncsync.backends._wire import BACKEND_NAME
 
-__all__ = ["BACKEND_NAME", "register"]
+__all__ = ["BACKEND_NAME", "engine_for_this_vllm", "register"]
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
 
-def _vllm_generation() -> tuple[int, int]:
+def engine_for_this_vllm() -> tuple[str, str]:
+    """``(module, class)`` of the ``asyncsync_shm`` engine for the running vLLM.
+
+    The one place that decides by vLLM version: 0.30 and later construct engines as
+    ``(config, vllm_config, device, model)`` and let them own layerwise reload; earlier
+    ones (0.23) as ``(config, parallel_config, model)`` with ``receive_weights(info,
+    load_weights)``.
+    """
     import vllm
 
     parts = str(getattr(vllm, "__version__", "0.0")).split(".")
     try:
-        return int(parts[0]), int(parts[1])
+        generation = (int(parts[0]), int(parts[1]))
     except (IndexError, ValueError):
-        return (0, 0)
+        generation = (0, 0)
+    if generation >= (0, 30):
+        return "asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"
+    return "asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"
 
 
 def register() -> None:
@@ -35,8 +45,5 @@ def register() -> None:
         return
     if BACKEND_NAME in WeightTransferEngineFactory._registry:
         return
-    if _vllm_generation() >= (0, 30):
-        module, cls = "asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"
-    else:
-        module, cls = "asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"
+    module, cls = engine_for_this_vllm()
     WeightTransferEngineFactory.register_engine(BACKEND_NAME, module, cls)

@@ -3,14 +3,13 @@ and calls ``receive_weights(update_info, load_weights)``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-from asyncsync.vllm_plugin.engine_v032 import ShmInitInfo, ShmUpdateInfo
+from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
 
 __all__ = ["ShmWeightTransferEngineV023"]
@@ -58,10 +57,9 @@ class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
         update_info: ShmUpdateInfo,
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
     ) -> None:
-        info = dataclasses.asdict(update_info)
-        if info.get("chunk", 0) == 0 and not info.get("abort"):
+        if update_info.chunk == 0 and not update_info.abort:
             self.receiver.begin_round()  # 0.23 has no engine-level start hook
-        self.receiver.receive(info, load_weights, restore=None)
+        self.receiver.receive(update_info, load_weights, restore=None)
 
     def shutdown(self) -> None:
         self.receiver.close()

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
 
 if TYPE_CHECKING:
@@ -20,34 +15,6 @@ if TYPE_CHECKING:
     from vllm.config.weight_transfer import WeightTransferConfig
 
 __all__ = ["ShmInitInfo", "ShmUpdateInfo", "ShmWeightTransferEngine"]
-
-PROTOCOL_VERSION = 1
-
-
-@dataclass
-class ShmInitInfo(WeightTransferInitInfo):  # type: ignore[misc]
-    """Sent once by the trainer at ``/init_weight_transfer_engine``."""
-
-    protocol: int = PROTOCOL_VERSION
-    trainer_pid: int | None = None
-
-
-@dataclass
-class ShmUpdateInfo(WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One chunk (see :mod:`asyncsync.backends._shm_format`)."""
-
-    round: str = ""
-    chunk: int = 0
-    last: bool = False
-    num_chunks: int | None = None
-    segment: str = ""
-    segment_size: int = 0
-    names: list[str] = field(default_factory=list)
-    dtype_names: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    manifest: dict[str, Any] | None = None
-    abort: bool = False
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):  # type: ignore[misc]
@@ -71,11 +38,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.initialized = False
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        if init_info.protocol != PROTOCOL_VERSION:
-            raise ValueError(
-                f"asyncsync_shm: trainer speaks protocol {init_info.protocol}, this worker "
-                f"speaks {PROTOCOL_VERSION}; install the same asyncsync on both sides"
-            )
+        init_info.check_protocol()
         self.initialized = True
 
     def start_weight_update(self) -> None:
@@ -90,9 +53,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        self.receiver.receive(
-            dataclasses.asdict(update_info), self.model.load_weights, self._restore
-        )
+        self.receiver.receive(update_info, self.model.load_weights, self._restore)
 
     def finish_weight_update(self) -> None:
         try:

@@ -31,10 +31,11 @@ from typing import Any
 
 import torch
 
-from asyncsync.backends._shm_format import (
+from asyncsync.backends._wire import (
     BACKEND_NAME,
     Manifest,
     ShmFormatError,
+    ShmUpdateFields,
     nbytes,
     validate_chunk_layout,
 )
@@ -134,6 +135,12 @@ class CheckpointTable:
         return [n for n in self.entries if n not in got]
 
 
+def _some(names: list[str], shown: int = 5) -> str:
+    """The first ``shown`` names, quoted, and how many more there are."""
+    text = ", ".join(repr(n) for n in names[:shown])
+    return f"{text} and {len(names) - shown} more" if len(names) > shown else text
+
+
 @dataclass
 class _Round:
     round_id: str
@@ -206,14 +213,14 @@ class ShmReceiver:
 
     def receive(
         self,
-        info: Mapping[str, Any],
+        info: Mapping[str, Any] | ShmUpdateFields,
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
         restore: Callable[[], None] | None,
     ) -> None:
         """Validate one update and load it. On failure: restore the previous weights
         when nothing was loaded yet this round, and raise with the reason."""
         try:
-            self._receive(info, load_weights)
+            self._receive(ShmUpdateFields.parse(info), load_weights)
         except BaseException as exc:
             loaded = self.round is not None and self.round.loaded_any
             self.round = None
@@ -228,78 +235,97 @@ class ShmReceiver:
 
     def _receive(
         self,
-        info: Mapping[str, Any],
+        update: ShmUpdateFields,
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
     ) -> None:
-        if info.get("abort"):
-            raise ShmFormatError(f"round {info.get('round')!r} aborted by the trainer")
-        round_id = str(info.get("round") or "")
-        chunk = int(info.get("chunk", 0))
+        """An abort is refused; otherwise the chunk must be the round's next one, every
+        parameter is validated (and, at the last chunk, the round's completeness) before
+        anything of the chunk is loaded."""
+        if update.abort:
+            raise ShmFormatError(f"round {update.round!r} aborted by the trainer")
+        rnd = self._place_in_round(update)
+        self._validate(rnd, update)
+        if update.last:
+            self._check_complete(rnd, update.names)
+        self._load(rnd, update, load_weights)
+        rnd.received.update(update.names)
+        rnd.next_chunk += 1
+        rnd.complete = update.last
+
+    def _place_in_round(self, update: ShmUpdateFields) -> _Round:
+        """The round ``update`` continues; chunk 0 opens one (and validates its manifest
+        against the checkpoint before anything loads)."""
         if self.round is None:
-            if chunk != 0:
+            if update.chunk != 0:
                 raise ShmFormatError(
-                    f"chunk {chunk} of round {round_id!r} arrived before chunk 0 "
+                    f"chunk {update.chunk} of round {update.round!r} arrived before chunk 0 "
                     "(was start_weight_update called, or did an earlier chunk fail?)"
                 )
-            manifest_json = info.get("manifest")
-            manifest = Manifest.from_json(manifest_json) if manifest_json else None
+            manifest = update.round_manifest()
             if manifest is not None:
                 self._check_manifest(manifest)
-            self.round = _Round(round_id, manifest)
+            self.round = _Round(update.round, manifest)
         rnd = self.round
-        if round_id != rnd.round_id:
+        if update.round != rnd.round_id:
             raise ShmFormatError(
-                f"update belongs to round {round_id!r} but round {rnd.round_id!r} is active"
+                f"update belongs to round {update.round!r} but round {rnd.round_id!r} is active"
             )
-        if chunk != rnd.next_chunk:
-            raise ShmFormatError(f"expected chunk {rnd.next_chunk}, got chunk {chunk}")
+        if update.chunk != rnd.next_chunk:
+            raise ShmFormatError(f"expected chunk {rnd.next_chunk}, got chunk {update.chunk}")
+        return rnd
 
-        names = [str(n) for n in info.get("names", [])]
-        dtype_names = [str(d) for d in info.get("dtype_names", [])]
-        shapes = [tuple(int(x) for x in s) for s in info.get("shapes", [])]
-        offsets = [int(o) for o in info.get("offsets", [])]
-        segment = str(info.get("segment", ""))
-        segment_size = int(info.get("segment_size", 0))
-        validate_chunk_layout(names, dtype_names, shapes, offsets, segment_size)
-        for name, dtype_name, shape in zip(names, dtype_names, shapes, strict=True):
+    def _validate(self, rnd: _Round, update: ShmUpdateFields) -> None:
+        """The chunk's layout in its segment, then each parameter against the round's
+        manifest (or, without one, the served checkpoint)."""
+        validate_chunk_layout(
+            update.names, update.dtype_names, update.shapes, update.offsets, update.segment_size
+        )
+        for name, dtype_name, shape in zip(
+            update.names, update.dtype_names, update.shapes, strict=True
+        ):
             if name in rnd.received:
-                raise ShmFormatError(f"parameter {name!r} sent twice in round {round_id!r}")
+                raise ShmFormatError(f"parameter {name!r} sent twice in round {rnd.round_id!r}")
             if rnd.manifest is not None:
                 if name not in rnd.manifest:
                     raise ShmFormatError(f"parameter {name!r} is not in the round's manifest")
-                if rnd.manifest.entry(name) != (dtype_name, shape):
+                if rnd.manifest.entry(name) != (dtype_name, tuple(shape)):
                     raise ShmFormatError(f"parameter {name!r} differs from the round's manifest")
             elif self.table is not None:
-                self.table.check(name, dtype_name, shape)
+                self.table.check(name, dtype_name, tuple(shape))
 
-        last = bool(info.get("last", False))
-        if last:
-            # Completeness is decided before the last chunk loads anything.
-            pending = set(rnd.received) | set(names)
-            expected: list[str] = (
-                list(rnd.manifest.names)
-                if rnd.manifest is not None
-                else (list(self.table.entries) if self.table is not None else [])
+    def _check_complete(self, rnd: _Round, names: list[str]) -> None:
+        """At the last chunk, before it loads anything: every expected parameter came."""
+        pending = rnd.received | set(names)
+        expected: list[str] = (
+            list(rnd.manifest.names)
+            if rnd.manifest is not None
+            else (list(self.table.entries) if self.table is not None else [])
+        )
+        missing = [n for n in expected if n not in pending]
+        if missing:
+            raise ShmFormatError(f"round is incomplete: missing {_some(missing)}")
+
+    def _load(
+        self,
+        rnd: _Round,
+        update: ShmUpdateFields,
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any],
+    ) -> None:
+        """Zero-copy views into the segment, handed to vLLM's loader; views its
+        layerwise loader keeps pending are copied out (the trainer reuses segments)."""
+        if not update.names:
+            return
+        mapping = self._mapping(update.segment, update.segment_size)
+        views = [
+            (name, mapping.view(offset, dtype_name, tuple(shape)))
+            for name, dtype_name, shape, offset in zip(
+                update.names, update.dtype_names, update.shapes, update.offsets, strict=True
             )
-            missing = [n for n in expected if n not in pending]
-            if missing:
-                shown = ", ".join(repr(n) for n in missing[:5])
-                more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-                raise ShmFormatError(f"round is incomplete: missing {shown}{more}")
-
-        if names:
-            mapping = self._mapping(segment, segment_size)
-            views = [
-                (name, mapping.view(off, dt, shape))
-                for name, dt, shape, off in zip(names, dtype_names, shapes, offsets, strict=True)
-            ]
-            rnd.loaded_any = True
-            load_weights(views)
-            del views
-            self._pin_pending(mapping)
-        rnd.received.update(names)
-        rnd.next_chunk += 1
-        rnd.complete = last
+        ]
+        rnd.loaded_any = True
+        load_weights(views)
+        del views
+        self._pin_pending(mapping)
 
     def end_round(self) -> None:
         """Called at finish: the round must be complete."""
@@ -326,9 +352,7 @@ class ShmReceiver:
             self.table.check(name, dtype_name, shape)
         missing = self.table.missing(manifest.names)
         if missing:
-            shown = ", ".join(repr(n) for n in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ShmFormatError(f"the round does not update {shown}{more}")
+            raise ShmFormatError(f"the round does not update {_some(missing)}")
 
     def _mapping(self, segment: str, size: int) -> _Mapping:
         key = (segment, size)

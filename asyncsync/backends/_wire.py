@@ -1,22 +1,28 @@
-"""Wire format of the ``asyncsync_shm`` weight-transfer backend (plain JSON, no pickle).
+"""Wire types shared by the trainer side and the vLLM plugin (plain JSON, no pickle).
 
-Shared by the trainer side (:mod:`asyncsync.backends.shm`) and the worker side
-(:mod:`asyncsync.vllm_plugin`). It imports neither torch nor vLLM.
+Imported by :mod:`asyncsync.backends` (trainer side) and :mod:`asyncsync.vllm_plugin`
+(worker side, inside vLLM): it imports neither torch nor vLLM. The plugin's vLLM-facing
+info classes subclass vLLM's bases *and* the dataclasses here, so both sides read and
+write the same fields.
 
-A round is ``start -> update(chunk 0) ... update(chunk n-1) -> finish``. Each update_info
-is a JSON object:
+``asyncsync_shm`` rounds are ``start -> update(chunk 0) ... update(chunk n-1) -> finish``.
+Each update_info is a JSON object (:class:`ShmUpdateFields`):
 
-``{"round": str, "chunk": int, "num_chunks": int, "segment": str, "segment_size": int,
-"names": [...], "dtype_names": [...], "shapes": [[...]], "offsets": [...],
-"manifest": {...} | None, "abort": false}``
+``{"round": str, "chunk": int, "last": bool, "num_chunks": int | None, "segment": str,
+"segment_size": int, "names": [...], "dtype_names": [...], "shapes": [[...]],
+"offsets": [...], "manifest": {...} | None, "abort": false}``
 
 - ``segment`` names a POSIX shared-memory segment (``/dev/shm/<segment>``) owned by the
   trainer; the tensor ``names[i]`` lies at byte ``offsets[i]`` with ``dtype_names[i]`` and
   ``shapes[i]``, C-contiguous.
 - Chunk 0 carries the ``manifest`` of the whole round (every name with its dtype and
   shape), so that a worker validates the round *before it loads anything*.
-- ``{"abort": true, "round": ...}`` ends a round that the trainer gave up on: the worker
-  restores what it can and fails the call, which makes vLLM clear its active-update flag.
+- ``{"abort": true, "round": "abort"}`` ends a round that the trainer gave up on: the
+  worker restores what it can and fails the call, which makes vLLM clear its
+  active-update flag.
+
+The init_info (:class:`ShmInitFields`) carries :data:`PROTOCOL_VERSION`; a worker that
+speaks another version refuses it.
 """
 
 from __future__ import annotations
@@ -30,11 +36,18 @@ __all__ = [
     "ALIGNMENT",
     "BACKEND_NAME",
     "DTYPE_SIZES",
+    "PROTOCOL_VERSION",
     "Manifest",
     "ShmFormatError",
+    "ShmInitFields",
+    "ShmUpdateFields",
     "align",
     "validate_chunk_layout",
 ]
+
+#: Version of the trainer <-> plugin protocol, sent in every init_info; both sides of a
+#: publish must run the same asyncsync protocol.
+PROTOCOL_VERSION = 1
 
 #: vLLM ``--weight-transfer-config`` backend name under which the plugin registers.
 BACKEND_NAME = "asyncsync_shm"
@@ -144,6 +157,93 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(nbytes(d, s) for d, s in zip(self.dtype_names, self.shapes, strict=True))
+
+
+@dataclass
+class ShmInitFields:
+    """The ``asyncsync_shm`` init_info (``/init_weight_transfer_engine``)."""
+
+    protocol: int = PROTOCOL_VERSION
+    trainer_pid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"protocol": self.protocol, "trainer_pid": self.trainer_pid}
+
+    def check_protocol(self) -> None:
+        """Refuse a trainer that speaks another protocol version."""
+        if self.protocol != PROTOCOL_VERSION:
+            raise ValueError(
+                f"{BACKEND_NAME}: trainer speaks protocol {self.protocol}, this worker "
+                f"speaks {PROTOCOL_VERSION}; install the same asyncsync on both sides"
+            )
+
+
+@dataclass
+class ShmUpdateFields:
+    """One ``asyncsync_shm`` update_info: a chunk of tensors in a segment (or an abort)."""
+
+    round: str = ""
+    chunk: int = 0
+    last: bool = False
+    num_chunks: int | None = None
+    segment: str = ""
+    segment_size: int = 0
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[Sequence[int]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    manifest: dict[str, Any] | None = None
+    abort: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object sent as ``update_info`` (lists are shared, not copied)."""
+        return {
+            "round": self.round,
+            "chunk": self.chunk,
+            "last": self.last,
+            "num_chunks": self.num_chunks,
+            "segment": self.segment,
+            "segment_size": self.segment_size,
+            "names": self.names,
+            "dtype_names": self.dtype_names,
+            "shapes": self.shapes,
+            "offsets": self.offsets,
+            "manifest": self.manifest,
+            "abort": self.abort,
+        }
+
+    @staticmethod
+    def abort_json() -> dict[str, Any]:
+        """The update a worker rejects on purpose to end an open round (vLLM clears its
+        active-update flag when an update fails)."""
+        return {"abort": True, "round": "abort"}
+
+    @classmethod
+    def parse(cls, info: Mapping[str, Any] | ShmUpdateFields) -> ShmUpdateFields:
+        """A normalized copy of ``info`` (a JSON object, or an instance built by vLLM
+        with ``cls(**update_info)``): strings, ints and shape tuples, checked."""
+        get = info.get if isinstance(info, Mapping) else lambda key, default: getattr(info, key)
+        try:
+            return cls(
+                round=str(get("round", "") or ""),
+                chunk=int(get("chunk", 0)),
+                last=bool(get("last", False)),
+                num_chunks=get("num_chunks", None),
+                segment=str(get("segment", "")),
+                segment_size=int(get("segment_size", 0)),
+                names=[str(n) for n in get("names", [])],
+                dtype_names=[str(d) for d in get("dtype_names", [])],
+                shapes=[tuple(int(x) for x in s) for s in get("shapes", [])],
+                offsets=[int(o) for o in get("offsets", [])],
+                manifest=get("manifest", None),
+                abort=bool(get("abort", False)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ShmFormatError(f"malformed update_info: {exc!r}") from exc
+
+    def round_manifest(self) -> Manifest | None:
+        """The round's manifest carried by chunk 0, if any."""
+        return Manifest.from_json(self.manifest) if self.manifest else None
 
 
 def validate_chunk_layout(

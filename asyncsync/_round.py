@@ -1,0 +1,389 @@
+"""One weight-sync round across a fleet, as named phases run by a round object.
+
+The phases, in order: ``pause``? -> ``start`` -> ``update`` (once per payload) ->
+``finish`` -> ``reset_prefix_cache``? -> ``resume``? (resume also after a failure).
+Start, update and finish are driven by the backend's blocking send in a worker thread
+(vLLM's trainer engines do so), through a :class:`~asyncsync._bridge.SyncFleetClient`
+whose calls land on this round's phase methods; the round runs the other phases around
+the send. :class:`PublishRound` holds everything a round knows: per-server outcomes
+(the phase a server failed in), each phase's seconds, which servers hold an open update
+(for the rollback) and which were paused. Rollback and commit each happen in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Literal
+
+from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
+from asyncsync._errors import AsyncSyncError, FleetError, PublishError
+from asyncsync.backends._base import RoundCancelled, SendStats
+
+if TYPE_CHECKING:
+    from asyncsync.fleet import Fleet
+
+__all__ = [
+    "InitCalls",
+    "Phase",
+    "PublishReport",
+    "PublishRound",
+    "SendJob",
+    "ServerOutcome",
+    "is_stale_round_error",
+]
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+#: The order of ``PublishReport.seconds`` (optional phases only when they ran).
+_SECONDS_ORDER = (
+    "init",
+    "pause",
+    "start",
+    "pack",
+    "transfer",
+    "finish",
+    "reset_prefix_cache",
+    "resume",
+)
+
+#: What the worker thread runs for a round: the backend's send through the client.
+SendJob = Callable[[SyncFleetClient, threading.Event], SendStats]
+
+
+class Phase(StrEnum):
+    """The named phases of a round (``ServerOutcome.phase`` holds one)."""
+
+    PAUSE = "pause"
+    START = "start"
+    UPDATE = "update"
+    FINISH = "finish"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    RESUME = "resume"
+
+    @property
+    def seconds_key(self) -> str:
+        """Its key in ``PublishReport.seconds`` (the update fan-outs are "transfer")."""
+        return "transfer" if self is Phase.UPDATE else self.value
+
+
+def is_stale_round_error(error: object) -> bool:
+    """Whether a failed ``/start_weight_update`` means the server still holds a round
+    that an earlier trainer opened and never ended (it died mid-round).
+
+    vLLM refuses a start while an update is active with a worker failure (HTTP 500)
+    whose message is ``"start_weight_update called while a weight update is already
+    active. Call finish_weight_update first."`` (vLLM 0.32, the worker's
+    ``start_weight_update``); that message is the only signal HTTP gives.
+    """
+    return "already active" in str(error)
+
+
+@dataclass
+class ServerOutcome:
+    """What happened on one server during a round."""
+
+    url: str
+    ok: bool
+    phase: str | None = None
+    error: BaseException | None = None
+    dirty: bool = False
+
+    def __repr__(self) -> str:
+        if self.ok:
+            return f"<ServerOutcome {self.url} ok>"
+        return f"<ServerOutcome {self.url} failed at {self.phase}: {self.error!s}>"
+
+
+@dataclass
+class PublishReport:
+    """The figures of one successful round."""
+
+    version: str
+    servers: list[str]
+    bytes: int
+    chunks: int
+    params: int
+    seconds: dict[str, float]
+    outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds.get("total", 0.0)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Payload bytes per second of the whole round (pack + transfer + finish)."""
+        total = self.total_seconds
+        return self.bytes / total / 1e9 if total > 0 else 0.0
+
+    def __str__(self) -> str:
+        phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
+        return (
+            f"published {self.version!r} to {len(self.servers)} server(s): "
+            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
+            f"({phases})"
+        )
+
+
+def _rate(gb_per_s: float) -> str:
+    return f"{gb_per_s:.2f} GB/s" if gb_per_s >= 0.1 else f"{gb_per_s * 1000:.1f} MB/s"
+
+
+class InitCalls:
+    """The fan-outs a backend may make outside a round (its init, world sizes)."""
+
+    def __init__(self, fleet: Fleet, targets: Sequence[str]) -> None:
+        self.fleet = fleet
+        self.targets = list(targets)
+
+    async def init(self, init_info: InitInfo) -> None:
+        await self.fleet.init_weight_transfer_engine(init_info, targets=self.targets, require="all")
+
+    async def world_sizes(self) -> dict[str, int]:
+        result = await self.fleet.get_world_size(targets=self.targets, require="all")
+        return dict(result.values)
+
+    async def start(self) -> None:
+        raise RuntimeError("start_weight_update is only allowed inside a publish round")
+
+    async def update(self, update_info: UpdateInfo) -> None:
+        raise RuntimeError("update_weights is only allowed inside a publish round")
+
+    async def finish(self, weight_version: str | None) -> None:
+        raise RuntimeError("finish_weight_update is only allowed inside a publish round")
+
+
+class PublishRound(InitCalls):
+    """One round: its phases, timings, per-server outcomes, rollback and commit.
+
+    ``abort_info`` is the backend's update that ends an open update on a server (see
+    ``TrainerBackend.abort_info``). ``published_version`` is the version every target
+    holds; :meth:`commit` advances it, and only when every target finished.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        targets: Sequence[str],
+        *,
+        version: str,
+        pause: PauseMode | None,
+        reset_prefix_cache: bool,
+        abort_info: Mapping[str, Any],
+        published_version: str | None,
+        seconds: dict[str, float] | None = None,
+    ) -> None:
+        super().__init__(fleet, targets)
+        self.version = version
+        self.pause_mode = pause
+        self.reset_cache = reset_prefix_cache
+        self.abort_info = abort_info
+        self.published_version = published_version
+        self.seconds: dict[str, float] = dict(seconds or {})
+        self.outcomes = {url: ServerOutcome(url, ok=True) for url in self.targets}
+        #: servers holding this round's (or a stale round's) active update
+        self.open: set[str] = set()
+        #: servers a pause was attempted on (resumed whatever happens)
+        self.paused: list[str] = []
+        #: whether the round reached the servers' start (bad input never does)
+        self.start_attempted = False
+
+    # ------------------------------------------------------------------ the round
+    async def run(self, job: SendJob, executor: Executor) -> PublishReport:
+        """pause? -> send (start, update(s), finish) -> reset_prefix_cache? -> commit ->
+        resume?; on any failure: rollback, then the error."""
+        began = time.perf_counter()
+        try:
+            if self.pause_mode is not None:
+                await self.pause()
+            stats = await self.send(job, executor)
+            if self.reset_cache:
+                await self.reset_prefix_cache()
+        except BaseException as exc:
+            await asyncio.shield(self.rollback())
+            if self._passes_through(exc):
+                raise
+            raise self.error(exc) from exc
+        self.commit()
+        if self.paused:
+            try:
+                await self.resume()
+            except AsyncSyncError as exc:  # reported, but the version stays published
+                raise self.error(exc) from exc
+        return self.report(stats, time.perf_counter() - began)
+
+    def _passes_through(self, exc: BaseException) -> bool:
+        """Cancellation, and bad input refused before any server's start, are raised
+        as they are; every other failure becomes a PublishError."""
+        if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | RoundCancelled):
+            return True
+        return isinstance(exc, ValueError | TypeError) and not self.start_attempted
+
+    # ------------------------------------------------------------------ phases
+    async def pause(self) -> None:
+        assert self.pause_mode is not None
+        mode = self.pause_mode
+        self.paused.extend(self.targets)  # resumed even if the pause fails midway
+        await self._phase(
+            Phase.PAUSE, lambda: self.fleet.pause(mode, targets=self.targets, require="all")
+        )
+
+    async def send(self, job: SendJob, executor: Executor) -> SendStats:
+        """The backend's blocking send in the worker thread. Cancelling stops it at the
+        next chunk boundary; the thread is never abandoned mid-chunk."""
+        cancel = threading.Event()
+        client = SyncFleetClient.on_running_loop(self, cancel=cancel, version=self.version)
+        future = asyncio.get_running_loop().run_in_executor(executor, job, client, cancel)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancel.set()  # the thread stops at its next chunk boundary
+            with contextlib.suppress(BaseException):
+                await future
+            raise
+
+    async def start(self) -> None:
+        self.start_attempted = True
+        await self._phase(Phase.START, self._start_everywhere)
+
+    async def _start_everywhere(self) -> None:
+        try:
+            await self.fleet.start_weight_update(targets=self.targets, require="all")
+        except FleetError as exc:
+            self.open.update(exc.succeeded)
+            stale = [u for u in exc.failed if is_stale_round_error(_error_of(exc, u))]
+            if not stale or len(stale) != len(exc.failed):
+                raise
+            await self._restart_stale(stale)
+        self.open.update(self.targets)
+
+    async def _restart_stale(self, stale: list[str]) -> None:
+        """End the rounds an earlier trainer left open there, then start this one."""
+        self.fleet.mark_dirty(stale)
+        await self._end_updates(stale)
+        await self.fleet.start_weight_update(targets=stale, require="all")
+
+    async def update(self, update_info: UpdateInfo) -> None:
+        await self._phase(
+            Phase.UPDATE,
+            lambda: self.fleet.update_weights(update_info, targets=self.targets, require="all"),
+        )
+
+    async def finish(self, weight_version: str | None) -> None:
+        try:
+            await self._phase(
+                Phase.FINISH,
+                lambda: self.fleet.finish_weight_update(
+                    weight_version, targets=self.targets, require="all"
+                ),
+            )
+        except FleetError as exc:
+            self.open.difference_update(exc.succeeded)  # those hold the new version
+            raise
+        self.open.difference_update(self.targets)
+
+    async def reset_prefix_cache(self) -> None:
+        await self._phase(
+            Phase.RESET_PREFIX_CACHE,
+            lambda: self.fleet.reset_prefix_cache(targets=self.targets, require="all"),
+        )
+
+    async def resume(self) -> None:
+        await self._phase(
+            Phase.RESUME, lambda: self.fleet.resume(targets=self.paused, require="all")
+        )
+
+    async def _phase(self, phase: Phase, call: Callable[[], Awaitable[Any]]) -> None:
+        """Run one fan-out of ``phase``: add its seconds, record the servers it failed on."""
+        began = time.perf_counter()
+        try:
+            await call()
+        except BaseException as exc:
+            self._record(phase, exc)
+            raise
+        finally:
+            key = phase.seconds_key
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - began
+
+    def _record(self, phase: Phase, exc: BaseException) -> None:
+        """Mark the servers ``exc`` failed on (every target, unless it is a fleet error
+        naming them) as failed at ``phase``; a server keeps its first failure."""
+        if isinstance(exc, FleetError):
+            failures = {url: _error_of(exc, url) or exc for url in exc.failed}
+        else:
+            failures = dict.fromkeys(self.targets, exc)
+        for url, error in failures.items():
+            if url in self.outcomes and self.outcomes[url].ok:
+                self.outcomes[url] = ServerOutcome(url, ok=False, phase=phase, error=error)
+
+    # ------------------------------------------------------------------ ends
+    async def rollback(self) -> None:
+        """Leave no server with an active update, mark every server the round reached
+        dirty, and resume the paused ones."""
+        if self.open:
+            await self._end_updates(sorted(self.open))
+        reached = [
+            url
+            for url, outcome in self.outcomes.items()
+            if url in self.open or outcome.phase in (Phase.UPDATE, Phase.FINISH)
+        ]
+        for url in reached:
+            self.outcomes[url].dirty = True
+        self.fleet.mark_dirty(reached)
+        if self.paused:
+            try:
+                await self.fleet.resume(targets=self.paused, require="all")
+            except FleetError as exc:
+                self._record(Phase.RESUME, exc)
+
+    async def _end_updates(self, urls: list[str]) -> None:
+        """End the active update on ``urls`` with the backend's abort update. A rejection
+        is the expected answer (the server then holds no active update); a server that
+        accepted it, or did not answer, stays dirty."""
+        await self.fleet.update_weights(
+            self.abort_info, targets=urls, require="none", expect_failure=True
+        )
+
+    def commit(self) -> None:
+        """Every target finished: the version is published, whatever resume does next."""
+        self.fleet.mark_clean(self.targets)
+        self.fleet.set_weight_version(self.version, self.targets)
+        self.published_version = self.version
+
+    def report(self, stats: SendStats, total: float) -> PublishReport:
+        measured = {"start": 0.0, "transfer": 0.0, "finish": 0.0, **self.seconds}
+        measured["pack"] = stats.pack_seconds
+        seconds = {key: measured[key] for key in _SECONDS_ORDER if key in measured}
+        seconds["total"] = total
+        return PublishReport(
+            version=self.version,
+            servers=list(self.targets),
+            bytes=stats.bytes,
+            chunks=stats.chunks,
+            params=stats.params,
+            seconds=seconds,
+            outcomes=self.outcomes,
+        )
+
+    def error(self, exc: BaseException) -> PublishError:
+        failed = [o for o in self.outcomes.values() if not o.ok]
+        dirty = [o.url for o in self.outcomes.values() if o.dirty]
+        lines = "; ".join(f"{o.url} failed at {o.phase}: {o.error}" for o in failed) or str(exc)
+        return PublishError(
+            f"publishing version {self.version!r} failed ({lines}); published version "
+            f"stays {self.published_version!r}",
+            version=self.version,
+            outcomes=self.outcomes,
+            needs_resync=dirty,
+        )
+
+
+def _error_of(exc: FleetError, url: str) -> BaseException | None:
+    return getattr(exc.outcomes.get(url), "error", None)

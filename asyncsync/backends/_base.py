@@ -1,0 +1,132 @@
+"""What a trainer-side transport implements to plug into ``AsyncWeightPublisher``.
+
+A backend is a class registered under a name (see :mod:`asyncsync.backends`). The
+publisher creates one per publisher, calls :meth:`TrainerBackend.init` once and
+:meth:`TrainerBackend.send` once per round, both in its worker thread, and
+:meth:`TrainerBackend.close` when it closes. A backend talks to the servers only through
+the :class:`~asyncsync._bridge.SyncFleetClient` it is handed: vLLM's four blocking
+``VLLMWeightSyncClient`` methods plus ``begin_init`` / ``begin_update``, which start a
+fan-out and return a :class:`concurrent.futures.Future` at once (for transports whose own
+handshake or broadcast must run while the HTTP call is in flight). The publish round
+behind that client does the bookkeeping: per-server outcomes, timings, rollback.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from asyncsync._bridge import InitInfo, SyncFleetClient
+
+if TYPE_CHECKING:
+    from asyncsync._weights import WeightSource
+
+#: Which trainer-engine style drives a round: vLLM 0.3x's ``send_weights`` with a
+#: synchronous client (``"engine"``) or vLLM 0.23's ``trainer_send_weights`` with a
+#: rank-0 ``send_mode`` callback (``"callback"``).
+TrainerApi = Literal["engine", "callback"]
+
+
+class RoundCancelled(Exception):
+    """The round was cancelled at a chunk boundary (nothing more is sent)."""
+
+
+@dataclass(frozen=True)
+class SendControl:
+    """The round's hold on a send: its cancel event and its progress callback."""
+
+    cancel: threading.Event
+    #: called after each payload is announced with (payloads so far, bytes so far)
+    on_chunk: Callable[[int, int], None] | None = None
+
+
+@dataclass
+class SendStats:
+    """What one send moved, for reports."""
+
+    chunks: int = 0
+    bytes: int = 0
+    params: int = 0
+    pack_seconds: float = 0.0
+
+
+class TrainerBackend(ABC):
+    """The trainer side of one transport.
+
+    Subclasses set :attr:`name` and :attr:`server_backend`, implement :meth:`init_info`
+    and :meth:`send`, and take their own options as keyword-only ``__init__`` arguments
+    after the common ones (``rank``, ``world_size``, ``api``); ``AsyncWeightPublisher``
+    passes its extra keyword arguments through and :meth:`option_names` tells users what
+    a backend accepts.
+    """
+
+    #: The name ``AsyncWeightPublisher(backend=...)`` looks up, e.g. ``"shm"``.
+    name: ClassVar[str]
+    #: The vLLM ``--weight-transfer-config`` backend the servers must run.
+    server_backend: ClassVar[str]
+
+    def __init__(self, *, rank: int = 0, world_size: int = 1, api: TrainerApi = "engine") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.api = api
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The backend-specific keyword options of this class's ``__init__``."""
+        common = set(inspect.signature(TrainerBackend.__init__).parameters)
+        return tuple(
+            name
+            for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name not in common and p.kind is inspect.Parameter.KEYWORD_ONLY
+        )
+
+    @property
+    def is_sender(self) -> bool:
+        """Rank 0 packs and talks HTTP; other ranks iterate the weights in lockstep."""
+        return self.rank == 0
+
+    @abstractmethod
+    def init_info(self) -> InitInfo:
+        """What ``/init_weight_transfer_engine`` sends (one mapping, or one per server)."""
+
+    def init(self, client: SyncFleetClient) -> None:
+        """Rank 0, worker thread, once before the first round: initialize the servers'
+        engines. A transport whose rendezvous must run while the HTTP call is in flight
+        overrides this: ``pending = client.begin_init(info)``, rendezvous, then
+        ``pending.result()``."""
+        client.init_weight_transfer_engine(self.init_info())
+
+    def check(self, source: WeightSource) -> None:
+        """Refuse input that cannot be sent (ValueError/TypeError naming the parameter)
+        from the source's metadata alone, before the round touches any server. Runs on
+        the event loop: metadata only, no tensor data."""
+        del source
+
+    @abstractmethod
+    def send(
+        self, source: WeightSource, client: SyncFleetClient | None, control: SendControl
+    ) -> SendStats:
+        """Send one round, in the worker thread.
+
+        With a client (rank 0): call ``client.start_weight_update()`` once, only when the
+        input is known good (once the first payload is ready), then
+        ``client.update_weights(info)`` per payload (it returns when every server took
+        it; or ``begin_update``), then ``client.finish_weight_update()``. Report each
+        payload to ``control.on_chunk``; stop with :class:`RoundCancelled` at the next
+        payload boundary once ``control.cancel`` is set. Without a client (other ranks):
+        iterate ``source`` in lockstep, send nothing.
+        """
+
+    def abort_info(self) -> Mapping[str, Any]:
+        """An update_info the servers' engine rejects on purpose. vLLM clears its
+        active-update flag when an update fails, so sending it ends a round that a dead
+        or cancelled trainer left open. The default is a key that no vLLM update-info
+        class accepts."""
+        return {"asyncsync_abort": True}
+
+    def close(self) -> None:  # noqa: B027 - a backend without resources keeps it
+        """Release the backend's resources (idempotent)."""

@@ -1,0 +1,26 @@
+"""The ``asyncsync_shm`` info classes vLLM builds with ``cls(**info)``: vLLM's bases plus
+the shared wire fields of :mod:`asyncsync.backends._wire` (one definition of the fields
+for the trainer and the worker side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
+
+__all__ = ["ShmInitInfo", "ShmUpdateInfo"]
+
+
+@dataclass
+class ShmInitInfo(ShmInitFields, WeightTransferInitInfo):  # type: ignore[misc]
+    """Sent once by the trainer at ``/init_weight_transfer_engine``."""
+
+
+@dataclass
+class ShmUpdateInfo(ShmUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
+    """One chunk (see :mod:`asyncsync.backends._wire`)."""
