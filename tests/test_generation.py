@@ -171,7 +171,8 @@ def test_options_are_validated_and_misplaced_ones_named() -> None:
     from asyncsync._genwire import split_options
 
     req, _ = split_options({"temperature": 1})
-    assert req.temperature == 1 and type(req.temperature) is int  # sent as given
+    assert req.temperature == 1
+    assert type(req.temperature) is int  # sent as given
     with pytest.raises(ValueError, match="n must be an int"):
         split_options({}, n=True)
     with pytest.raises(ValueError, match="max_tokens"):
@@ -390,10 +391,10 @@ async def test_malformed_responses_are_generation_errors_naming_the_server(
 @pytest.mark.asyncio
 async def test_http_errors_keep_their_type(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:
+        raw: Call[None] = Call(
+            "generate", "POST", GENERATE_ROUTE, "generate", lambda _d: None, "a completion"
+        )
         with pytest.raises(az.ServerError, match="too_short") as info:
-            raw: Call[None] = Call(
-                "generate", "POST", GENERATE_ROUTE, "generate", lambda _d: None, "a completion"
-            )
             await client.endpoint.request(  # an empty prompt, which the client itself refuses
                 raw, b'{"token_ids": [], "sampling_params": {}}'
             )
