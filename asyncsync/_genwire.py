@@ -171,23 +171,20 @@ class GenerationRequest(NamedTuple):
     def sampling(self) -> dict[str, Any]:
         """vLLM's ``sampling_params`` for this request (fields left None are not sent)."""
         params: dict[str, Any] = {"n": self.n}
-        if self.max_tokens is not None:
-            params["max_tokens"] = self.max_tokens
-        if self.temperature is not None:
-            params["temperature"] = self.temperature
-        if self.top_p is not None:
-            params["top_p"] = self.top_p
-        if self.top_k is not None:
-            params["top_k"] = self.top_k
-        if self.logprobs is not None:
-            params["logprobs"] = self.logprobs
-        if self.stop_token_ids is not None:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        if self.seed is not None:
-            params["seed"] = self.seed
+        stop = None if self.stop_token_ids is None else list(self.stop_token_ids)
+        _set_given(
+            params, max_tokens=self.max_tokens, temperature=self.temperature,
+            top_p=self.top_p, top_k=self.top_k, logprobs=self.logprobs,
+            stop_token_ids=stop, seed=self.seed,
+        )  # fmt: skip
         if self.extra:
             params.update(self.extra)
         return params
+
+
+def _set_given(into: dict[str, Any], **fields: Any) -> None:
+    """Copy the fields that are not None into ``into``, in order."""
+    into.update({key: value for key, value in fields.items() if value is not None})
 
 
 class SendOptions(NamedTuple):
@@ -347,12 +344,7 @@ def request_body(
         body["return_tokens_as_token_ids"] = True
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
-    if req.cache_salt is not None:
-        body["cache_salt"] = req.cache_salt
-    if req.request_id is not None:
-        body["request_id"] = req.request_id
-    if req.model is not None:
-        body["model"] = req.model
+    _set_given(body, cache_salt=req.cache_salt, request_id=req.request_id, model=req.model)
     if stream:
         body["stream"] = True
     return _json.dumps(body)

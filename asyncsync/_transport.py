@@ -36,6 +36,7 @@ from asyncsync._timeouts import Timeouts
 __all__ = ["KEEPALIVE_TIMEOUT", "Endpoint", "Transport", "map_error", "never_sent", "status_error"]
 
 T = TypeVar("T")
+E = TypeVar("E", bound=AsyncSyncError)
 
 #: Seconds an idle pooled connection is kept. Below uvicorn's 5 s keep-alive timeout, so
 #: the client closes idle connections before vLLM does: otherwise a request written just
@@ -298,13 +299,10 @@ def parse_answer(call: Call[T], server: str, status: int, payload: bytes) -> T:
     except (ValueError, Malformed) as exc:
         excerpt = _text(payload).strip()
         shown = repr(excerpt[:120] + ("..." if len(excerpt) > 120 else "")) if excerpt else None
-        raise ServerError(
-            f"malformed {status} response: expected {call.expect}, got {shown or 'an empty body'}",
-            server=server,
-            route=call.route,
-            status=status,
-            body=_text(payload),
-        ) from exc
+        message = (
+            f"malformed {status} response: expected {call.expect}, got {shown or 'an empty body'}"
+        )
+        raise _answer_error(ServerError, message, call, server, status, payload) from exc
 
 
 def status_error(
@@ -320,21 +318,22 @@ def status_error(
             "the RL routes exist only when vLLM runs with VLLM_SERVER_DEV_MODE=1"
         )
         detail = f" ({message})" if message else ""
-        return ProtocolError(
-            f"{call.method} {call.route} is not served by this server{detail}: {hint}",
-            server=server,
-            route=call.route,
-            status=status,
-            body=_text(body),
-        )
+        message = f"{call.method} {call.route} is not served by this server{detail}: {hint}"
+        return _answer_error(ProtocolError, message, call, server, status, body)
     if message is None:
         excerpt = _text(body).strip()
         message = f"HTTP {status} {resp.reason or ''}".strip()
         if excerpt:
             message = f"{message}: {excerpt[:200]}"
-    err = ServerError(message, server=server, route=call.route, status=status, body=_text(body))
+    err = _answer_error(ServerError, message, call, server, status, body)
     err.retry_after = parse_retry_after(resp.headers.get("Retry-After"))
     return err
+
+
+def _answer_error(
+    kind: type[E], message: str, call: Call[Any], server: str, status: int, body: bytes
+) -> E:
+    return kind(message, server=server, route=call.route, status=status, body=_text(body))
 
 
 def map_error(
