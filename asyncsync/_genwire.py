@@ -19,7 +19,7 @@ sample, a stream is many pieces per sample, accumulated by :class:`StreamAssembl
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, TypedDict, TypeGuard
 
@@ -171,20 +171,23 @@ class GenerationRequest(NamedTuple):
     def sampling(self) -> dict[str, Any]:
         """vLLM's ``sampling_params`` for this request (fields left None are not sent)."""
         params: dict[str, Any] = {"n": self.n}
-        stop = None if self.stop_token_ids is None else list(self.stop_token_ids)
-        _set_given(
-            params, max_tokens=self.max_tokens, temperature=self.temperature,
-            top_p=self.top_p, top_k=self.top_k, logprobs=self.logprobs,
-            stop_token_ids=stop, seed=self.seed,
-        )  # fmt: skip
+        if self.max_tokens is not None:
+            params["max_tokens"] = self.max_tokens
+        if self.temperature is not None:
+            params["temperature"] = self.temperature
+        if self.top_p is not None:
+            params["top_p"] = self.top_p
+        if self.top_k is not None:
+            params["top_k"] = self.top_k
+        if self.logprobs is not None:
+            params["logprobs"] = self.logprobs
+        if self.stop_token_ids is not None:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["seed"] = self.seed
         if self.extra:
             params.update(self.extra)
         return params
-
-
-def _set_given(into: dict[str, Any], **fields: Any) -> None:
-    """Copy the fields that are not None into ``into``, in order."""
-    into.update({key: value for key, value in fields.items() if value is not None})
 
 
 class SendOptions(NamedTuple):
@@ -210,18 +213,20 @@ def split_options(
     are a TypeError naming what to use instead.
     """
     get = options.get
-    if not _ROUTING_KEYS.isdisjoint(options):
-        if not routed:
+    send = _DEFAULT_SEND
+    if not (_SEND_KEYS.isdisjoint(options) and _ROUTING_KEYS.isdisjoint(options)):
+        if not routed and not _ROUTING_KEYS.isdisjoint(options):
             misplaced = ", ".join(sorted(_ROUTING_KEYS.intersection(options)))
             raise TypeError(
                 f"{where}() got {misplaced}: routing options belong to Fleet.generate, not "
                 "to a single server's client"
             )
-        send = _send_options(get)
-    elif not _SEND_KEYS.isdisjoint(options):
-        send = _send_options(get)
-    else:
-        send = _DEFAULT_SEND
+        send = SendOptions(
+            get("timeout"), get("route", "auto"), get("tokenizer"), get("min_version"),
+            get("admission_timeout"), get("session_id"),
+        )  # fmt: skip
+        if send.route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {send.route!r}")
     max_tokens, logprobs, stop = get("max_tokens", 16), get("logprobs"), get("stop_token_ids")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
@@ -243,16 +248,6 @@ def split_options(
         get("cache_salt"), get("request_id"), get("model"), extra,
     )  # fmt: skip
     return request, send
-
-
-def _send_options(get: Callable[..., Any]) -> SendOptions:
-    send = SendOptions(
-        get("timeout"), get("route", "auto"), get("tokenizer"), get("min_version"),
-        get("admission_timeout"), get("session_id"),
-    )  # fmt: skip
-    if send.route not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES}, got {send.route!r}")
-    return send
 
 
 # ------------------------------------------------------------------------ prompts
@@ -344,7 +339,9 @@ def request_body(
         body["return_tokens_as_token_ids"] = True
         if prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs
-    _set_given(body, cache_salt=req.cache_salt, request_id=req.request_id, model=req.model)
+    if req.cache_salt is not None or req.request_id is not None or req.model is not None:
+        given = {"cache_salt": req.cache_salt, "request_id": req.request_id, "model": req.model}
+        body.update({key: value for key, value in given.items() if value is not None})
     if stream:
         body["stream"] = True
     return _json.dumps(body)
