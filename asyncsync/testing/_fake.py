@@ -277,6 +277,11 @@ class FakeVLLMServer:
         return_token_ids: False emulates a server that ignores ``return_token_ids`` on
             ``/v1/completions`` (no token ids: the re-tokenize fallback case).
         token_delay: seconds per generated token (to pause or abort mid-generation).
+        tokens_per_event: how many tokens each streamed event carries: an int for every
+            event, or the sizes of a sample's successive events (the last size repeats).
+            vLLM sends one event per engine step while its HTTP writer keeps up and
+            coalesces several tokens into one event when it does not (under load); the
+            final event always carries the last tokens with the finish reason.
         vocab_size, max_model_len, model: of the fake model (:class:`FakeLM`).
 
     Generation follows :class:`FakeLM` (deterministic, closed-form logprobs). Pausing
@@ -303,6 +308,7 @@ class FakeVLLMServer:
         tokenizer: bool = True,
         return_token_ids: bool = True,
         token_delay: float = 0.0,
+        tokens_per_event: int | Sequence[int] = 1,
         vocab_size: int = 512,
         max_model_len: int = 256,
         model: str = "fake-model",
@@ -345,6 +351,10 @@ class FakeVLLMServer:
         self.tokenizer = tokenizer
         self.return_token_ids = return_token_ids
         self.token_delay = token_delay
+        self.tokens_per_event = tokens_per_event
+        sizes = [tokens_per_event] if isinstance(tokens_per_event, int) else tokens_per_event
+        for event in range(max(len(sizes), 1)):
+            self._event_size(event)  # a bad setting fails here, not mid-stream
         self.max_model_len = max_model_len
         self.model = model
         self.lm = FakeLM(vocab_size)
@@ -846,6 +856,19 @@ class FakeVLLMServer:
                 return True
             await self._resumed.wait()
 
+    def _event_size(self, event: int) -> int:
+        """Tokens in a streamed sample's ``event``-th event (see ``tokens_per_event``)."""
+        sizes = self.tokens_per_event
+        if isinstance(sizes, int):
+            size = sizes
+        elif sizes:
+            size = sizes[min(event, len(sizes) - 1)]
+        else:
+            raise ValueError("tokens_per_event must not be empty")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tokens_per_event sizes must be ints >= 1, got {sizes!r}")
+        return size
+
     async def _sample(
         self,
         prompt: list[int],
@@ -885,9 +908,11 @@ class FakeVLLMServer:
         ids = [token] + [t for t in self.lm.top(context, k, gen) if t != token]
         return ids[: max(k, 1)]
 
-    def _content_logprobs(self, sample: _Sample, k: int, start: int = 0) -> dict[str, Any]:
+    def _content_logprobs(
+        self, sample: _Sample, k: int, start: int = 0, end: int | None = None
+    ) -> dict[str, Any]:
         content = []
-        for i in range(start, len(sample.token_ids)):
+        for i in range(start, len(sample.token_ids) if end is None else end):
             ctx, tok, gen = sample.contexts[i], sample.token_ids[i], sample.generations[i]
             if self.protocol == "0.23":
                 content.append(
@@ -923,12 +948,17 @@ class FakeVLLMServer:
             )
         return {"content": content}
 
-    def _legacy_logprobs(self, sample: _Sample, k: int, as_ids: bool, start: int = 0) -> Any:
+    def _legacy_logprobs(
+        self, sample: _Sample, k: int, as_ids: bool, start: int = 0, end: int | None = None
+    ) -> Any:
+        """Legacy logprobs of tokens ``start:end``; offsets count from the sample's start
+        (as vLLM's stream events do: each starts at the length of the text so far)."""
+
         def key(t: int) -> str:
             return f"token_id:{t}" if as_ids else _token_text(t).strip()
 
         tokens, lps, tops, offsets = [], [], [], []
-        for i in range(start, len(sample.token_ids)):
+        for i in range(start, len(sample.token_ids) if end is None else end):
             ctx, tok, gen = sample.contexts[i], sample.token_ids[i], sample.generations[i]
             tokens.append(key(tok))
             lps.append(self.lm.logprob(ctx, tok, gen))
@@ -1072,53 +1102,62 @@ class FakeVLLMServer:
     async def _stream_generate(
         self, request: web.Request, prompt: list[int], sp: dict[str, Any], rid: str, epoch: int
     ) -> web.StreamResponse:
-        """SSE like vLLM: one event per token, the last token's event carries the finish
-        reason (and, on 0.32, the weight-version spans); an abort with no new token gets
-        an event of its own; then ``data: [DONE]``."""
+        """SSE like vLLM: events of ``tokens_per_event`` tokens (see
+        :meth:`_stream_sample`), the last one with the finish reason (and, on 0.32, the
+        weight-version spans); then ``data: [DONE]``."""
         resp = await self._sse(request)
         k = sp["logprobs"]
         for index in range(sp["n"]):
-            pending: list[int] = []
 
-            async def on_token(
-                sample: _Sample, pos: int, index: int = index, pending: list[int] = pending
+            async def emit(
+                sample: _Sample, start: int, end: int, final: bool, index: int = index
             ) -> None:
-                if pending:
-                    chunk = self._gen_chunk(rid, index, sample, pending.pop(), k, final=False)
-                    await resp.write(b"data: " + _json.dumps(chunk) + b"\n\n")
-                pending.append(pos)
+                chunk = self._gen_chunk(rid, index, sample, start, end, k, final=final)
+                await resp.write(b"data: " + _json.dumps(chunk) + b"\n\n")
 
-            done = await self._sample(prompt, sp, index, rid, epoch, on_token=on_token)
-            last = self._gen_chunk(
-                rid, index, done, pending.pop() if pending else None, k, final=True
-            )
-            await resp.write(b"data: " + _json.dumps(last) + b"\n\n")
+            await self._stream_sample(prompt, sp, index, rid, epoch, emit)
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+    async def _stream_sample(
+        self,
+        prompt: list[int],
+        sp: dict[str, Any],
+        index: int,
+        rid: str,
+        epoch: int,
+        emit: Callable[[_Sample, int, int, bool], Awaitable[None]],
+    ) -> None:
+        """Generate one sample and hand its tokens to ``emit(sample, start, end, final)``
+        one event at a time: an event is sent once it holds its ``tokens_per_event`` and
+        a further token exists, so the final event (whose finish reason is known only at
+        the end) carries the last tokens; an abort with no new token gets an empty one."""
+        start = 0  # the first token not sent yet
+        events = 0
+
+        async def on_token(sample: _Sample, pos: int) -> None:
+            nonlocal start, events
+            if pos - start >= self._event_size(events):
+                await emit(sample, start, pos, False)
+                start, events = pos, events + 1
+
+        done = await self._sample(prompt, sp, index, rid, epoch, on_token=on_token)
+        await emit(done, start, len(done.token_ids), True)
 
     def _gen_chunk(
         self,
         rid: str,
         index: int,
         sample: _Sample,
-        pos: int | None,
+        start: int,
+        end: int,
         k: int | None,
         *,
         final: bool,
     ) -> dict[str, Any]:
-        """One SSE event of ``/inference/v1/generate``: token ``pos`` (None: no token)."""
-        tokens = [] if pos is None else [sample.token_ids[pos]]
-        logprobs = None
-        if k is not None:
-            one = _Sample([], [], [], [])
-            if pos is not None:
-                one = _Sample(
-                    sample.token_ids[pos : pos + 1],
-                    sample.contexts[pos : pos + 1],
-                    sample.generations[pos : pos + 1],
-                    sample.versions[pos : pos + 1],
-                )
-            logprobs = self._content_logprobs(one, k)
+        """One SSE event of ``/inference/v1/generate``: tokens ``start:end``."""
+        tokens = sample.token_ids[start:end]
+        logprobs = None if k is None else self._content_logprobs(sample, k, start, end)
         spans = _spans(sample.versions) if final and self.protocol == "0.32" else None
         choice: dict[str, Any] = {
             "index": index,
@@ -1223,15 +1262,8 @@ class FakeVLLMServer:
         created = int(time.time())
         first = [True]
 
-        def chunk(index: int, sample: _Sample, pos: int | None, final: bool) -> bytes:
-            one = _Sample([], [], [], [])
-            if pos is not None:
-                one = _Sample(
-                    sample.token_ids[pos : pos + 1],
-                    sample.contexts[pos : pos + 1],
-                    sample.generations[pos : pos + 1],
-                    sample.versions[pos : pos + 1],
-                )
+        def chunk(index: int, sample: _Sample, start: int, end: int, final: bool) -> bytes:
+            tokens = sample.token_ids[start:end]
             event: dict[str, Any] = {
                 "id": rid,
                 "object": "text_completion",
@@ -1240,12 +1272,14 @@ class FakeVLLMServer:
                 "choices": [
                     {
                         "index": index,
-                        "text": self._text(one.token_ids),
-                        "logprobs": None if k is None else self._legacy_logprobs(one, k, as_ids),
+                        "text": self._text(tokens),
+                        "logprobs": None
+                        if k is None
+                        else self._legacy_logprobs(sample, k, as_ids, start, end),
                         "finish_reason": sample.finish_reason if final else None,
                         "stop_reason": sample.stop_reason if final else None,
                         "prompt_token_ids": prompt if return_ids and first[0] else None,
-                        "token_ids": one.token_ids if return_ids else None,
+                        "token_ids": tokens if return_ids else None,
                     }
                 ],
             }
@@ -1256,17 +1290,13 @@ class FakeVLLMServer:
 
         for index in range(sp["n"]):
             first[0] = True
-            pending: list[int] = []
 
-            async def on_token(
-                sample: _Sample, pos: int, index: int = index, pending: list[int] = pending
+            async def emit(
+                sample: _Sample, start: int, end: int, final: bool, index: int = index
             ) -> None:
-                if pending:
-                    await resp.write(chunk(index, sample, pending.pop(), False))
-                pending.append(pos)
+                await resp.write(chunk(index, sample, start, end, final))
 
-            done = await self._sample(prompt, sp, index, rid, epoch, on_token=on_token)
-            await resp.write(chunk(index, done, pending.pop() if pending else None, True))
+            await self._stream_sample(prompt, sp, index, rid, epoch, emit)
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
