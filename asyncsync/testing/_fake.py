@@ -86,13 +86,14 @@ class RecordedRequest:
 class Fault:
     """A misbehaviour to inject on a route (see the constructors)."""
 
-    kind: Literal["delay", "hang", "error", "malformed", "drop", "die"]
+    kind: Literal["delay", "hang", "until", "error", "malformed", "drop", "die"]
     seconds: float = 0.0
     status: int = 500
     shape: ErrorShape = "collective"
     message: str | None = None
     body: bytes = b""
     content_type: str = "application/json"
+    event: asyncio.Event | None = None
 
     @classmethod
     def delay(cls, seconds: float) -> Fault:
@@ -103,6 +104,12 @@ class Fault:
     def hang(cls) -> Fault:
         """Never answer (until the client gives up or the server stops)."""
         return cls("hang")
+
+    @classmethod
+    def until(cls, event: asyncio.Event) -> Fault:
+        """Answer normally once ``event`` is set: requests held this way are provably in
+        flight at the same time (no clock involved)."""
+        return cls("until", event=event)
 
     @classmethod
     def error(
@@ -512,6 +519,10 @@ class FakeVLLMServer:
             return None
         if fault.kind == "hang":
             await self._hang_forever.wait()
+        if fault.kind == "until":
+            assert fault.event is not None
+            await fault.event.wait()
+            return None
         if fault.kind == "error":
             if fault.shape == "collective" and request.path == "/update_weights":
                 self.update_active = False  # as vLLM does after a worker failure there
