@@ -170,3 +170,9 @@ async def test_fake_servers_in_another_process() -> None:
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
+
+
+async def test_tokens_per_event_must_be_sizes_of_at_least_one_token() -> None:
+    for bad in (0, -1, (), (2, 0)):
+        with pytest.raises(ValueError, match="tokens_per_event"):
+            FakeVLLMServer(tokens_per_event=bad)

@@ -399,10 +399,19 @@ async def test_cancelling_the_fleet_block_closes_the_session(fakes: list[FakeVLL
 
 
 async def test_fanout_is_concurrent() -> None:
+    """All eight calls are in flight at once: each server holds its /pause until every
+    one of them has received its own, which a sequential fan-out would never get past
+    (its first call would wait for control's 30 s deadline). No clock is read."""
+    all_received = asyncio.Event()
     async with AsyncExitStack() as stack:
-        fakes = [await stack.enter_async_context(FakeVLLMServer(delay=0.2)) for _ in range(8)]
+        fakes = [await stack.enter_async_context(FakeVLLMServer()) for _ in range(8)]
+        for fake in fakes:
+            fake.inject("/pause", Fault.until(all_received))
         async with az.Fleet([f.url for f in fakes], vllm_version="0.32.0") as fleet:
-            started = time.monotonic()
-            await fleet.pause()
-            elapsed = time.monotonic() - started
-    assert elapsed < 0.2 * 3  # eight 0.2 s calls in parallel, not 1.6 s in sequence
+            pause = asyncio.create_task(fleet.pause())
+            await _wait_for(lambda: all(f.requests_to("/pause") for f in fakes), within=20)
+            assert not pause.done()  # nobody has answered yet
+            all_received.set()
+            outcome = await pause
+    assert outcome.ok
+    assert all(len(f.requests_to("/pause")) == 1 for f in fakes)

@@ -586,6 +586,107 @@ async def test_stream_deltas_add_up_to_the_completion(version: str) -> None:
         assert deltas[-1].weight_versions == plain.weight_versions
 
 
+def _event_sizes(n_tokens: int, tokens_per_event: int | tuple[int, ...]) -> list[int]:
+    sizes = (tokens_per_event,) if isinstance(tokens_per_event, int) else tokens_per_event
+    out: list[int] = []
+    while sum(out) < n_tokens:
+        out.append(min(sizes[min(len(out), len(sizes) - 1)], n_tokens - sum(out)))
+    return out
+
+
+def _content(c: az.Completion) -> tuple[Any, ...]:
+    """Everything the server decides about a sample (not latency or request ids)."""
+    return (
+        c.index,
+        c.prompt_token_ids,
+        c.token_ids,
+        c.logprobs,
+        c.top_logprobs,
+        c.top_logprobs_text,
+        c.finish_reason,
+        c.stop_reason,
+        c.weight_versions,
+        c.text,
+        c.retokenized,
+    )
+
+
+@pytest.mark.parametrize("tokens_per_event", [2, 3, 7, 100, (1, 4, 2)])
+@pytest.mark.parametrize("route", ["generate", "completions"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.23.0"])
+@pytest.mark.asyncio
+async def test_stream_accepts_events_of_several_tokens(
+    version: str, route: str, tokens_per_event: int | tuple[int, ...]
+) -> None:
+    """vLLM coalesces the tokens of several engine steps into one event when its HTTP
+    writer falls behind (a loaded machine): however the tokens are split, the stream
+    assembles the same completions as the one-token-per-event stream and as the plain
+    call, and hands each event's tokens over as one delta."""
+    kwargs: dict[str, Any] = {
+        "n": 2,
+        "max_tokens": 7,
+        "temperature": 1.0,
+        "seed": 5,
+        "logprobs": 2,
+        "route": route,
+    }
+    async with FakeVLLMServer(version=version) as fake, az.AsyncVLLMClient(fake.url) as client:
+        plain = await client.generate(PROMPT, **kwargs)
+        async with client.stream(PROMPT, **kwargs) as one_per_event:
+            assert {len(d.token_ids) async for d in one_per_event} == {1}
+        fake.tokens_per_event = tokens_per_event
+        async with client.stream(PROMPT, **kwargs) as stream:
+            deltas = [d async for d in stream]
+    for index in range(2):
+        mine = [d for d in deltas if d.index == index]
+        assert [len(d.token_ids) for d in mine] == _event_sizes(7, tokens_per_event)
+        assert [d.finish_reason for d in mine][-1] == "length"
+        assert all(d.finish_reason is None for d in mine[:-1])
+        assert [t for d in mine for t in d.token_ids] == plain[index].token_ids
+        assert [x for d in mine for x in d.logprobs or []] == plain[index].logprobs
+        assert [x for d in mine for x in d.top_logprobs or []] == plain[index].top_logprobs
+        if version == "0.32.0" and route == "generate":
+            assert mine[-1].weight_versions == plain[index].weight_versions
+            assert [(s.start, s.end) for s in mine[-1].weight_versions] == [(0, 7)]
+    assert [_content(c) for c in stream.completions] == [_content(c) for c in plain]
+    assert [_content(c) for c in one_per_event.completions] == [_content(c) for c in plain]
+
+
+@pytest.mark.asyncio
+async def test_coalesced_final_event_carries_the_spans_of_two_versions() -> None:
+    """A keep-pause and a weight update in the middle of a stream whose events carry
+    several tokens: the final event's spans cover tokens that arrived in earlier events
+    too, and the assembled completion has both versions, split where the update was."""
+    # Slow tokens until the pause is in place (the pause has 200 x 50 ms to land), then
+    # fast ones: the test does not depend on how quickly the pause gets there.
+    async with (
+        FakeVLLMServer(token_delay=0.05, tokens_per_event=3) as fake,
+        az.Fleet([fake.url]) as fleet,
+        fleet.stream(PROMPT, max_tokens=200, temperature=0) as stream,
+    ):
+        deltas = [await anext(stream)]
+        await fleet.pause("keep")
+        fake.token_delay = 0.0
+        await fleet.start_weight_update()
+        await fleet.update_weights({"names": []})
+        await fleet.finish_weight_update("v1")
+        await fleet.resume()
+        deltas += [d async for d in stream]
+    c = stream.completion
+    assert [len(d.token_ids) for d in deltas[:-1]] == [3] * (len(deltas) - 1)
+    assert len(deltas[-1].token_ids) == 200 - 3 * (len(deltas) - 1)
+    assert [t for d in deltas for t in d.token_ids] == c.token_ids
+    first, second = c.weight_versions
+    assert (first.version, second.version) == ("default", "v1")
+    assert first.start == 0
+    assert 3 <= first.end == second.start < 200
+    assert second.end == 200
+    assert deltas[-1].weight_versions == c.weight_versions
+    cut = first.end
+    assert c.token_ids[:cut] == expected_greedy(PROMPT, cut)
+    assert c.token_ids[cut] == LM.greedy(PROMPT + c.token_ids[:cut], 1)
+
+
 @pytest.mark.asyncio
 async def test_stream_on_completions_route_and_abort(fake32: FakeVLLMServer) -> None:
     fake32.token_delay = 0.01

@@ -100,6 +100,18 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
         az.Fleet([big_server.url]) as fleet,
         az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER) as publisher,
     ):
+        # When each update_weights call (the server loading a chunk) was in flight.
+        in_flight: list[tuple[float, float]] = []
+        update_weights = fleet.update_weights
+
+        async def timed_update_weights(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await update_weights(*args, **kwargs)
+            finally:
+                in_flight.append((started, time.perf_counter()))
+
+        fleet.update_weights = timed_update_weights  # type: ignore[method-assign]
         await publisher.init()
         gc.collect()
         gc.freeze()  # as a trainer would after setup: no full collections mid-round
@@ -109,16 +121,20 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
         finally:
             gc.unfreeze()
         summary = lag.summary()
-        print(f"\nloop lag during a {model_bytes / 1e6:.0f} MB publish: {summary}; {report}")
+        ticks = [lag.ticks_between(start, end) for start, end in in_flight]
+        print(
+            f"\nloop lag during a {model_bytes / 1e6:.0f} MB publish: {summary}; "
+            f"ticks while each update_weights was in flight: {ticks}; {report}"
+        )
         assert report.chunks >= 3
         assert report.bytes >= model_bytes
-        # The loop kept ticking through the whole round: a blocking send on the loop
-        # would stall it for most of the round (the servers' loading dominates it).
-        # Absolute figures depend on the machine's load; nox -s bench tracks them.
-        total_ms = report.total_seconds * 1000
-        assert summary["samples"] > 50, summary
-        assert summary["p50_ms"] < 5, summary
-        assert summary["max_ms"] < 0.5 * total_ms, (summary, total_ms)
+        assert len(in_flight) == report.chunks
+        # The loop kept running while the server loaded the chunks: a send that blocked
+        # the loop would leave no tick at all inside those calls, however idle or busy
+        # the machine. How late the ticks are depends on the machine's load (median
+        # 0.07 ms idle, 5-9 ms with both cores busy; the longest gap, 0.2-0.8 s under
+        # load, is not far from half of a round then), so speed is left to nox -s bench.
+        assert sum(ticks) > 0, (ticks, in_flight, summary)
         assert await _greedy(fleet, big_server.url, 6) == expected
         assert (await fleet.weight_info()).values == {big_server.url: "big-1"}
 

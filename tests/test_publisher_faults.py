@@ -33,7 +33,9 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
 ) -> None:
     healthy, hung = fakes
     hung.inject("/update_weights", Fault.hang())
-    timeouts = az.Timeouts(connect=2, control=2, update=0.5, generate=2)
+    # The other deadlines are far from update's, so that which one ended the round is
+    # beyond doubt on a loaded machine.
+    timeouts = az.Timeouts(connect=60, control=60, update=0.5, generate=60)
     async with (
         az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
         az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
@@ -41,11 +43,11 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
         started = time.monotonic()
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(WEIGHTS, version="v1", pause="wait")
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 60  # ended by update's 0.5 s, not by a 60 s one
         err = info.value
         assert isinstance(err.outcomes[hung.url].error, az.ServerTimeout)
         assert err.outcomes[hung.url].phase == "update"
-        assert "no response within 0.5 s" in str(err)
+        assert "no response within 0.5 s (update deadline)" in str(err)
         assert publisher.version is None
         assert set(err.needs_resync) == {healthy.url, hung.url}
         assert fleet.state(healthy.url).dirty

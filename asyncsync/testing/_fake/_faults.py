@@ -3,6 +3,7 @@ the error bodies they answer with."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,13 +26,14 @@ _OPENAI_TYPES = {400: "Bad Request", 500: "InternalServerError", 503: "ServiceUn
 class Fault:
     """A misbehaviour to inject on a route (see the constructors)."""
 
-    kind: Literal["delay", "hang", "error", "malformed", "drop", "die"]
+    kind: Literal["delay", "hang", "until", "error", "malformed", "drop", "die"]
     seconds: float = 0.0
     status: int = 500
     shape: ErrorShape = "collective"
     message: str | None = None
     body: bytes = b""
     content_type: str = "application/json"
+    event: asyncio.Event | None = None
 
     @classmethod
     def delay(cls, seconds: float) -> Fault:
@@ -42,6 +44,12 @@ class Fault:
     def hang(cls) -> Fault:
         """Never answer (until the client gives up or the server stops)."""
         return cls("hang")
+
+    @classmethod
+    def until(cls, event: asyncio.Event) -> Fault:
+        """Answer normally once ``event`` is set: requests held this way are provably in
+        flight at the same time (no clock involved)."""
+        return cls("until", event=event)
 
     @classmethod
     def error(

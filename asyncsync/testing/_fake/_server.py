@@ -50,6 +50,11 @@ class FakeVLLMServer(FakeState):
         return_token_ids: False emulates a server that ignores ``return_token_ids`` on
             ``/v1/completions`` (no token ids: the re-tokenize fallback case).
         token_delay: seconds per generated token (to pause or abort mid-generation).
+        tokens_per_event: how many tokens each streamed event carries: an int for every
+            event, or the sizes of a sample's successive events (the last size repeats).
+            vLLM sends one event per engine step while its HTTP writer keeps up and
+            coalesces several tokens into one event when it does not (under load); the
+            final event always carries the last tokens with the finish reason.
         vocab_size, max_model_len, model: of the fake model (:class:`FakeLM`).
         max_recorded: how many requests (:attr:`requests`) and accepted updates
             (:attr:`updates`) the server keeps, the oldest dropped first; ``None``: all
@@ -178,6 +183,10 @@ class FakeVLLMServer(FakeState):
             return None
         if fault.kind == "hang":
             await asyncio.Event().wait()  # never set: until the handler is cancelled
+        if fault.kind == "until":
+            assert fault.event is not None
+            await fault.event.wait()
+            return None
         if fault.kind == "error":
             if fault.shape == "collective" and request.path == "/update_weights":
                 self.update_active = False  # as vLLM does after a worker failure there

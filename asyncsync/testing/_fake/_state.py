@@ -57,6 +57,7 @@ class FakeState:
         tokenizer: bool = True,
         return_token_ids: bool = True,
         token_delay: float = 0.0,
+        tokens_per_event: int | Sequence[int] = 1,
         vocab_size: int = 512,
         max_model_len: int = 256,
         model: str = "fake-model",
@@ -81,10 +82,27 @@ class FakeState:
         self.scale_out = scale_out
         self.tokenizer = tokenizer
         self.return_token_ids = return_token_ids
+        self.tokens_per_event = tokens_per_event
+        sizes = [tokens_per_event] if isinstance(tokens_per_event, int) else tokens_per_event
+        for event in range(max(len(sizes), 1)):
+            self._event_size(event)  # a bad setting fails here, not mid-stream
         self.lm = FakeLM(vocab_size)
         self.max_model_len = max_model_len
         self.model = model
         self._hold_nothing_yet(max_recorded)
+
+    def _event_size(self, event: int) -> int:
+        """Tokens in a streamed sample's ``event``-th event (see ``tokens_per_event``)."""
+        sizes = self.tokens_per_event
+        if isinstance(sizes, int):
+            size = sizes
+        elif sizes:
+            size = sizes[min(event, len(sizes) - 1)]
+        else:
+            raise ValueError("tokens_per_event must not be empty")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tokens_per_event sizes must be ints >= 1, got {sizes!r}")
+        return size
 
     def _hold_nothing_yet(self, max_recorded: int | None) -> None:
         """What a server holds before its first request."""

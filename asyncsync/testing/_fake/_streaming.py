@@ -1,4 +1,6 @@
-"""Streamed generations as vLLM sends them: server-sent events, one per token.
+"""Streamed generations as vLLM sends them: server-sent events of one token each, or of
+several when the server is set to coalesce them (``tokens_per_event``), as vLLM does
+under load.
 
 Both generation routes stream the same way and differ only in their events' bodies
 (an :data:`EventBody` builds one). Events are encoded with ``asyncsync._json`` (like
@@ -15,10 +17,6 @@ from aiohttp import web
 
 from asyncsync import _json
 from asyncsync.testing._fake._sampling import Job, Sample
-
-#: How many tokens an event carries (the last event of a choice may carry fewer). vLLM
-#: sends one per event unless it coalesces tokens under load.
-TOKENS_PER_EVENT = 1
 
 #: The body of one event: ``(choice index, the sample so far, start, stop, final)``;
 #: the event carries tokens ``start:stop``, and ``final`` ends its choice.
@@ -50,12 +48,14 @@ async def _stream_choice(
     response: web.StreamResponse, job: Job, index: int, event: EventBody
 ) -> None:
     sent = 0  # tokens of this choice sent so far
+    events = 0  # events of this choice sent so far
+    size = job.state._event_size
 
     async def on_token(sample: Sample, pos: int) -> None:
-        nonlocal sent
-        if pos - sent >= TOKENS_PER_EVENT:  # tokens sent:pos are complete
+        nonlocal sent, events
+        if pos - sent >= size(events):  # tokens sent:pos fill the next event
             await response.write(sse_event(event(index, sample, sent, pos, False)))
-            sent = pos
+            sent, events = pos, events + 1
 
     done = await job.sample(index, on_token)
     await response.write(sse_event(event(index, done, sent, len(done.token_ids), True)))
