@@ -258,6 +258,7 @@ def test_manifest_of_module_source() -> None:
     assert manifest.entry("weight") == ("float32", (3, 4))
 
 
+@pytest.mark.server_deps
 def test_vllm_023_engine_contract() -> None:
     """vLLM 0.23 drives the engine as ``receive_weights(update_info, load_weights)`` with
     its own layerwise reload; the adapter must validate and load the same wire format."""
@@ -288,6 +289,7 @@ def test_vllm_023_engine_contract() -> None:
     engine.shutdown()
 
 
+@pytest.mark.server_deps
 def test_plugin_entry_point_registers_the_engine() -> None:
     from importlib.metadata import entry_points
 
@@ -439,6 +441,7 @@ def test_the_round_starts_once_chunk_zero_is_packed() -> None:
     assert events == []
 
 
+@pytest.mark.server_deps
 def test_wire_types_are_shared_and_checked() -> None:
     """One protocol version and one definition of the info fields on both sides."""
     from asyncsync.backends._wire import PROTOCOL_VERSION, ShmInitFields, ShmUpdateFields

@@ -15,6 +15,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.server_deps
 def test_same_seed_gives_byte_identical_weights(tmp_path: Path) -> None:
     a = make_tiny_model(tmp_path / "a", seed=3, tokenizer=False)
     b = make_tiny_model(tmp_path / "b", seed=3, tokenizer=False)
@@ -23,6 +24,7 @@ def test_same_seed_gives_byte_identical_weights(tmp_path: Path) -> None:
     assert _digest(a / "model.safetensors") != _digest(c / "model.safetensors")
 
 
+@pytest.mark.server_deps
 def test_architecture_and_size(tiny_model_dir: Path) -> None:
     from safetensors.torch import load_file
 
@@ -38,6 +40,7 @@ def test_architecture_and_size(tiny_model_dir: Path) -> None:
     assert "lm_head.weight" in tensors
 
 
+@pytest.mark.server_deps
 def test_tokenizer_covers_the_whole_vocabulary(tiny_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 
@@ -50,6 +53,7 @@ def test_tokenizer_covers_the_whole_vocabulary(tiny_model_dir: Path) -> None:
     assert tok.eos_token_id == TINY_MODEL_CONFIG["eos_token_id"]
 
 
+@pytest.mark.server_deps
 def test_token_only_model_has_no_tokenizer(tmp_path: Path) -> None:
     d = make_tiny_model(tmp_path / "m", tokenizer=False)
     assert not (d / "tokenizer.json").exists()
@@ -61,6 +65,7 @@ def test_unknown_override_is_a_clear_error(tmp_path: Path) -> None:
         make_tiny_model(tmp_path / "m", hidden_sise=3)
 
 
+@pytest.mark.server_deps
 def test_reference_greedy_is_deterministic(tiny_model_dir: Path) -> None:
     first = reference_greedy(tiny_model_dir, [1, 5, 9], 6)
     assert first == reference_greedy(tiny_model_dir, [1, 5, 9], 6)

@@ -102,12 +102,12 @@ def make_tiny_model(
 
     Returns the model directory as a :class:`~pathlib.Path`.
     """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     unknown = set(overrides) - set(TINY_MODEL_CONFIG)
     if unknown:
         raise TypeError(f"make_tiny_model: unknown config overrides {sorted(unknown)}")
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     cfg = {**TINY_MODEL_CONFIG, **overrides}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
