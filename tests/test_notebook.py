@@ -45,6 +45,5 @@ def _output_text(cell: object) -> str:
     for output in getattr(cell, "outputs", []):
         if "text" in output:
             parts.append(output["text"])
-        for value in output.get("data", {}).values():
-            parts.append(str(value))
+        parts.extend(str(value) for value in output.get("data", {}).values())
     return "\n".join(parts)

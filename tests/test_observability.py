@@ -161,17 +161,25 @@ async def test_a_broken_hook_is_logged_and_changes_nothing(
 
 
 # ---------------------------------------------------------------------- adapters
+async def _round_and_generation(
+    fakes: list[FakeVLLMServer], hook: metrics.MetricsHook
+) -> tuple[az.PublishReport, az.Completion]:
+    """One publish round and one 4-token generation, seen by ``hook``."""
+    metrics.add_hook(hook)
+    try:
+        async with az.Fleet([f.url for f in fakes]) as fleet:
+            return await _publish(fleet, "v1"), await fleet.generate(PROMPT, max_tokens=4)
+    finally:
+        metrics.remove_hook(hook)
+
+
 @pytest.mark.asyncio
 async def test_prometheus_adapter(fakes: list[FakeVLLMServer]) -> None:
     prom = pytest.importorskip("prometheus_client", reason="prometheus_client not installed")
     registry = prom.CollectorRegistry()
-    hook = metrics.add_hook(metrics.PrometheusMetrics(registry=registry))
-    try:
-        async with az.Fleet([f.url for f in fakes]) as fleet:
-            report = await _publish(fleet, "v1")
-            completion = await fleet.generate(PROMPT, max_tokens=4)
-    finally:
-        metrics.remove_hook(hook)
+    report, completion = await _round_and_generation(
+        fakes, metrics.PrometheusMetrics(registry=registry)
+    )
 
     def value(name: str, **labels: str) -> float | None:
         got: float | None = registry.get_sample_value(name, labels)
@@ -198,13 +206,10 @@ async def test_opentelemetry_adapter(fakes: list[FakeVLLMServer]) -> None:
 
     reader = InMemoryMetricReader()
     provider = MeterProvider(metric_readers=[reader])
-    hook = metrics.add_hook(metrics.OpenTelemetryMetrics(provider.get_meter("test")))
+    hook = metrics.OpenTelemetryMetrics(provider.get_meter("test"))
     try:
-        async with az.Fleet([f.url for f in fakes]) as fleet:
-            report = await _publish(fleet, "v1")
-            completion = await fleet.generate(PROMPT, max_tokens=4)
+        report, completion = await _round_and_generation(fakes, hook)
     finally:
-        metrics.remove_hook(hook)
         provider.shutdown()
     points = _otel_points(reader)
     assert points["asyncsync.publish.bytes"] == [({}, report.bytes)]
