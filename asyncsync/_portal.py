@@ -19,6 +19,7 @@ import functools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -56,6 +57,11 @@ class PortalThread:
         self._lock = threading.Lock()
         self._portal: BlockingPortal | None = None
         self._thread: threading.Thread | None = None
+        self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def track(self, obj: Any) -> None:
+        """Close ``obj`` (its ``aclose``) when the portal stops, if it is still around."""
+        self._open.add(obj)
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -104,11 +110,17 @@ class PortalThread:
             raise
 
     def stop(self) -> None:
-        """Stop the loop, cancelling what still runs on it (at interpreter exit)."""
+        """Close the tracked objects still open, then stop the loop, cancelling what
+        still runs on it (at interpreter exit)."""
         with self._lock:
             portal, thread, self._portal, self._thread = self._portal, self._thread, None, None
         if portal is None or thread is None or not thread.is_alive():
             return
+        for obj in list(self._open):  # what the program left open (a notebook's objects)
+            try:
+                portal.call(obj.aclose)
+            except Exception:  # at exit: report it, go on closing the rest
+                logger.exception("closing %r at exit failed", obj)
         try:
             portal.call(portal.stop, True)
         except RuntimeError:  # the loop already stopped

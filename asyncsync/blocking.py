@@ -66,6 +66,10 @@ class _Closing(Facade[C]):
         self._call(self._async.__aenter__)
         return self
 
+    def _track(self) -> None:
+        """Close the async object at interpreter exit if it is still open then."""
+        self._portal.track(self._async)
+
     def __exit__(
         self,
         exc_type: type[BaseException] | None,
@@ -141,6 +145,7 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
                 retry=retry, vllm_version=vllm_version, vocab_size=vocab_size,
             )
         )  # fmt: skip
+        self._track()
 
     @property
     def base_url(self) -> str:
@@ -231,6 +236,7 @@ class Fleet(_Closing[az.Fleet]):
                 vocab_size=vocab_size,
             )
         )  # fmt: skip
+        self._track()
 
     # ------------------------------------------------------------------ servers
     def add_server(self, server: str | VLLMClient, *, check: bool = False) -> ServerState:
@@ -357,6 +363,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
                 api=api, if_busy=if_busy, **backend_options,
             )
         )  # fmt: skip
+        self._track()
 
     init = blocking_method(az.AsyncWeightPublisher.init)
     publish = blocking_method(az.AsyncWeightPublisher.publish)

@@ -12,6 +12,8 @@ import asyncio
 import inspect
 import pydoc
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -288,3 +290,28 @@ def test_help_shows_the_async_signature_and_docs() -> None:
     page = pydoc.render_doc(blocking.Fleet, renderer=pydoc.plaintext)
     assert "health(self, *, targets" in page
     assert "async health" not in page
+
+
+_LEFT_OPEN = """
+from anyio.from_thread import start_blocking_portal
+from asyncsync import blocking
+from asyncsync.testing import FakeVLLMServer
+
+with start_blocking_portal() as portal:
+    fake = FakeVLLMServer()
+    portal.call(fake.start)
+    fleet = blocking.Fleet([fake.url]).__enter__()  # never closed by the program
+    print(fleet.generate([1, 2], max_tokens=2).token_ids)
+    portal.call(fake.stop)
+"""
+
+
+def test_objects_left_open_are_closed_at_exit() -> None:
+    """A script (or a notebook kernel) that ends with a facade still open exits at once,
+    and the facade's session is closed (aiohttp reports unclosed sessions otherwise)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_OPEN], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Unclosed" not in done.stderr
+    assert done.stdout.startswith("[")
