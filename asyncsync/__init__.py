@@ -1,7 +1,11 @@
 """asyncsync: publish trainer weights into a vLLM fleet and generate token-in-token-out.
 
-Everything users import lives in this namespace; see ``__all__``.
+Everything users import lives in this namespace; see ``__all__``. Two modules stand
+apart: :mod:`asyncsync.blocking` (the same API without ``await``, for scripts and
+notebooks) and :mod:`asyncsync.metrics` (metrics hooks).
 """
+
+import logging
 
 from asyncsync._completion import (
     Completion,
@@ -41,6 +45,9 @@ from asyncsync.publisher import AsyncWeightPublisher, PublishReport, ServerOutco
 from asyncsync.trajectory import Trajectory
 
 __version__ = "0.1.0"
+
+# Each module logs to its own logger under "asyncsync"; the application configures them.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "AsyncSyncError",

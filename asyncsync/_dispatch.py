@@ -9,12 +9,14 @@ server, and tags each completion with its staleness.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Concatenate, ParamSpec, TypeVar
 
+from asyncsync import _hooks
 from asyncsync._completion import Completion
 from asyncsync._errors import AsyncSyncError, GenerationAborted, GenerationError
 from asyncsync._generate import CompletionStream, GenerationEngine
@@ -28,6 +30,8 @@ __all__ = ["Dispatcher", "RoutingPolicy"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
+
+logger = logging.getLogger(__name__)
 
 #: How often unhealthy servers are probed while generations wait (seconds).
 _PROBE_INTERVAL = 1.0
@@ -129,12 +133,14 @@ class Dispatcher:
         for c in completions:
             c.staleness = staleness_of(history, c)
             record(c.server, c.staleness)
+        _hooks.generated(completions)
 
     def failed_over(self, send: SendOptions, state: ServerState, err: AsyncSyncError) -> bool:
         """After a failure on ``state``'s server: whether the request never reached it
         (then the session, if any, is unpinned and the caller may try another one)."""
         if not never_sent(err):
             return False
+        logger.info("generation never reached %s (%s): trying another server", state.url, err)
         if send.session_id is not None:
             self.sessions.drop(send.session_id)
         return True

@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
+from asyncsync import _hooks
 from asyncsync._completion import Completion, PromptScores, RetokenizedWarning, TokenDelta
 from asyncsync._errors import (
     AsyncSyncError,
@@ -306,7 +307,8 @@ class OneServer:
         return False
 
     def release(self, completions: list[Completion] | None) -> None:
-        return None
+        if completions:
+            _hooks.generated(completions)
 
 
 class CompletionStream:

@@ -7,19 +7,29 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Progress", "ProgressFn", "progress_enabled", "progress_reporter"]
+__all__ = ["Progress", "ProgressFn", "in_notebook", "progress_enabled", "progress_reporter"]
 
 #: Called after each chunk is announced with ``(chunks so far, bytes so far)``.
 ProgressFn = Callable[[int, int], None]
 
 
 def progress_enabled(progress: bool | None) -> bool:
-    """Whether to draw a bar: as asked, else only on a terminal and never in CI."""
+    """Whether to draw a bar: as asked, else in a Jupyter kernel or on a terminal, and
+    never in CI (``CI``) or when ``ASYNCSYNC_NO_PROGRESS`` is set."""
     if progress is not None:
         return progress
     if os.environ.get("CI") or os.environ.get("ASYNCSYNC_NO_PROGRESS"):
         return False
-    return sys.stderr.isatty()
+    return in_notebook() or sys.stderr.isatty()
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (its stderr is no terminal, yet
+    ``tqdm.auto`` draws a notebook bar there)."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    shell = get_ipython() if callable(get_ipython) else None
+    return shell is not None and hasattr(shell, "kernel")
 
 
 class Progress:

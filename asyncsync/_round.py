@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 PauseMode = Literal["keep", "wait", "abort"]
+
+logger = logging.getLogger(__name__)
 
 #: The order of ``PublishReport.seconds`` (optional phases only when they ran).
 _SECONDS_ORDER = (
@@ -200,6 +203,7 @@ class PublishRound(InitCalls):
         """pause? -> send (start, update(s), finish) -> reset_prefix_cache? -> commit ->
         resume?; on any failure: rollback, then the error."""
         began = time.perf_counter()
+        logger.info("publishing %r to %d server(s)", self.version, len(self.targets))
         try:
             if self.pause_mode is not None:
                 await self.pause()
@@ -207,11 +211,13 @@ class PublishRound(InitCalls):
             if self.reset_cache:
                 await self.reset_prefix_cache()
         except BaseException as exc:
+            logger.warning("publishing %r failed (%s): rolling back", self.version, _name(exc))
             await asyncio.shield(self.rollback())
             if self._passes_through(exc):
                 raise
             raise self.error(exc) from exc
         self.commit()
+        logger.info("published %r to %s", self.version, ", ".join(self.targets))
         if self.paused:
             try:
                 await self.resume()
@@ -309,8 +315,9 @@ class PublishRound(InitCalls):
             self._record(phase, exc)
             raise
         finally:
-            key = phase.seconds_key
-            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - began
+            key, seconds = phase.seconds_key, time.perf_counter() - began
+            self.seconds[key] = self.seconds.get(key, 0.0) + seconds
+            logger.debug("round %r: %s took %.4f s", self.version, phase.value, seconds)
 
     def _record(self, phase: Phase, exc: BaseException) -> None:
         """Mark the servers ``exc`` failed on (every target, unless it is a fleet error
@@ -336,6 +343,8 @@ class PublishRound(InitCalls):
         ]
         for url in reached:
             self.outcomes[url].dirty = True
+        if reached:
+            logger.warning("round %r left %s dirty", self.version, ", ".join(reached))
         self.fleet.mark_dirty(reached)
         if self.paused:
             try:
@@ -383,6 +392,10 @@ class PublishRound(InitCalls):
             outcomes=self.outcomes,
             needs_resync=dirty,
         )
+
+
+def _name(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _error_of(exc: FleetError, url: str) -> BaseException | None:

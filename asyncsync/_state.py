@@ -15,11 +15,14 @@ version has one source of truth. The rules live here and nowhere else:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from asyncsync._errors import ServerError, ServerTimeout, ServerUnavailable
 from asyncsync._types import Phase, ProtocolGeneration
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 
@@ -92,6 +95,8 @@ class ServerState:
 
     def mark(self, *, dirty: bool) -> None:
         """Mark dirty, or clean again (in sync, no update active)."""
+        if dirty != self.dirty:
+            logger.info("server %s marked %s", self.url, "dirty" if dirty else "clean")
         self.dirty = dirty
         if not dirty:
             self.updating = False
@@ -138,6 +143,8 @@ def observe(
     if unreachable(error, phase, connected=connected) or (
         op == "health" and isinstance(error, ServerError)
     ):
+        if state.healthy:
+            logger.warning("server %s unhealthy after %s: %s", state.url, op, error)
         state.healthy = False  # /health answers 503 when vLLM's engine is dead
     if op in UPDATE_OPS:
         _weight_call_failed(state, op, error)
@@ -146,7 +153,7 @@ def observe(
 def observe_cancelled(state: ServerState, op: str) -> None:
     """A call was cancelled while in flight: a weight-sync call may still run there."""
     if op in UPDATE_OPS and (state.updating or op == "start_weight_update"):
-        state.dirty = True
+        _dirty(state, f"{op} was cancelled in flight")
 
 
 #: Operations whose success changes more than health (see _succeeded).
@@ -181,8 +188,14 @@ def _weight_call_failed(state: ServerState, op: str, error: BaseException) -> No
     no_answer = isinstance(error, (ServerTimeout, ServerUnavailable))
     if op == "start_weight_update":
         if no_answer:
-            state.dirty = True
+            _dirty(state, f"{op} got no answer: {error}")
         return
     if state.updating or state.dirty or no_answer:
         state.updating = False
-        state.dirty = True
+        _dirty(state, f"{op} failed: {error}")
+
+
+def _dirty(state: ServerState, why: str) -> None:
+    if not state.dirty:
+        logger.warning("server %s marked dirty (needs a resync): %s", state.url, why)
+    state.dirty = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -37,6 +38,8 @@ __all__ = ["KEEPALIVE_TIMEOUT", "Endpoint", "Transport", "map_error", "never_sen
 
 T = TypeVar("T")
 E = TypeVar("E", bound=AsyncSyncError)
+
+logger = logging.getLogger(__name__)
 
 #: Seconds an idle pooled connection is kept. Below uvicorn's 5 s keep-alive timeout, so
 #: the client closes idle connections before vLLM does: otherwise a request written just
@@ -199,12 +202,18 @@ class Endpoint:
                 value = await self._send_once(call, body, timeouts)
             except AsyncSyncError as err:
                 if resend and _stale_connection(err.__cause__):
+                    logger.debug("%s %s: resent once on a fresh connection", self.url, call.route)
                     resend = False
                     continue
                 self._failed(call, err)
                 if attempt >= policy.attempts or not is_retryable(err, policy):
                     raise
-                await asyncio.sleep(retry_delay(attempt, err, policy))
+                delay = retry_delay(attempt, err, policy)
+                logger.info(
+                    "%s %s failed (attempt %d of %d), retrying in %.2f s: %s",
+                    self.url, call.route, attempt, policy.attempts, delay, err,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
                 attempt += 1
                 continue
             self._succeeded(call, value)

@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar, Unpack, overload
 
 import aiohttp
 
+from asyncsync import _hooks
 from asyncsync import _protocol as wire
 from asyncsync._completion import Completion, PromptScores
 from asyncsync._generate import CompletionStream, GenerationEngine, OneServer, run_all
@@ -315,6 +316,7 @@ class AsyncVLLMClient:
         req, send = split_options(options, n=n)
         prompt = check_prompt(prompt_token_ids, self.vocab_size)
         out = await self.generator.generate(prompt, req, send)
+        _hooks.generated(out)
         return out[0] if n == 1 else out
 
     async def generate_batch(
@@ -325,7 +327,9 @@ class AsyncVLLMClient:
         raises (an ``ExceptionGroup`` is unwrapped when only one request failed)."""
         req, send = split_options(options, n=n, where="generate_batch")
         checked = check_prompts(prompts, self.vocab_size)
-        return await run_all([self.generator.generate(p, req, send) for p in checked])
+        out = await run_all([self.generator.generate(p, req, send) for p in checked])
+        _hooks.generated(c for per_prompt in out for c in per_prompt)
+        return out
 
     def stream(
         self, prompt_token_ids: Sequence[int], *, n: int = 1, **options: Unpack[GenerateOptions]

@@ -23,7 +23,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
+from asyncsync import _hooks
 from asyncsync._bridge import SyncFleetClient
+from asyncsync._errors import PublishError
 from asyncsync._progress import ProgressFn, progress_reporter
 from asyncsync._round import (
     InitCalls,
@@ -231,11 +233,15 @@ class AsyncWeightPublisher:
             report = await round_.run(
                 _SendJob(self._backend, weights, source, reporter), self._executor
             )
+        except PublishError as exc:
+            _hooks.publish_failed(version, exc)
+            raise
         finally:
             self.version = round_.published_version
             if bar is not None:
                 bar.close()
         self.last_report = report
+        _hooks.published(report)
         return report
 
     async def _publish_non_sender(self, weights: WeightsLike, version: str) -> PublishReport:

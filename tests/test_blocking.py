@@ -1,0 +1,317 @@
+"""asyncsync.blocking against FakeVLLMServers: the same calls from a plain thread (no
+event loop) and from inside a running loop (a notebook cell), the same typed errors,
+streams as iterators, publishing, and the facade's surface mirroring the async API.
+
+The fakes run on a loop of their own (a portal thread of the test): the calling thread
+blocks while the facade waits, as a notebook cell's loop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import pydoc
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+import asyncsync as az
+from asyncsync import blocking
+from asyncsync._portal import shared_portal
+from asyncsync.testing import FakeVLLMServer, Fault
+from tests.publish_fakes import like_the_shm_engine, round_calls
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture
+def fake_portal() -> Iterator[BlockingPortal]:
+    """A loop for the fakes, on its own thread."""
+    with start_blocking_portal() as portal:
+        yield portal
+
+
+@pytest.fixture
+def fakes(fake_portal: BlockingPortal) -> Iterator[list[FakeVLLMServer]]:
+    servers = [FakeVLLMServer(update_hook=like_the_shm_engine) for _ in range(2)]
+    for server in servers:
+        fake_portal.call(server.start)
+    yield servers
+    for server in servers:
+        fake_portal.call(server.stop)
+
+
+def _use_fleet(urls: list[str]) -> dict[str, Any]:
+    """Every kind of call a script makes, through the blocking facade."""
+    seen: dict[str, Any] = {}
+    with blocking.Fleet(urls) as fleet:
+        assert fleet.health().ok
+        assert sorted(fleet.version().values) == sorted(fleet.urls)
+        fleet.pause("keep")
+        assert all(s.paused for s in fleet.servers)
+        fleet.resume()
+        one = fleet.generate(PROMPT, max_tokens=5, temperature=0.0, logprobs=1)
+        two = fleet.generate(PROMPT, n=2, max_tokens=3, temperature=1.0, seed=1)
+        batch = fleet.generate_batch([PROMPT, PROMPT[:2]], max_tokens=2, temperature=0.0)
+        with fleet.stream(PROMPT, max_tokens=5, temperature=0.0, logprobs=1) as stream:
+            deltas = list(stream)
+        scores = fleet.score(PROMPT)
+        fleet.mark_dirty([urls[0]])
+        seen["reasons"] = fleet.routing_reasons()
+        fleet.mark_clean()
+        seen.update(one=one, two=two, batch=batch, deltas=deltas, stream=stream, scores=scores)
+        seen["servers"] = fleet.urls
+        seen["inside"] = fleet
+    return seen
+
+
+def _check_fleet_use(seen: dict[str, Any], urls: list[str]) -> None:
+    one: az.Completion = seen["one"]
+    assert len(one.token_ids) == 5
+    assert one.logprobs is not None
+    assert one.server in urls
+    assert len(seen["two"]) == 2
+    assert [len(c) for c in seen["batch"]] == [1, 1]
+    streamed = [t for d in seen["deltas"] for t in d.token_ids]
+    assert streamed == one.token_ids  # greedy: the same tokens as the plain call
+    assert seen["stream"].completion.token_ids == one.token_ids
+    assert seen["stream"].server in urls
+    assert seen["scores"].logprobs[0] is None
+    assert len(seen["scores"].logprobs) == len(PROMPT)
+    assert seen["reasons"][urls[0]] == "dirty"
+    assert seen["reasons"][urls[1]] is None
+    assert seen["servers"] == tuple(urls)
+    assert "closed" in repr(seen["inside"])
+
+
+def test_fleet_from_a_thread_without_a_loop(fakes: list[FakeVLLMServer]) -> None:
+    urls = [f.url for f in fakes]
+    with pytest.raises(RuntimeError):
+        asyncio.get_running_loop()
+    _check_fleet_use(_use_fleet(urls), urls)
+
+
+@pytest.mark.asyncio
+async def test_fleet_from_inside_a_running_loop(fakes: list[FakeVLLMServer]) -> None:
+    """A notebook cell: this thread runs an event loop, and the facade still blocks
+    (asyncio.run would refuse here)."""
+    assert asyncio.get_running_loop().is_running()
+    urls = [f.url for f in fakes]
+    _check_fleet_use(_use_fleet(urls), urls)
+
+
+@pytest.mark.asyncio
+async def test_the_facade_runs_on_its_own_loop(fakes: list[FakeVLLMServer]) -> None:
+    """The async objects live on the portal's thread, never on the caller's loop."""
+    with blocking.Fleet([fakes[0].url]) as fleet:
+        owner = fleet._call(threading.current_thread)
+    assert owner is shared_portal().thread
+    assert owner is not threading.current_thread()
+
+
+def test_the_same_typed_errors(fakes: list[FakeVLLMServer], fake_portal: BlockingPortal) -> None:
+    urls = [f.url for f in fakes]
+    fake_portal.call(fakes[1].stop)
+    with blocking.Fleet(urls, retry=None) as fleet:
+        with pytest.raises(az.FleetError) as info:
+            fleet.pause("abort")
+        assert info.value.failed == (urls[1],)
+        assert isinstance(info.value.exceptions[0], az.ServerUnavailable)
+        with pytest.raises(ValueError, match="max_staleness"):
+            blocking.Fleet(urls, max_staleness=-1)
+        with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -2 is negative"):
+            fleet.generate([1, -2], max_tokens=1)
+        with pytest.raises(KeyError, match="not in the fleet"):
+            fleet.remove_server("http://127.0.0.1:9")
+    with blocking.VLLMClient(urls[1], retry=None) as client, pytest.raises(az.ServerUnavailable):
+        client.health()
+    with pytest.raises(az.ServerUnavailable):
+        client.health()  # closed
+
+
+def test_client_and_trajectory(fakes: list[FakeVLLMServer]) -> None:
+    url = fakes[0].url
+    with blocking.VLLMClient(url) as client:
+        assert client.server_version() == "0.32.0"
+        client.weight_version = "v0"
+        assert client.weight_version == "v0"
+        completion = client.generate(PROMPT, max_tokens=3, temperature=0.0)
+        with client.stream(PROMPT, max_tokens=3, temperature=0.0) as stream:
+            assert [t for d in stream for t in d.token_ids] == completion.token_ids
+        traj = blocking.Trajectory(PROMPT)
+        first = traj.generate(client, max_tokens=2, temperature=0.0, logprobs=0)
+        traj.add_tool([9, 9])
+        traj.generate(client, max_tokens=2, temperature=0.0, logprobs=0)
+    assert traj.token_ids[: len(PROMPT) + 2] == PROMPT + first.token_ids
+    assert traj.loss_mask == [0] * 4 + [1, 1] + [0, 0] + [1, 1]
+    assert client.state == "closed"
+
+
+def test_a_trajectory_keeps_its_session_on_one_server(fakes: list[FakeVLLMServer]) -> None:
+    with blocking.Fleet([f.url for f in fakes]) as fleet:
+        traj = blocking.Trajectory(PROMPT)
+        for _ in range(3):
+            traj.generate(fleet, max_tokens=2, temperature=0.0)
+        servers = {c.server for c in traj.completions}
+        assert servers == {fleet.session_server(traj.session_id)}
+
+
+def test_a_fleet_takes_blocking_clients(fakes: list[FakeVLLMServer]) -> None:
+    with blocking.VLLMClient(fakes[0].url) as client, blocking.Fleet([client]) as fleet:
+        fleet.add_server(fakes[1].url, check=True)
+        assert fleet.urls == (fakes[0].url, fakes[1].url)
+        assert fleet.client(fakes[0].url).base_url == client.base_url
+        assert fakes[1].url in fleet
+        assert len(fleet) == 2
+
+
+def test_publish_and_generate(fakes: list[FakeVLLMServer]) -> None:
+    weights = {"w": torch.arange(6, dtype=torch.float32)}
+    with (
+        blocking.Fleet([f.url for f in fakes]) as fleet,
+        blocking.WeightPublisher(fleet, backend="shm") as publisher,
+    ):
+        report = publisher.publish(weights, version="v1", pause="keep", progress=False)
+        assert report.version == "v1"
+        assert publisher.version == "v1"
+        assert publisher.last_report is report
+        assert fleet.current_version == "v1"
+        completion = fleet.generate(PROMPT, max_tokens=2, temperature=0.0)
+        assert completion.staleness == 0
+        with pytest.raises(ValueError, match="version must be a non-empty string"):
+            publisher.publish(weights, version="")
+    for fake in fakes:
+        assert "/finish_weight_update" in round_calls(fake)
+        assert fake.weight_version == "v1"
+
+
+def test_a_failed_round_raises_publish_error(fakes: list[FakeVLLMServer]) -> None:
+    fakes[1].inject("/update_weights", Fault.error(500, "worker failed"))
+    weights = {"w": torch.zeros(4)}
+    with (
+        blocking.Fleet([f.url for f in fakes]) as fleet,
+        blocking.WeightPublisher(fleet) as publisher,
+    ):
+        with pytest.raises(az.PublishError) as info:
+            publisher.publish(weights, version="v1", progress=False)
+        assert info.value.outcomes[fakes[1].url].phase == "update"
+        assert fakes[1].url in info.value.needs_resync
+        assert publisher.version is None
+        assert fleet.state(fakes[1].url).dirty
+
+
+def test_an_interrupt_cancels_the_call_on_the_portal(fakes: list[FakeVLLMServer]) -> None:
+    """Ctrl-C while a call waits: the interrupt reaches the caller at once, and the
+    call is cancelled on the portal's loop: a generation the server holds forever is
+    released (it would stay outstanding otherwise)."""
+    fakes[0].inject("/inference/v1/generate", Fault.hang())
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own
+    try:
+        _interrupt_a_held_generation(fakes[0])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_held_generation(fake: FakeVLLMServer) -> None:
+    with blocking.Fleet([fake.url], retry=None) as fleet:
+        main = threading.main_thread().ident
+        assert main == threading.get_ident()
+        timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            fleet.generate(PROMPT, max_tokens=2)
+        timer.join()
+        _wait_until(lambda: fleet.state(fake.url).outstanding == 0)
+
+
+def _wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    done = threading.Event()
+    deadline = threading.Timer(within, done.set)
+    deadline.start()
+    try:
+        while not condition():
+            assert not done.wait(0.02), "condition not reached in time"
+    finally:
+        deadline.cancel()
+
+
+# ---------------------------------------------------------------------- the surface
+_NOT_MIRRORED = {
+    "aclose",  # close()
+    "session",  # an aiohttp session belongs to the portal's loop
+    "endpoint",  # advanced, loop-side
+    "generator",  # advanced, loop-side
+    "timeouts",
+    "retry",
+    "require",
+    "tokenizer",
+    "if_busy",
+    "api",
+}
+
+
+@pytest.mark.parametrize(
+    ("async_cls", "facade_cls"),
+    [
+        (az.Fleet, blocking.Fleet),
+        (az.AsyncVLLMClient, blocking.VLLMClient),
+        (az.AsyncWeightPublisher, blocking.WeightPublisher),
+        (az.CompletionStream, blocking.CompletionStream),
+    ],
+)
+def test_every_public_method_is_mirrored_with_its_signature(
+    async_cls: type, facade_cls: type
+) -> None:
+    names = {n for n in dir(async_cls) if not n.startswith("_")} - _NOT_MIRRORED
+    missing = sorted(n for n in names if not hasattr(facade_cls, n))
+    assert missing == []
+    for name in names:
+        ours, theirs = getattr(facade_cls, name), getattr(async_cls, name)
+        if inspect.isfunction(theirs) and name not in {"add_server", "client"}:
+            assert inspect.signature(ours) == inspect.signature(theirs), name
+            assert ours.__doc__ == theirs.__doc__, name
+            assert not inspect.iscoroutinefunction(ours), name
+    assert facade_cls.close.__doc__
+
+
+def test_help_shows_the_async_signature_and_docs() -> None:
+    text = inspect.getdoc(blocking.Fleet.generate) or ""
+    assert text == inspect.getdoc(az.Fleet.generate)
+    assert "prompt_token_ids" in str(inspect.signature(blocking.Fleet.generate))
+    publish = inspect.signature(blocking.WeightPublisher.publish).parameters
+    assert publish["version"].kind is inspect.Parameter.KEYWORD_ONLY
+    page = pydoc.render_doc(blocking.Fleet, renderer=pydoc.plaintext)
+    assert "health(self, *, targets" in page
+    assert "async health" not in page
+
+
+_LEFT_OPEN = """
+from anyio.from_thread import start_blocking_portal
+from asyncsync import blocking
+from asyncsync.testing import FakeVLLMServer
+
+with start_blocking_portal() as portal:
+    fake = FakeVLLMServer()
+    portal.call(fake.start)
+    fleet = blocking.Fleet([fake.url]).__enter__()  # never closed by the program
+    print(fleet.generate([1, 2], max_tokens=2).token_ids)
+    portal.call(fake.stop)
+"""
+
+
+def test_objects_left_open_are_closed_at_exit() -> None:
+    """A script (or a notebook kernel) that ends with a facade still open exits at once,
+    and the facade's session is closed (aiohttp reports unclosed sessions otherwise)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_OPEN], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Unclosed" not in done.stderr
+    assert done.stdout.startswith("[")
