@@ -31,6 +31,7 @@ EXAMPLES: list[tuple[list[str], bool, float]] = [
     (["examples/fleet_control.py"], False, 60),
     (["examples/publish_weights.py"], True, 120),
     (["examples/agentic_rollout.py"], True, 120),
+    (["examples/publish_from_fsdp.py"], True, 240),
     (["examples/async_grpo_loop.py", "--steps", "10"], True, 240),
 ]
 
