@@ -166,6 +166,7 @@ async def train(
         batch = to_batch(generated, step - 1, cfg)
         if not batch.rollouts:
             raise RuntimeError(f"step {step}: every rollout was too stale to train on")
+        # The next batch starts on the current weights; the step and the publish overlap it.
         next_batch = asyncio.create_task(generate(fleet, prompts, rng, cfg))
         try:
             stats = await asyncio.to_thread(trainer.step, batch.rollouts, version_name(step - 1))
@@ -174,6 +175,7 @@ async def train(
             )
         except BaseException:
             next_batch.cancel()
+            await asyncio.gather(next_batch, return_exceptions=True)
             raise
         records.append(
             StepRecord(
