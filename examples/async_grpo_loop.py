@@ -3,12 +3,14 @@ steps and publishes. Copy this file and swap in your model, prompts and reward.
 
 Each step (``python -m asyncsync demo`` runs this same loop, with a table and checks):
 
-1. start generating the next batch on the fleet, token-in-token-out, at temperature 1;
-   every token comes back with its logprob and the weight version that sampled it;
+1. start generating half of the next batch on the fleet, token-in-token-out, at
+   temperature 1; every token comes back with its logprob and the weight version that
+   sampled it;
 2. meanwhile take one clipped policy-gradient step (GRPO: a group baseline) on the
    batch already generated, with the servers' logprobs as the old policy;
-3. publish the new weights with ``pause="keep"``: requests running at that moment are
-   frozen for the round and finish on the new weights (two versions in one rollout).
+3. start the other half and publish the new weights with ``pause="keep"``: requests
+   running at that moment are frozen for the round and finish on the new weights (two
+   versions in one rollout), requests admitted after it run on the new weights.
 
 A rollout is therefore at most one version behind the trainer (``MAX_LAG``); the
 fleet's ``max_staleness`` routes only to servers within that bound, and older rollouts
@@ -47,10 +49,12 @@ def lag(completion: az.Completion, step: int) -> int:
     return step - min(int(v.removeprefix("step-")) for v in versions)
 
 
-async def rollouts(fleet: az.Fleet, prompts: list[list[int]]) -> list[list[az.Completion]]:
-    """GROUP_SIZE samples for each of PROMPTS random prompts, all at once."""
+async def rollouts(
+    fleet: az.Fleet, prompts: list[list[int]], count: int
+) -> list[list[az.Completion]]:
+    """GROUP_SIZE samples for each of ``count`` random prompts, all at once."""
     return await fleet.generate_batch(
-        random.sample(prompts, PROMPTS), n=GROUP_SIZE, max_tokens=MAX_TOKENS,
+        random.sample(prompts, count), n=GROUP_SIZE, max_tokens=MAX_TOKENS,
         temperature=1.0, logprobs=0, ignore_eos=True,
     )  # fmt: skip
 
@@ -80,19 +84,21 @@ async def train(fleet: az.Fleet, model: Any, steps: int) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     async with az.AsyncWeightPublisher(fleet, backend="shm") as publisher:
         await publisher.publish(model, version="step-0")  # the servers start as the trainer
-        groups = await rollouts(fleet, prompts)
+        groups = await rollouts(fleet, prompts, PROMPTS)
+        half = PROMPTS // 2
         for step in range(1, steps + 1):
             # Keep only groups whose every rollout is within the staleness bound.
             groups = [g for g in groups if all(lag(c, step - 1) <= MAX_LAG for c in g)]
-            next_groups = asyncio.create_task(rollouts(fleet, prompts))  # starts now
+            first = asyncio.create_task(rollouts(fleet, prompts, half))  # overlaps the step
             mean_reward = await asyncio.to_thread(train_step, model, optimizer, groups)
+            second = asyncio.create_task(rollouts(fleet, prompts, PROMPTS - half))
             report = await publisher.publish(model, version=f"step-{step}", pause="keep")
             versions = sorted({v for g in groups for c in g for v in c.token_versions})
             print(
                 f"step {step:3d}  reward {mean_reward:.3f}  trained on {versions}  "
                 f"published in {report.total_seconds * 1000:.0f} ms"
             )
-            groups = await next_groups
+            groups = await first + await second
     print("staleness of every completion:", dict(fleet.staleness.as_dict()))
 
 
@@ -113,7 +119,6 @@ async def main(steps: int, urls: list[str] | None) -> None:
         try:
             vocab = model.config.vocab_size
             async with az.Fleet(urls, vocab_size=vocab, max_staleness=MAX_LAG) as fleet:
-                fleet.set_concurrency_limit(2)  # the rest of a batch starts later
                 await train(fleet, model, steps)
         finally:
             await asyncio.gather(*(s.astop() for s in servers))

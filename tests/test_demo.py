@@ -159,7 +159,7 @@ def test_a_group_with_a_too_stale_rollout_is_dropped_whole() -> None:
                         completion([1], [3, 3], [("step-4", 0), ("step-5", 1)])])  # fmt: skip
     stale = Group([2], [completion([2], [8, 8], [("step-3", 0)]),
                         completion([2], [8, 8], [("step-5", 0)])])  # fmt: skip
-    batch = to_batch(Generated([fresh, stale], 1.0), 5, cfg)
+    batch = to_batch(Generated([fresh, stale], 0.0, 1.0), 5, cfg)
     assert batch.dropped == 2
     assert [r.tokens for r in batch.rollouts] == [[8, 3], [3, 3]]
     assert batch.rewards == [0.5, 0.0]
@@ -214,7 +214,7 @@ async def test_loop_on_fake_servers_publishes_every_step_within_the_staleness_bo
     async with (
         FakeVLLMServer(backend="asyncsync_shm", token_delay=0.01) as a,
         FakeVLLMServer(backend="asyncsync_shm", token_delay=0.01) as b,
-        az.Fleet([a.url, b.url], max_staleness=1, max_concurrency_per_server=1) as fleet,
+        az.Fleet([a.url, b.url], max_staleness=1) as fleet,
         az.AsyncWeightPublisher(fleet) as publisher,
     ):
         await publisher.publish(model, version="step-0")

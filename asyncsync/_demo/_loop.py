@@ -1,15 +1,17 @@
 """The demo's asynchronous RL loop: the next batch generates while the trainer steps
 and publishes.
 
-Each step (1) starts generating the next batch on the fleet (``fleet.generate_batch``,
-``n`` samples per prompt, temperature 1, logprobs on), (2) meanwhile takes one trainer
-step on the batch it has and (3) publishes the new weights with ``pause="keep"``:
-requests running at that moment are frozen for the round and finish on the new weights
-(their tokens carry both versions), requests that start after it run entirely on the new
-weights, requests that finished before it are one version behind. Every token comes back
-with the weight version that sampled it; a rollout's staleness is how many versions its
-oldest token is behind the trainer's weights when it trains on it (at most ``max_lag``:
-older ones are dropped, and the fleet routes only to servers at most that far behind).
+Each step generates the next batch in two halves (``fleet.generate_batch``, ``n``
+samples per prompt, temperature 1, logprobs on): the first half starts before the
+trainer's step on the batch it has, the second half starts with the publish of the new
+weights (``pause="keep"``). Requests that finished before the round are one version
+behind; requests running when it starts are frozen for the round and finish on the new
+weights (their tokens carry both versions); requests admitted after it run entirely on
+the new weights, the trainer's own, on which its logprobs must equal the servers'.
+Every token comes back with the weight version that sampled it; a rollout's staleness is
+how many versions its oldest token is behind the trainer's weights when it trains on it
+(at most ``max_lag``: older ones are dropped, and the fleet routes only to servers at
+most that far behind).
 """
 
 from __future__ import annotations
@@ -31,12 +33,7 @@ __all__ = ["Batch", "DemoConfig", "Group", "greedy_check", "train"]
 
 @dataclass(frozen=True, slots=True)
 class DemoConfig:
-    """The demo's knobs (the defaults are tuned to learn visibly in a few minutes).
-
-    ``concurrency`` caps the requests each server runs at once: the rest of a batch
-    waits in the fleet, so a batch spreads over the trainer's step and publish (some
-    rollouts one version behind, some frozen across the round, some on the new
-    weights)."""
+    """The demo's knobs (the defaults are tuned to learn visibly in a few minutes)."""
 
     steps: int = 30
     groups_per_step: int = 8
@@ -46,7 +43,6 @@ class DemoConfig:
     prompts: int = 64
     lr: float = 5e-3
     max_lag: int = 1
-    concurrency: int = 2
     seed: int = 0
     greedy_prompts: int = 4
     greedy_tokens: int = 16
@@ -87,10 +83,20 @@ class Group:
 
 @dataclass(frozen=True, slots=True)
 class Generated:
-    """A batch of groups as generated, with its generation time."""
+    """Groups as generated, and when their generation began and ended."""
 
     groups: list[Group]
-    seconds: float
+    began: float
+    ended: float
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.began
+
+    def __add__(self, other: Generated) -> Generated:
+        return Generated(
+            self.groups + other.groups, min(self.began, other.began), max(self.ended, other.ended)
+        )
 
     @property
     def tokens(self) -> int:
@@ -98,10 +104,10 @@ class Generated:
 
 
 async def generate(
-    fleet: az.Fleet, prompts: Sequence[list[int]], rng: random.Random, cfg: DemoConfig
+    fleet: az.Fleet, prompts: Sequence[list[int]], count: int, rng: random.Random, cfg: DemoConfig
 ) -> Generated:
-    """One batch: ``groups_per_step`` prompts, ``group_size`` samples each."""
-    chosen = [rng.choice(prompts) for _ in range(cfg.groups_per_step)]
+    """``count`` groups: random prompts, ``group_size`` samples each."""
+    chosen = [rng.choice(prompts) for _ in range(count)]
     began = time.perf_counter()
     results = await fleet.generate_batch(
         chosen,
@@ -112,7 +118,7 @@ async def generate(
         ignore_eos=True,
     )
     groups = [Group(p, list(c)) for p, c in zip(chosen, results, strict=True)]
-    return Generated(groups, time.perf_counter() - began)
+    return Generated(groups, began, time.perf_counter())
 
 
 @dataclass(slots=True)
@@ -159,23 +165,27 @@ async def train(
 ) -> list[StepRecord]:
     """``cfg.steps`` steps: train on a batch and publish while the next one generates."""
     rng = random.Random(cfg.seed)
-    generated = await generate(fleet, prompts, rng, cfg)
+    first = cfg.groups_per_step // 2
+    generated = await generate(fleet, prompts, cfg.groups_per_step, rng, cfg)
     records: list[StepRecord] = []
     for step in range(1, cfg.steps + 1):
         began = time.perf_counter()
         batch = to_batch(generated, step - 1, cfg)
         if not batch.rollouts:
             raise RuntimeError(f"step {step}: every rollout was too stale to train on")
-        # The next batch starts on the current weights; the step and the publish overlap it.
-        next_batch = asyncio.create_task(generate(fleet, prompts, rng, cfg))
+        # Half of the next batch overlaps the trainer's step, half the publish.
+        halves = [asyncio.create_task(generate(fleet, prompts, first, rng, cfg))]
         try:
             stats = await asyncio.to_thread(trainer.step, batch.rollouts, version_name(step - 1))
+            rest = cfg.groups_per_step - first
+            halves.append(asyncio.create_task(generate(fleet, prompts, rest, rng, cfg)))
             report = await publisher.publish(
                 trainer.model, version=version_name(step), pause="keep"
             )
         except BaseException:
-            next_batch.cancel()
-            await asyncio.gather(next_batch, return_exceptions=True)
+            for task in halves:
+                task.cancel()
+            await asyncio.gather(*halves, return_exceptions=True)
             raise
         records.append(
             StepRecord(
@@ -195,7 +205,7 @@ async def train(
             )
         )
         on_step(records[-1])
-        generated = await next_batch
+        generated = await halves[0] + await halves[1]
     return records
 
 

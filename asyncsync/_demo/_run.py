@@ -82,7 +82,8 @@ def _describe(cfg: DemoConfig) -> None:
         f"{cfg.steps} steps x {cfg.groups_per_step * cfg.group_size} rollouts "
         f"({cfg.groups_per_step} prompts x {cfg.group_size} samples, {cfg.max_tokens} tokens, "
         f"temperature 1), Adam lr {cfg.lr:g}; each step publishes with pause='keep' while "
-        f"the next batch generates; staleness bound {cfg.max_lag}"
+        f"the next batch generates (half during the step, half during the publish); "
+        f"staleness bound {cfg.max_lag}"
     )
 
 
@@ -98,12 +99,7 @@ async def _run(
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         vocab = int(model.config.vocab_size)
         fleet = await stack.enter_async_context(
-            az.Fleet(
-                urls,
-                vocab_size=vocab,
-                max_staleness=cfg.max_lag,
-                max_concurrency_per_server=cfg.concurrency,
-            )
+            az.Fleet(urls, vocab_size=vocab, max_staleness=cfg.max_lag)
         )
         publisher = await stack.enter_async_context(az.AsyncWeightPublisher(fleet))
         # Version step-0: every server holds exactly the trainer's starting weights.
