@@ -21,7 +21,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     demo = sub.add_parser("demo", help=_DEMO_HELP, description=_DEMO_HELP)
-    demo.add_argument("--steps", type=int, default=None, help="training steps (default 30)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default 40)")
     demo.add_argument(
         "--servers",
         nargs="+",

@@ -35,7 +35,7 @@ __all__ = ["Batch", "DemoConfig", "Group", "greedy_check", "train"]
 class DemoConfig:
     """The demo's knobs (the defaults are tuned to learn visibly in a few minutes)."""
 
-    steps: int = 30
+    steps: int = 40
     groups_per_step: int = 8
     group_size: int = 8
     max_tokens: int = 8
