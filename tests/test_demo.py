@@ -181,6 +181,10 @@ def test_table_and_json(tmp_path: Path) -> None:
     assert table[0].split()[:3] == ["step", "reward", "rollouts"]
     assert table[1].split()[:3] == ["1", "0.100", "64"]
     assert "0:64" in table[1]
+    assert format_table([record(4, 0.5, None)]).count("0:64") == 1
+    wide = record(5, 0.5, None)
+    wide.versions = {"step-10": 3, "step-9": 4}
+    assert "9:4 10:3" in format_table([wide])
     assert table[2].split()[-1] == "-"
     assert trend(records, 1) == (0.1, 0.9)
     out = tmp_path / "demo.json"

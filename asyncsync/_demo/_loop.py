@@ -192,7 +192,7 @@ async def train(
                 step=step,
                 reward=sum(batch.rewards) / len(batch.rewards),
                 rollouts=len(batch.rollouts),
-                versions=dict(sorted(batch.versions.items())),
+                versions=dict(batch.versions),
                 staleness=dict(sorted(batch.staleness.items())),
                 dropped=batch.dropped,
                 publish_seconds=report.total_seconds,

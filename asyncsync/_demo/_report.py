@@ -62,7 +62,9 @@ class DemoResult:
 
 
 def _versions(versions: Mapping[str, int]) -> str:
-    return " ".join(f"{v.removeprefix('step-')}:{n}" for v, n in sorted(versions.items()))
+    short = {v.removeprefix("step-"): n for v, n in versions.items()}
+    ordered = sorted(short.items(), key=lambda kv: (len(kv[0]), kv[0]))  # 9 before 10
+    return " ".join(f"{v}:{n}" for v, n in ordered)
 
 
 def _staleness(staleness: Mapping[int, int]) -> str:
