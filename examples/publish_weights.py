@@ -2,11 +2,12 @@
 
 Runs on a CPU-only machine (about two minutes, mostly server start-up):
 
-    python examples/publish_weights.py
+    python examples/publish_weights.py [--servers URL URL]  # running servers (shm backend)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 from pathlib import Path
@@ -31,14 +32,17 @@ async def greedy(session: aiohttp.ClientSession, url: str) -> tuple[list[int], o
     return choice["token_ids"], choice["weight_versions"]
 
 
-async def main() -> None:
+async def main(urls: list[str] | None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0)
-        servers = [
-            LocalVLLMServer(model_dir, backend="shm", tokenizer=False, cpu_cores=str(i % 2))
-            for i in range(2)
-        ]
-        await asyncio.gather(*(s.astart() for s in servers))
+        servers = []
+        if urls is None:
+            servers = [
+                LocalVLLMServer(model_dir, backend="shm", tokenizer=False, cpu_cores=str(i % 2))
+                for i in range(2)
+            ]
+            await asyncio.gather(*(s.astart() for s in servers))
+            urls = [s.url for s in servers]
         try:
             # The "trainer": the same architecture, one optimizer step away.
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -47,7 +51,7 @@ async def main() -> None:
                     p.add_(torch.randn_like(p) * 0.1)
 
             async with (
-                az.Fleet([s.url for s in servers]) as fleet,
+                az.Fleet(urls) as fleet,
                 az.AsyncWeightPublisher(fleet) as publisher,
             ):
                 report = await publisher.publish(model, version="step-1", pause="keep")
@@ -79,4 +83,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--servers", nargs="+", metavar="URL", help="use running servers")
+    asyncio.run(main(parser.parse_args().servers))
