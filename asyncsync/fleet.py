@@ -9,6 +9,7 @@ A facade over small parts: :mod:`asyncsync._members` (the servers and their stat
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
@@ -118,10 +119,17 @@ class Fleet(FleetControl):
         self._dispatch = Dispatcher(self._members, self._history, self._policy, self._probe)
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see :class:`StalenessStats`)."""
+        self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         for server in servers:
             self._add(server)
 
     # ------------------------------------------------------------------ lifecycle
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call the bound method ``hook`` when the fleet closes; held weakly (a
+        publisher releases its shared memory with its fleet, and is not kept alive by
+        it)."""
+        self._close_hooks.append(weakref.WeakMethod(hook))
+
     async def __aenter__(self) -> Fleet:
         if self._transport.state != "unopened":
             raise RuntimeError(f"cannot enter a Fleet that is {self._transport.state}")
@@ -141,6 +149,11 @@ class Fleet(FleetControl):
         if self._transport.state == "closed":
             return
         self._dispatch.probes.cancel()
+        hooks, self._close_hooks = self._close_hooks, []
+        for ref in hooks:
+            hook = ref()
+            if hook is not None:
+                hook()
         for client in self._members.owned():
             await client.aclose()
         await self._transport.aclose()
