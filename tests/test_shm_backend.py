@@ -462,3 +462,45 @@ def test_wire_types_are_shared_and_checked() -> None:
     assert received == ShmUpdateFields.parse(sent.to_json())
     with pytest.raises(ShmFormatError, match="malformed update_info"):
         ShmUpdateFields.parse({"chunk": "first"})
+
+
+@pytest.mark.parametrize(
+    ("segment", "owner", "message"),
+    [
+        ("../../etc/passwd", None, "is not an asyncsync segment"),
+        ("asyncsync-1-0123456789abcdef/../x", None, "is not an asyncsync segment"),
+        ("asyncsync-1-0123456789abcdef", "not-a-segment", "not segment"),
+        ("asyncsync-1-0123456789abcdef", "dead", "cannot open segment"),
+    ],
+)
+def test_a_worker_maps_only_the_segment_it_was_told(
+    segment: str, owner: str | None, message: str, tmp_path: Any
+) -> None:
+    """The segment name must be an asyncsync one, opened through the owner's descriptor,
+    and the descriptor must link to that very memfd (never an arbitrary file)."""
+    params = [("a", torch.ones(4))]
+    worker = _Worker(params)
+    other = open(tmp_path / "plain.bin", "wb+")  # noqa: SIM115 - closed below
+    other.write(b"\0" * 4096)
+    other.flush()
+    fd = other.fileno() if owner == "not-a-segment" else 10_000
+    info = {
+        "round": "r",
+        "chunk": 0,
+        "last": True,
+        "segment": segment,
+        "segment_size": 4096,
+        "owner_pid": os.getpid(),
+        "fd": fd,
+        "names": ["a"],
+        "dtype_names": ["float32"],
+        "shapes": [[4]],
+        "offsets": [0],
+    }
+    try:
+        worker.receiver.begin_round()
+        with pytest.raises(RuntimeError, match=message):
+            worker.send(info)
+        assert worker.loaded == {}
+    finally:
+        other.close()
