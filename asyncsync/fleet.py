@@ -125,9 +125,7 @@ class Fleet(FleetControl):
 
     # ------------------------------------------------------------------ lifecycle
     def on_close(self, hook: Callable[[], None]) -> None:
-        """Call the bound method ``hook`` when the fleet closes; held weakly (a
-        publisher releases its shared memory with its fleet, and is not kept alive by
-        it)."""
+        """Call the bound method ``hook`` (held weakly) when the fleet closes."""
         self._close_hooks.append(weakref.WeakMethod(hook))
 
     async def __aenter__(self) -> Fleet:
@@ -149,11 +147,7 @@ class Fleet(FleetControl):
         if self._transport.state == "closed":
             return
         self._dispatch.probes.cancel()
-        hooks, self._close_hooks = self._close_hooks, []
-        for ref in hooks:
-            hook = ref()
-            if hook is not None:
-                hook()
+        _call_hooks(self._close_hooks)
         for client in self._members.owned():
             await client.aclose()
         await self._transport.aclose()
@@ -472,6 +466,15 @@ class Fleet(FleetControl):
         if send.tokenizer is None and self.tokenizer is not None:
             send = send._replace(tokenizer=self.tokenizer)
         return req, send
+
+
+def _call_hooks(hooks: list[weakref.WeakMethod[Callable[[], None]]]) -> None:
+    """Call (once) the close hooks whose objects are still alive (a publisher releases
+    its shared memory with its fleet, and is not kept alive by it)."""
+    live = [hook for hook in (ref() for ref in hooks) if hook is not None]
+    hooks.clear()
+    for hook in live:
+        hook()
 
 
 def _check_limit(limit: int | None) -> None:
