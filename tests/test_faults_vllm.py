@@ -164,3 +164,21 @@ async def test_a_killed_trainer_leaves_nothing_once_the_servers_moved_on(
         assert not any(s.dirty for s in fleet.servers)
     assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []
     assert open_segments() == []
+
+
+async def test_a_prompt_longer_than_the_context_is_a_typed_error_and_harmless(
+    vllm_fleet: VLLMFleet,
+) -> None:
+    """vLLM refuses a prompt longer than ``--max-model-len`` (256 here) with a 400;
+    asyncsync raises it as a ServerError naming the status, and the server keeps
+    serving (unlike an id outside the vocabulary, which ``vocab_size`` guards)."""
+    server = vllm_fleet.token_only_server
+    async with az.Fleet([server.url]) as fleet:
+        client = fleet.client(server.url)
+        with pytest.raises(az.ServerError) as info:
+            await client.generate([7] * (server.max_model_len + 10), max_tokens=2)
+        assert info.value.status == 400
+        assert server.url in str(info.value)
+        completion = await client.generate(PROMPT, max_tokens=2, temperature=0.0)
+        assert len(completion.token_ids) == 2
+        assert fleet.state(server.url).healthy
