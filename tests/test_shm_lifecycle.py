@@ -177,3 +177,51 @@ async def test_a_trainer_killed_at_any_point_leaves_nothing(seed: int) -> None:
             await proc.wait()
         assert leaked_segments(pid=proc.pid) == []
         assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []
+
+
+_READER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from asyncsync.backends._wire import ShmUpdateFields
+    from asyncsync.vllm_plugin.shm_engine import _Mapping
+
+    update = ShmUpdateFields.parse(json.loads(sys.argv[1]))
+    mapping = _Mapping(update)
+    view = mapping.view(update.offsets[0], update.dtype_names[0], tuple(update.shapes[0]))
+    print(json.dumps(view.tolist()), flush=True)
+    """
+)
+
+
+def test_another_process_maps_the_segment_through_the_trainers_descriptor() -> None:
+    """What a vLLM worker does, in a separate process: open ``/proc/<pid>/fd/<fd>``,
+    check the memfd's name, map it and read the tensor at its offset."""
+    import json
+
+    from asyncsync.backends._shm_pack import _pack
+    from asyncsync.backends._wire import ShmUpdateFields
+
+    tensor = torch.arange(16, dtype=torch.float32) * 1.5
+    with ShmBuffers(buffer_bytes=8192) as buffers:
+        segment = buffers.get(0)
+        _pack(segment, 64, tensor)
+        update = ShmUpdateFields(
+            segment=segment.name,
+            segment_size=segment.size,
+            owner_pid=segment.owner_pid,
+            fd=segment.fd,
+            names=["t"],
+            dtype_names=["float32"],
+            shapes=[[16]],
+            offsets=[64],
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", _READER, json.dumps(update.to_json())],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == tensor.tolist()
