@@ -93,7 +93,7 @@ class WeightSource:
 
 
 def _pair(item: Any) -> tuple[Any, Any]:
-    if not (isinstance(item, tuple) and len(item) == 2):
+    if not (isinstance(item, tuple | list) and len(item) == 2):
         raise TypeError(f"weights must be (name, tensor) pairs, got {item!r:.80}")
     return item[0], item[1]
 
