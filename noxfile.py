@@ -45,7 +45,12 @@ def unit(session: nox.Session) -> None:
     """The inner loop: every test that needs neither vLLM nor a server (fakes, parsers,
     routing, the shm backend's trainer side); under a minute once installed."""
     session.install(
-        "-e", ".[torch,fast]", "pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3"
+        "-e",
+        ".[torch,fast]",
+        "pytest>=8",
+        "pytest-asyncio>=0.24",
+        "pytest-timeout>=2.3",
+        "hypothesis>=6.100",
     )
     session.run(
         "python",

@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from asyncsync import _json
 from asyncsync._errors import ProtocolError
@@ -475,7 +476,24 @@ def check_version_arg(version: str) -> None:
 
 
 def normalize_url(base_url: str) -> str:
-    """``base_url`` without a trailing slash; ValueError unless it is http(s)."""
+    """``base_url`` without a trailing slash; ValueError unless it is an http(s) URL with
+    a host (and a port in range), no whitespace, query or fragment."""
     if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
         raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+    parts = urlsplit(base_url)
+    try:
+        port = parts.port  # ValueError when out of range or not a number
+    except ValueError:
+        port = -1
+    if (
+        not parts.hostname
+        or port == -1
+        or parts.query
+        or parts.fragment
+        or any(c.isspace() for c in base_url)
+    ):
+        raise ValueError(
+            f"base_url must be http(s)://host[:port][/path] with no spaces, query or "
+            f"fragment, got {base_url!r}"
+        )
     return base_url.rstrip("/")

@@ -333,13 +333,16 @@ class PublishRound(InitCalls):
     # ------------------------------------------------------------------ ends
     async def rollback(self) -> None:
         """Leave no server with an active update, mark every server the round reached
-        dirty, and resume the paused ones."""
+        dirty (a frozen server whose start got no answer included: it may run the start
+        when it thaws), and resume the paused ones."""
         if self.open:
             await self._end_updates(sorted(self.open))
-        reached = [
+        reached = [  # or a weight-sync call got no answer there (_state.observe)
             url
             for url, outcome in self.outcomes.items()
-            if url in self.open or outcome.phase in (Phase.UPDATE, Phase.FINISH)
+            if url in self.open
+            or outcome.phase in (Phase.UPDATE, Phase.FINISH)
+            or self.fleet.state(url).dirty
         ]
         for url in reached:
             self.outcomes[url].dirty = True

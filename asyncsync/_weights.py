@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["WeightSource", "WeightsLike", "is_factory", "resolve"]
+__all__ = [
+    "FiniteChecked",
+    "WeightSource",
+    "WeightsLike",
+    "check_finite",
+    "check_tensor",
+    "check_weights",
+    "is_factory",
+    "resolve",
+]
 
 #: What ``publish`` accepts (see the module docstring).
 WeightsLike = Any
@@ -27,6 +36,17 @@ class WeightSource:
     def __init__(self, weights: WeightsLike) -> None:
         self._weights = weights
 
+    @property
+    def weights(self) -> WeightsLike:
+        """What the caller passed (after calling a factory)."""
+        return self._weights
+
+    @property
+    def reiterable(self) -> bool:
+        """Whether iterating twice yields the same tensors (not a one-shot stream)."""
+        w = self._weights
+        return callable(getattr(w, "named_parameters", None)) or isinstance(w, Mapping | Sequence)
+
     def metadata(self) -> list[ParamMeta] | None:
         """``(name, dtype, shape)`` of every parameter, or None for a stream."""
         w = self._weights
@@ -34,18 +54,19 @@ class WeightSource:
         if callable(named):
             return [(n, p.dtype, tuple(p.shape)) for n, p in named()]
         meta = getattr(w, "metadata", None)
-        if callable(meta):
+        described = meta() if callable(meta) else None
+        if described is not None:
             out = []
-            for m in meta():
+            for m in described:
                 if isinstance(m, tuple):
                     out.append((str(m[0]), m[1], tuple(m[2])))
                 else:
                     out.append((str(m.name), m.dtype, tuple(m.shape)))
             return out
         if isinstance(w, Mapping):
-            return [(str(n), t.dtype, tuple(t.shape)) for n, t in w.items()]
+            return [_meta(n, t) for n, t in w.items()]
         if isinstance(w, Sequence):
-            return [(str(n), t.dtype, tuple(t.shape)) for n, t in w]
+            return [_meta(*_pair(item)) for item in w]
         return None
 
     def total_bytes(self) -> int | None:
@@ -69,6 +90,87 @@ class WeightSource:
         if isinstance(w, Mapping):
             return iter(w.items())
         return iter(w)
+
+
+def _pair(item: Any) -> tuple[Any, Any]:
+    if not (isinstance(item, tuple | list) and len(item) == 2):
+        raise TypeError(f"weights must be (name, tensor) pairs, got {item!r:.80}")
+    return item[0], item[1]
+
+
+def _meta(name: Any, tensor: Any) -> ParamMeta:
+    check_tensor(name, tensor)
+    return (name, tensor.dtype, tuple(tensor.shape))
+
+
+def check_tensor(name: Any, tensor: Any) -> None:
+    """One ``(name, tensor)`` pair a backend can read: a str name and a dense tensor
+    with data (TypeError/ValueError naming the parameter)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"parameter names must be non-empty strings, got {name!r}")
+    layout = getattr(tensor, "layout", None)
+    if layout is None or not hasattr(tensor, "dtype"):
+        raise TypeError(f"parameter {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if str(layout) != "torch.strided":
+        raise TypeError(f"parameter {name!r} is a {layout} tensor; only dense tensors can be sent")
+    if str(getattr(tensor, "device", "")) == "meta":
+        raise ValueError(f"parameter {name!r} is on the meta device: it holds no data")
+
+
+def check_weights(source: WeightSource) -> None:
+    """Bad input refused before a round touches any server, from metadata alone (and,
+    for mappings, sequences and modules, each tensor's kind): names that are not
+    strings or repeat, values that are not dense tensors with data, no weights at all.
+    A stream without metadata is checked tensor by tensor while it is packed."""
+    meta = source.metadata()
+    if meta is None:
+        return
+    if not meta:
+        raise ValueError("no weights to publish: the source holds no parameters")
+    seen: set[str] = set()
+    for name, _dtype, _shape in meta:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"parameter names must be non-empty strings, got {name!r}")
+        if name in seen:
+            raise ValueError(f"parameter {name!r} appears twice in the weights")
+        seen.add(name)
+    named = getattr(source.weights, "named_parameters", None)
+    if callable(named):
+        for name, tensor in named():
+            check_tensor(name, tensor)
+
+
+def _non_finite(name: str, tensor: Any) -> None:
+    import torch
+
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"parameter {name!r} holds {bad} NaN or Inf value(s)")
+
+
+def check_finite(source: WeightSource) -> None:
+    """Every floating-point tensor of a re-iterable source is finite (ValueError naming
+    the first that is not). Reads every tensor: run it off the event loop."""
+    for name, tensor in source:
+        full = getattr(tensor, "full_tensor", None)
+        _non_finite(name, full() if callable(full) else tensor)
+
+
+class FiniteChecked(WeightSource):
+    """A source whose tensors are checked for NaN/Inf as they are produced (a stream or
+    a factory's weights, which cannot be read twice)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__(source.weights)
+        self._source = source
+
+    def metadata(self) -> list[ParamMeta] | None:
+        return self._source.metadata()
+
+    def __iter__(self) -> Iterator[Any]:
+        for name, tensor in self._source:
+            _non_finite(name, tensor)
+            yield name, tensor
 
 
 def is_factory(weights: WeightsLike) -> bool:

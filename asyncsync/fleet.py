@@ -9,6 +9,7 @@ A facade over small parts: :mod:`asyncsync._members` (the servers and their stat
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
@@ -118,10 +119,15 @@ class Fleet(FleetControl):
         self._dispatch = Dispatcher(self._members, self._history, self._policy, self._probe)
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see :class:`StalenessStats`)."""
+        self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         for server in servers:
             self._add(server)
 
     # ------------------------------------------------------------------ lifecycle
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call the bound method ``hook`` (held weakly) when the fleet closes."""
+        self._close_hooks.append(weakref.WeakMethod(hook))
+
     async def __aenter__(self) -> Fleet:
         if self._transport.state != "unopened":
             raise RuntimeError(f"cannot enter a Fleet that is {self._transport.state}")
@@ -141,6 +147,7 @@ class Fleet(FleetControl):
         if self._transport.state == "closed":
             return
         self._dispatch.probes.cancel()
+        _call_hooks(self._close_hooks)
         for client in self._members.owned():
             await client.aclose()
         await self._transport.aclose()
@@ -459,6 +466,15 @@ class Fleet(FleetControl):
         if send.tokenizer is None and self.tokenizer is not None:
             send = send._replace(tokenizer=self.tokenizer)
         return req, send
+
+
+def _call_hooks(hooks: list[weakref.WeakMethod[Callable[[], None]]]) -> None:
+    """Call (once) the close hooks whose objects are still alive (a publisher releases
+    its shared memory with its fleet, and is not kept alive by it)."""
+    live = [hook for hook in (ref() for ref in hooks) if hook is not None]
+    hooks.clear()
+    for hook in live:
+        hook()
 
 
 def _check_limit(limit: int | None) -> None:

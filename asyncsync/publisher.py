@@ -34,7 +34,15 @@ from asyncsync._round import (
     PublishRound,
     ServerOutcome,
 )
-from asyncsync._weights import WeightsLike, WeightSource, is_factory, resolve
+from asyncsync._weights import (
+    FiniteChecked,
+    WeightsLike,
+    WeightSource,
+    check_finite,
+    check_weights,
+    is_factory,
+    resolve,
+)
 from asyncsync.backends import (
     SendControl,
     SendStats,
@@ -104,6 +112,8 @@ class AsyncWeightPublisher:
         self._closed = False
         self.version: str | None = None
         self.last_report: PublishReport | None = None
+        if fleet is not None:
+            fleet.on_close(self._release)
 
     @property
     def rank(self) -> int:
@@ -133,9 +143,15 @@ class AsyncWeightPublisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def _release(self) -> None:
+        """The fleet closed: release the backend's buffers now (they would be created
+        again by a later round, which a closed fleet cannot run)."""
+        self._backend.close()
+
     async def aclose(self) -> None:
         """Release the backend's resources (shared-memory buffers) and the private
-        executor."""
+        executor. Closing the fleet, garbage collection and interpreter exit release the
+        buffers too."""
         async with self._lock:
             self._closed = True
             self._backend.close()
@@ -174,8 +190,17 @@ class AsyncWeightPublisher:
         reset_prefix_cache: bool = True,
         progress: bool | ProgressFn | None = None,
         targets: Sequence[str] | None = None,
+        check_finite: bool = False,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
+
+        Bad input is refused with a ValueError/TypeError naming it before any server is
+        touched: a version that is not a new non-empty string, no weights, names that
+        are not strings or repeat, values that are not dense tensors with data, and
+        what the backend cannot carry. ``check_finite=True`` also reads every tensor
+        (off the event loop) and refuses NaN/Inf; weights from a factory or a one-shot
+        stream are checked as they are packed (a bad tensor after the first chunk then
+        fails the round like any other error).
 
         Returns a :class:`PublishReport`; raises :class:`~asyncsync.PublishError` with
         per-server outcomes when any server failed (the published version is then
@@ -183,6 +208,10 @@ class AsyncWeightPublisher:
         """
         if not isinstance(version, str) or not version:
             raise ValueError(f"version must be a non-empty string, got {version!r}")
+        if version == self.version:
+            raise ValueError(
+                f"version {version!r} is already published; every round needs a new version"
+            )
         if pause not in (None, "keep", "wait", "abort"):
             raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
         if self._lock.locked() and self.if_busy == "raise":
@@ -192,9 +221,23 @@ class AsyncWeightPublisher:
                 raise RuntimeError("publisher is closed")
             if not self.is_sender:
                 return await self._publish_non_sender(weights, version)
+            if check_finite:
+                weights = await self._finite(weights)
             return await self._publish(
                 weights, version, pause, reset_prefix_cache, progress, self._targets(targets)
             )
+
+    async def _finite(self, weights: WeightsLike) -> WeightsLike:
+        """Weights whose NaN/Inf are refused: read now (off the loop) when they can be
+        read twice, else checked as they are produced."""
+        if is_factory(weights):
+            return lambda: FiniteChecked(resolve(weights))
+        source = resolve(weights)
+        if not source.reiterable:
+            return FiniteChecked(source)
+        check_weights(source)
+        await asyncio.get_running_loop().run_in_executor(self._executor, check_finite, source)
+        return weights
 
     async def _publish(
         self,
@@ -215,6 +258,7 @@ class AsyncWeightPublisher:
         # then bad input is refused before the round touches any server.
         source = None if is_factory(weights) else resolve(weights)
         if source is not None:
+            check_weights(source)
             self._backend.check(source)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
@@ -280,7 +324,10 @@ class _SendJob:
         self.on_chunk = on_chunk
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
-        source = self.source if self.source is not None else resolve(self.weights)
+        source = self.source
+        if source is None:  # a factory: called here, checked before anything is sent
+            source = resolve(self.weights)
+            check_weights(source)
         try:
             return self.backend.send(source, client, SendControl(cancel, self.on_chunk))
         finally:

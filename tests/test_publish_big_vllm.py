@@ -19,9 +19,10 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
-from asyncsync.backends._segments import leaked_segments, sweep_stale_segments
+from asyncsync.backends._segments import leaked_segments, open_segments
 from asyncsync.testing import LocalVLLMServer, LoopLagMonitor, make_tiny_model, reference_greedy
 from tests.conftest import SERVER_STARTUP_TIMEOUT
+from tests.test_shm_lifecycle import mapped_anywhere
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -205,20 +206,19 @@ async def test_killed_trainer_leaves_nothing_behind(
     )
     try:
         deadline = time.monotonic() + 180
-        while not leaked_segments(pid=proc.pid):
+        while not open_segments(proc.pid):
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "the trainer never created a segment"
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)  # somewhere inside a round
+        assert leaked_segments(pid=proc.pid) == []  # memfds: never named in /dev/shm
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
-    # SIGKILL gives a process no chance to clean up: its segments are still there ...
-    assert leaked_segments(pid=proc.pid)
-    # ... until the next asyncsync segment on this machine (or an explicit sweep).
-    sweep_stale_segments()
+    # SIGKILL gives a process no chance to clean up, and there is nothing to clean up:
+    # the kernel frees the segments once the server drops its mappings (next round).
     assert leaked_segments(pid=proc.pid) == []
 
     # The server may hold the dead trainer's open round; a new publisher recovers.
@@ -228,4 +228,5 @@ async def test_killed_trainer_leaves_nothing_behind(
         report = await publisher.publish(model, version="recovered")
         assert report.version == "recovered"
         assert await _greedy(fleet, big_server.url, 6) == expected
+    assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []  # its memory is freed
     assert leaked_segments(pid=os.getpid()) == []

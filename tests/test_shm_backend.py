@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import re
 import threading
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync.backends._segments import Segment, leaked_segments
+from asyncsync.backends._segments import Segment, leaked_segments, open_segments
 from asyncsync.backends._wire import Manifest, ShmFormatError, validate_chunk_layout
 from asyncsync.backends.shm import (
     RoundCancelled,
@@ -102,17 +103,24 @@ def test_layout_validation_names_the_parameter() -> None:
         validate_chunk_layout(["a"], ["complex64"], [[2]], [0], 4096)
 
 
-def test_segment_is_unlinked_on_close_and_on_gc() -> None:
+def test_segment_is_released_on_close_and_on_gc() -> None:
     seg = Segment(8192)
-    assert seg.name in leaked_segments()
+    assert seg.name in open_segments()
+    assert leaked_segments(pid=os.getpid()) == []  # never a name in /dev/shm
     seg.close()
-    assert seg.name not in leaked_segments()
+    assert seg.name not in open_segments()
     seg.close()  # idempotent
     other = Segment(8192)
     name = other.name
     del other
     gc.collect()
-    assert name not in leaked_segments()
+    assert name not in open_segments()
+
+
+def test_segment_is_owner_only_and_opened_through_the_trainers_descriptor() -> None:
+    with Segment(8192) as seg:
+        assert os.stat(seg.path).st_mode & 0o777 == 0o600
+        assert os.readlink(seg.path) == f"/memfd:{seg.name} (deleted)"
 
 
 def test_stream_round_trip_is_exact_and_double_buffered() -> None:
@@ -134,7 +142,8 @@ def test_stream_round_trip_is_exact_and_double_buffered() -> None:
     worker.receiver.end_round()
     for name, tensor in params:
         assert torch.equal(worker.loaded[name], tensor), name
-    assert not [s for s in leaked_segments() if s in segments_used]
+    worker.receiver.close()  # the worker (in this process here) drops its mappings
+    assert not [s for s in open_segments() if s in segments_used]
 
 
 def test_stream_without_metadata_cuts_greedily() -> None:
@@ -362,7 +371,7 @@ def test_trainer_engine_drives_the_round_through_a_sync_client() -> None:
         engine.send_weights()
     finally:
         engine.shutdown()
-    assert calls[0] == "init:1"
+    assert calls[0] == "init:2"
     assert calls[1] == "start"
     assert calls[-1] == "finish"
     assert calls.count("update") == engine.last_stats.chunks > 1  # type: ignore[union-attr]
@@ -456,3 +465,45 @@ def test_wire_types_are_shared_and_checked() -> None:
     assert received == ShmUpdateFields.parse(sent.to_json())
     with pytest.raises(ShmFormatError, match="malformed update_info"):
         ShmUpdateFields.parse({"chunk": "first"})
+
+
+@pytest.mark.parametrize(
+    ("segment", "owner", "message"),
+    [
+        ("../../etc/passwd", None, "is not an asyncsync segment"),
+        ("asyncsync-1-0123456789abcdef/../x", None, "is not an asyncsync segment"),
+        ("asyncsync-1-0123456789abcdef", "not-a-segment", "not segment"),
+        ("asyncsync-1-0123456789abcdef", "dead", "cannot open segment"),
+    ],
+)
+def test_a_worker_maps_only_the_segment_it_was_told(
+    segment: str, owner: str | None, message: str, tmp_path: Any
+) -> None:
+    """The segment name must be an asyncsync one, opened through the owner's descriptor,
+    and the descriptor must link to that very memfd (never an arbitrary file)."""
+    params = [("a", torch.ones(4))]
+    worker = _Worker(params)
+    other = open(tmp_path / "plain.bin", "wb+")  # noqa: SIM115 - closed below
+    other.write(b"\0" * 4096)
+    other.flush()
+    fd = other.fileno() if owner == "not-a-segment" else 10_000
+    info = {
+        "round": "r",
+        "chunk": 0,
+        "last": True,
+        "segment": segment,
+        "segment_size": 4096,
+        "owner_pid": os.getpid(),
+        "fd": fd,
+        "names": ["a"],
+        "dtype_names": ["float32"],
+        "shapes": [[4]],
+        "offsets": [0],
+    }
+    try:
+        worker.receiver.begin_round()
+        with pytest.raises(RuntimeError, match=message):
+            worker.send(info)
+        assert worker.loaded == {}
+    finally:
+        other.close()

@@ -1,9 +1,20 @@
-"""POSIX shared-memory segments owned by the trainer process.
+"""Shared-memory segments owned by the trainer process: anonymous memfds, never a name
+in /dev/shm.
 
-Python 3.11's ``multiprocessing.shared_memory`` registers every segment with the
-resource tracker (no ``track=`` before 3.13), which may unlink segments that other
-processes still use. These segments are created, mapped and unlinked explicitly
-instead: unlinked on close, on garbage collection, and at interpreter exit.
+A segment is a ``memfd_create`` file (mode 0600) that this process keeps open and maps.
+Servers on the same machine map it through ``/proc/<trainer pid>/fd/<fd>`` (which the
+kernel allows only to processes of the same user that may inspect the trainer), and
+check that the link there names the segment they were told (``memfd:<name>``). The
+memory belongs to whoever maps it: when the trainer closes a segment (on
+:meth:`Segment.close`, garbage collection, interpreter exit) or dies, even by SIGKILL,
+the kernel frees the memory as soon as the last server dropped its mapping; nothing is
+ever left in /dev/shm to sweep.
+
+Measured before choosing (``scripts/measure_shm_handoff.py``, docs/security.md): a fresh
+named segment per round, unlinked once every server mapped it, costs ~10x the per-round
+time of a reused one (allocation and page faults every round), and still leaks when the
+trainer dies between create and unlink; a reused memfd costs the same as a reused named
+segment and cannot leak.
 """
 
 from __future__ import annotations
@@ -18,7 +29,18 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SEGMENT_PREFIX", "SHM_DIR", "Segment", "leaked_segments", "sweep_stale_segments"]
+from asyncsync.backends._wire import SEGMENT_NAME, segment_path
+
+__all__ = [
+    "SEGMENT_NAME",
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
+    "Segment",
+    "leaked_segments",
+    "open_segments",
+    "segment_path",
+    "sweep_stale_segments",
+]
 
 SHM_DIR = Path("/dev/shm")
 #: Every segment asyncsync creates is named ``asyncsync-<pid>-<random>``.
@@ -28,27 +50,23 @@ _live: weakref.WeakSet[Segment] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
 class Segment:
     """A shared-memory segment of ``size`` bytes, mapped read-write in this process.
 
-    ``name`` is what workers open (``/dev/shm/<name>``). The segment is unlinked by
-    :meth:`close`, when the object is garbage-collected, and at interpreter exit.
+    Workers open :attr:`path` (``/proc/<pid>/fd/<fd>``) and verify that it links to
+    ``memfd:<name>``. :meth:`close`, garbage collection and interpreter exit close the
+    file descriptor; the memory is freed once no process maps it any more.
     """
 
     def __init__(self, size: int, *, populate: bool = True) -> None:
         if size <= 0:
             raise ValueError(f"segment size must be > 0, got {size}")
-        sweep_stale_segments()
         self.size = size
-        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        self.path = SHM_DIR / self.name
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self.owner_pid = os.getpid()
+        self.name = f"{SEGMENT_PREFIX}{self.owner_pid}-{uuid.uuid4().hex[:16]}"
+        fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
+            os.fchmod(fd, 0o600)  # owner only (memfds start as 0777)
             os.ftruncate(fd, size)
             flags = mmap.MAP_SHARED
             if populate and hasattr(mmap, "MAP_POPULATE"):
@@ -59,12 +77,16 @@ class Segment:
             )
         except BaseException:
             os.close(fd)
-            _unlink(self.path)
             raise
-        os.close(fd)
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        self.fd = fd
+        self._finalizer = weakref.finalize(self, _close_fd, fd)
         with _live_lock:
             _live.add(self)
+
+    @property
+    def path(self) -> Path:
+        """``/proc/<pid>/fd/<fd>``: what a server of the same user opens."""
+        return Path(segment_path(self.name, self.owner_pid, self.fd))
 
     @property
     def closed(self) -> bool:
@@ -77,12 +99,13 @@ class Segment:
         return self.mm
 
     def close(self) -> None:
-        """Unlink the segment and drop this process's mapping (idempotent).
+        """Close the file descriptor and drop this process's mapping (idempotent).
 
         Views created from :meth:`buffer` must be gone; if one is still referenced the
-        mapping is left to the garbage collector, but the name is unlinked regardless.
+        mapping is left to the garbage collector, but the descriptor is closed
+        regardless (no server can open the segment any more).
         """
-        self._finalizer()  # unlink now, exactly once
+        self._finalizer()  # close the descriptor now, exactly once
         mm, self.mm = self.mm, None
         if mm is not None:
             with contextlib.suppress(BufferError):
@@ -99,6 +122,38 @@ class Segment:
         return f"<Segment {self.name} {self.size} bytes {state}>"
 
 
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def open_segments(pid: int | None = None) -> list[str]:
+    """Names of the asyncsync segments that process ``pid`` (default: this one) holds
+    open (each once, though a mapping holds a duplicate descriptor), read from
+    ``/proc/<pid>/fd``."""
+    fd_dir = Path(f"/proc/{os.getpid() if pid is None else pid}/fd")
+    names: set[str] = set()
+    with contextlib.suppress(FileNotFoundError, PermissionError):
+        for entry in fd_dir.iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(entry)
+                if target.startswith(f"/memfd:{SEGMENT_PREFIX}"):
+                    names.add(target.removeprefix("/memfd:").removesuffix(" (deleted)"))
+    return sorted(names)
+
+
+def leaked_segments(pid: int | None = None) -> list[str]:
+    """Names of asyncsync segments left in /dev/shm (of ``pid`` when given).
+
+    Segments are memfds and never have a name there; this finds what earlier asyncsync
+    builds (which named their segments in /dev/shm) left behind.
+    """
+    prefix = SEGMENT_PREFIX if pid is None else f"{SEGMENT_PREFIX}{pid}-"
+    if not SHM_DIR.is_dir():
+        return []
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -110,27 +165,16 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep_stale_segments() -> list[str]:
-    """Unlink asyncsync segments whose creating process no longer exists.
-
-    A trainer killed with SIGKILL (or SIGTERM without a handler) cannot unlink its
-    segments; the next :class:`Segment` created on the machine removes them. Returns the
-    names removed.
-    """
+    """Unlink named asyncsync segments in /dev/shm whose creating process is gone (left
+    by asyncsync versions that named their segments). Returns the names removed."""
     removed = []
     for name in leaked_segments():
         pid_text = name[len(SEGMENT_PREFIX) :].split("-", 1)[0]
         if pid_text.isdigit() and not _pid_alive(int(pid_text)):
-            _unlink(SHM_DIR / name)
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / name).unlink()
             removed.append(name)
     return removed
-
-
-def leaked_segments(pid: int | None = None) -> list[str]:
-    """Names of asyncsync segments in /dev/shm (of ``pid`` when given)."""
-    prefix = SEGMENT_PREFIX if pid is None else f"{SEGMENT_PREFIX}{pid}-"
-    if not SHM_DIR.is_dir():
-        return []
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
 
 
 @atexit.register

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncsync._weights import check_tensor
 from asyncsync.backends._base import RoundCancelled, SendStats
 from asyncsync.backends._segments import Segment
 from asyncsync.backends._wire import (
@@ -267,6 +268,7 @@ class ChunkStream:
         self._plan_chunk: PlannedChunk | None = next(self._planned, None)
         self._position = 0
         self._seen = 0
+        self._stream_names: set[str] = set()
         self._index = 0
         self._open: _OpenChunk | None = None
         self._in_flight: Future[None] | None = None
@@ -286,6 +288,7 @@ class ChunkStream:
         return self.stats
 
     def _add(self, name: str, tensor: torch.Tensor) -> None:
+        check_tensor(name, tensor)
         self._check_order(name)
         size = tensor.numel() * tensor.element_size()
         chunk, offset = self._place(name, size)
@@ -334,6 +337,8 @@ class ChunkStream:
             num_chunks=len(self._plan) if self._plan is not None else None,
             segment=chunk.segment.name,
             segment_size=chunk.segment.size,
+            owner_pid=chunk.segment.owner_pid,
+            fd=chunk.segment.fd,
             names=chunk.names,
             dtype_names=chunk.dtype_names,
             shapes=chunk.shapes,
@@ -368,6 +373,10 @@ class ChunkStream:
 
     def _check_order(self, name: str) -> None:
         expected = self.manifest.names if self.manifest is not None else None
+        if expected is None:  # a stream: no manifest to refuse a repeated name
+            if name in self._stream_names:
+                raise ValueError(f"parameter {name!r} appears twice in the weights")
+            self._stream_names.add(name)
         seen = self._seen
         if expected is not None and (seen >= len(expected) or name != expected[seen]):
             want = expected[seen] if seen < len(expected) else "<end>"

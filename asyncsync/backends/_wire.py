@@ -9,12 +9,15 @@ write the same fields.
 Each update_info is a JSON object (:class:`ShmUpdateFields`):
 
 ``{"round": str, "chunk": int, "last": bool, "num_chunks": int | None, "segment": str,
-"segment_size": int, "names": [...], "dtype_names": [...], "shapes": [[...]],
-"offsets": [...], "manifest": {...} | None, "abort": false}``
+"segment_size": int, "owner_pid": int, "fd": int, "names": [...], "dtype_names": [...],
+"shapes": [[...]], "offsets": [...], "manifest": {...} | None, "abort": false}``
 
-- ``segment`` names a POSIX shared-memory segment (``/dev/shm/<segment>``) owned by the
-  trainer; the tensor ``names[i]`` lies at byte ``offsets[i]`` with ``dtype_names[i]`` and
-  ``shapes[i]``, C-contiguous.
+- ``segment`` names a shared-memory segment (an anonymous memfd named
+  ``asyncsync-<pid>-<16 hex>``) owned by the trainer ``owner_pid``, which holds it open
+  as file descriptor ``fd``: a worker opens ``/proc/<owner_pid>/fd/<fd>`` and checks
+  that it links to ``memfd:<segment>`` before mapping it. Nothing is ever named in
+  /dev/shm, so a trainer that dies leaves no file behind. The tensor ``names[i]`` lies
+  at byte ``offsets[i]`` with ``dtype_names[i]`` and ``shapes[i]``, C-contiguous.
 - Chunk 0 carries the ``manifest`` of the whole round (every name with its dtype and
   shape), so that a worker validates the round *before it loads anything*.
 - ``{"abort": true, "round": "abort"}`` ends a round that the trainer gave up on: the
@@ -28,6 +31,7 @@ speaks another version refuses it.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,17 +41,19 @@ __all__ = [
     "BACKEND_NAME",
     "DTYPE_SIZES",
     "PROTOCOL_VERSION",
+    "SEGMENT_NAME",
     "Manifest",
     "ShmFormatError",
     "ShmInitFields",
     "ShmUpdateFields",
     "align",
+    "segment_path",
     "validate_chunk_layout",
 ]
 
 #: Version of the trainer <-> plugin protocol, sent in every init_info; both sides of a
 #: publish must run the same asyncsync protocol.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: vLLM ``--weight-transfer-config`` backend name under which the plugin registers.
 BACKEND_NAME = "asyncsync_shm"
@@ -72,8 +78,24 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
+#: What a segment name looks like; a worker maps nothing else.
+SEGMENT_NAME = re.compile(r"asyncsync-[0-9]+-[0-9a-f]{16}")
+
+
 class ShmFormatError(ValueError):
     """An update_info does not fit the shm wire format or the model it targets."""
+
+
+def segment_path(segment: str, owner_pid: int, fd: int) -> str:
+    """Where a process of the trainer's user opens segment ``segment``
+    (``/proc/<owner_pid>/fd/<fd>``), after checking the three fields' shape."""
+    if not SEGMENT_NAME.fullmatch(segment):
+        raise ShmFormatError(f"segment name {segment!r} is not an asyncsync segment")
+    if owner_pid <= 0 or fd < 0:
+        raise ShmFormatError(
+            f"segment {segment!r}: owner_pid {owner_pid} and fd {fd} do not name a descriptor"
+        )
+    return f"/proc/{owner_pid}/fd/{fd}"
 
 
 def align(n: int, alignment: int = ALIGNMENT) -> int:
@@ -188,6 +210,8 @@ class ShmUpdateFields:
     num_chunks: int | None = None
     segment: str = ""
     segment_size: int = 0
+    owner_pid: int = 0
+    fd: int = -1
     names: list[str] = field(default_factory=list)
     dtype_names: list[str] = field(default_factory=list)
     shapes: list[Sequence[int]] = field(default_factory=list)
@@ -204,6 +228,8 @@ class ShmUpdateFields:
             "num_chunks": self.num_chunks,
             "segment": self.segment,
             "segment_size": self.segment_size,
+            "owner_pid": self.owner_pid,
+            "fd": self.fd,
             "names": self.names,
             "dtype_names": self.dtype_names,
             "shapes": self.shapes,
@@ -231,6 +257,8 @@ class ShmUpdateFields:
                 num_chunks=get("num_chunks", None),
                 segment=str(get("segment", "")),
                 segment_size=int(get("segment_size", 0)),
+                owner_pid=int(get("owner_pid", 0)),
+                fd=int(get("fd", -1)),
                 names=[str(n) for n in get("names", [])],
                 dtype_names=[str(d) for d in get("dtype_names", [])],
                 shapes=[tuple(int(x) for x in s) for s in get("shapes", [])],

@@ -37,6 +37,7 @@ from asyncsync.backends._wire import (
     ShmFormatError,
     ShmUpdateFields,
     nbytes,
+    segment_path,
     validate_chunk_layout,
 )
 
@@ -152,13 +153,24 @@ class _Round:
 
 
 class _Mapping:
-    """A private mapping of a trainer-owned shm segment (the segment is never unlinked
-    or written here; the trainer owns its lifetime)."""
+    """A private mapping of a trainer-owned shm segment (never written here; the trainer
+    owns its lifetime). The segment is opened through the trainer's descriptor
+    (``/proc/<owner_pid>/fd/<fd>``), which must link to ``memfd:<segment>``."""
 
-    def __init__(self, segment: str, size: int) -> None:
-        path = Path("/dev/shm") / segment.lstrip("/")
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, update: ShmUpdateFields) -> None:
+        segment, size = update.segment, update.segment_size
+        path = segment_path(segment, update.owner_pid, update.fd)
         try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise ShmFormatError(
+                f"cannot open segment {segment!r} at {path} ({exc.strerror}): is the trainer "
+                "process alive, on this machine, in this PID namespace and of this user?"
+            ) from exc
+        try:
+            target = os.readlink(path)
+            if target not in (f"/memfd:{segment} (deleted)", f"/memfd:{segment}"):
+                raise ShmFormatError(f"{path} is {target!r}, not segment {segment!r}")
             actual = os.fstat(fd).st_size
             if actual < size:
                 raise ShmFormatError(
@@ -169,6 +181,7 @@ class _Mapping:
             )
         finally:
             os.close(fd)
+        self.owner_pid = update.owner_pid
         self.size = size
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8, count=size)
         self.ptr = int(self.base.data_ptr())
@@ -193,6 +206,16 @@ class _Mapping:
             logger.debug("asyncsync_shm: mapping still referenced; left to GC")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
 class ShmReceiver:
     """Version-neutral receive logic shared by the vLLM 0.32 and 0.23 engine adapters."""
 
@@ -210,6 +233,9 @@ class ShmReceiver:
     def begin_round(self) -> None:
         self.round = None
         self._used_this_round.clear()
+        for key, mapping in list(self._mappings.items()):
+            if not _alive(mapping.owner_pid):  # a dead trainer's memory: free it now
+                self._mappings.pop(key).close()
 
     def receive(
         self,
@@ -226,6 +252,7 @@ class ShmReceiver:
             self.round = None
             if restore is not None:
                 restore()
+            self.close()  # a failed round keeps no mapping (its trainer may be gone)
             state = (
                 "the model is partially updated; publish a full round to repair it"
                 if loaded
@@ -315,7 +342,7 @@ class ShmReceiver:
         layerwise loader keeps pending are copied out (the trainer reuses segments)."""
         if not update.names:
             return
-        mapping = self._mapping(update.segment, update.segment_size)
+        mapping = self._mapping(update)
         views = [
             (name, mapping.view(offset, dtype_name, tuple(shape)))
             for name, dtype_name, shape, offset in zip(
@@ -354,13 +381,13 @@ class ShmReceiver:
         if missing:
             raise ShmFormatError(f"the round does not update {_some(missing)}")
 
-    def _mapping(self, segment: str, size: int) -> _Mapping:
-        key = (segment, size)
+    def _mapping(self, update: ShmUpdateFields) -> _Mapping:
+        key = (update.segment, update.segment_size)
         mapping = self._mappings.get(key)
         if mapping is None:
             if len(self._mappings) >= self.max_cached_mappings:
                 self._drop_unused_mappings()
-            mapping = _Mapping(segment, size)
+            mapping = _Mapping(update)
             self._mappings[key] = mapping
         self._used_this_round.add(key)
         return mapping

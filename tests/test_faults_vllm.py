@@ -1,0 +1,184 @@
+"""Faults produced for real on the session's vLLM-CPU servers (issue 12): a server
+frozen with SIGSTOP during a round, a trainer killed with SIGKILL mid-publish."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+import asyncsync as az
+from asyncsync.backends._segments import leaked_segments, open_segments
+from asyncsync.testing import LocalVLLMServer, reference_greedy
+from tests.conftest import VLLMFleet
+from tests.test_shm_lifecycle import mapped_anywhere
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
+
+PROMPT = [1, 17, 42, 99, 123, 7]
+MAX_TOKENS = 8
+
+
+def _original(model_dir: Path) -> dict[str, object]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(model_dir / "model.safetensors"))
+
+
+@contextmanager
+def frozen(server: LocalVLLMServer) -> Iterator[None]:
+    """SIGSTOP the server's whole process group; SIGCONT on exit, whatever happens."""
+    assert server.process is not None
+    pgid = os.getpgid(server.process.pid)
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+
+
+async def _greedy(fleet: az.Fleet, url: str) -> list[int]:
+    completion = await fleet.client(url).generate(
+        PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+    )
+    return list(completion.token_ids)
+
+
+async def _healthy_again(fleet: az.Fleet, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            await fleet.client(url).health()
+            return
+        except az.AsyncSyncError:
+            assert time.monotonic() < deadline, f"{url} never answered /health again"
+            await asyncio.sleep(0.2)
+
+
+@pytest.mark.timeout(300)
+async def test_a_frozen_server_is_dirty_until_a_later_round_succeeds_on_it(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> None:
+    """The issue's scenario: a server frozen during /start_weight_update fails the round
+    by its deadline, is named as needing a resync and marked dirty; thawed, it answers
+    health checks but is never fit to serve until the next round succeeds on it, and
+    that round is exact."""
+    weights = _original(tiny_model_dir)
+    expected = reference_greedy(tiny_model_dir, PROMPT, MAX_TOKENS)
+    healthy, stopped = vllm_fleet.tokenizer_server, vllm_fleet.token_only_server
+    # start, update and finish use the update deadline; far from control's.
+    timeouts = az.Timeouts(connect=2, control=60, update=3, generate=60)
+    async with az.Fleet(vllm_fleet.urls, timeouts=timeouts, admission_timeout=1) as fleet:
+        publisher = az.AsyncWeightPublisher(fleet)
+        await publisher.publish(weights, version="before")  # engines initialized
+        with frozen(stopped):
+            began = time.monotonic()
+            with pytest.raises(az.PublishError) as info:
+                await publisher.publish(weights, version="during")
+            elapsed = time.monotonic() - began
+        err = info.value
+        assert elapsed < 30  # the 3 s deadline ended it (plus the abort's own)
+        outcome = err.outcomes[stopped.url]
+        assert (outcome.phase, type(outcome.error)) == ("start", az.ServerTimeout)
+        assert set(err.needs_resync) == {healthy.url, stopped.url}
+        assert publisher.version == "before"
+        assert fleet.state(stopped.url).dirty
+        await _healthy_again(fleet, stopped.url)
+        # Thawed and answering, but dirty: routing never sends it a generation.
+        state = fleet.state(stopped.url)
+        assert state.healthy
+        assert state.unfit() == "dirty"
+        assert fleet.routing_reasons()[stopped.url] == "dirty"
+        with pytest.raises(az.AsyncSyncError):
+            await fleet.generate(PROMPT, max_tokens=2, temperature=0.0)
+        # The next round repairs both (ending the update the thawed start may have
+        # opened), and both are exact.
+        report = await publisher.publish(weights, version="original")  # what others expect
+        assert report.version == publisher.version == "original"
+        assert [s.dirty for s in fleet.servers] == [False, False]
+        for url in fleet.urls:
+            assert await _greedy(fleet, url) == expected, url
+        await publisher.aclose()
+
+
+_TRAINER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from safetensors.torch import load_file
+    import asyncsync as az
+
+    async def main(model_dir, urls):
+        weights = load_file(model_dir + "/model.safetensors")
+        async with az.Fleet(urls) as fleet:
+            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20)
+            n = 0
+            while True:
+                n += 1
+                await publisher.publish(weights, version=f"doomed-{n}")
+                print(n, flush=True)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2:]))
+    """
+)
+
+
+@pytest.mark.timeout(300)
+async def test_a_killed_trainer_leaves_nothing_once_the_servers_moved_on(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> None:
+    """SIGKILL a trainer while it publishes in a loop to both real servers: nothing is
+    ever named in /dev/shm; the servers' next round ends whatever it left open and
+    frees the dead trainer's memory (no process maps its segments any more)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _TRAINER,
+        str(tiny_model_dir),
+        *vllm_fleet.urls,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=180)
+        assert line.strip() == b"1", await proc.stderr.read() if proc.stderr else b""
+        await asyncio.wait_for(proc.stdout.readline(), timeout=60)  # rounds keep going
+        assert open_segments(proc.pid)
+        assert mapped_anywhere(f"asyncsync-{proc.pid}-")  # the servers map them
+        assert leaked_segments(pid=proc.pid) == []
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    assert leaked_segments(pid=proc.pid) == []
+    async with az.Fleet(vllm_fleet.urls) as fleet, az.AsyncWeightPublisher(fleet) as publisher:
+        report = await publisher.publish(_original(tiny_model_dir), version="original")
+        assert report.version == "original"
+        assert not any(s.dirty for s in fleet.servers)
+    assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []
+    assert open_segments() == []
+
+
+async def test_a_prompt_longer_than_the_context_is_a_typed_error_and_harmless(
+    vllm_fleet: VLLMFleet,
+) -> None:
+    """vLLM refuses a prompt longer than ``--max-model-len`` (256 here) with a 400;
+    asyncsync raises it as a ServerError naming the status, and the server keeps
+    serving (unlike an id outside the vocabulary, which ``vocab_size`` guards)."""
+    server = vllm_fleet.token_only_server
+    async with az.Fleet([server.url]) as fleet:
+        client = fleet.client(server.url)
+        with pytest.raises(az.ServerError) as info:
+            await client.generate([7] * (server.max_model_len + 10), max_tokens=2)
+        assert info.value.status == 400
+        assert server.url in str(info.value)
+        completion = await client.generate(PROMPT, max_tokens=2, temperature=0.0)
+        assert len(completion.token_ids) == 2
+        assert fleet.state(server.url).healthy

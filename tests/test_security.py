@@ -1,0 +1,146 @@
+"""Security (issue 12, item 9): asyncsync's own payloads are plain JSON (never pickle),
+and the bearer token is sent on every request but never logged or put in an error."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncsync as az
+from asyncsync.testing import Fault
+from tests.publish_fakes import shm_fakes
+
+TOKEN = "sk-test-0123456789abcdef-SECRET"
+WEIGHTS = {f"model.layers.{i}.w": torch.full((256,), float(i)) for i in range(6)}
+#: JSON's own value types: what a body may contain once parsed.
+JSON_TYPES = (dict, list, str, int, float, bool, type(None))
+PACKAGE = Path(az.__file__).parent
+
+
+def _only_json_values(value: object, where: str = "body") -> None:
+    assert isinstance(value, JSON_TYPES), f"{where} is a {type(value).__name__}"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            assert isinstance(key, str), f"{where} has a non-string key {key!r}"
+            _only_json_values(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _only_json_values(item, f"{where}[{i}]")
+
+
+@pytest.mark.asyncio
+async def test_shm_round_payloads_are_plain_json() -> None:
+    """Every body a publish sends (init, start, each chunk, finish) is UTF-8 JSON of
+    plain values: nothing a server would have to unpickle."""
+    async with (
+        shm_fakes(1) as fakes,
+        az.Fleet([fakes[0].url]) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+    ):
+        await publisher.publish(WEIGHTS, version="v1", pause="keep")
+        bodies = [r for r in fakes[0].requests if r.body]
+    paths = {r.path for r in bodies}
+    assert {"/init_weight_transfer_engine", "/update_weights"} <= paths
+    assert sum(r.path == "/update_weights" for r in bodies) > 1  # several chunks
+    for request in bodies:
+        assert request.headers.get("Content-Type", "").startswith("application/json")
+        parsed = json.loads(request.body.decode("utf-8"))  # strict UTF-8 JSON
+        _only_json_values(parsed, request.path)
+        assert b"\x80\x04\x95" not in request.body  # a pickle protocol 4+ header
+
+
+def test_no_pickle_on_asyncsyncs_own_paths() -> None:
+    """The trainer side, the wire and the vLLM plugin never import pickle (or torch's
+    pickle-based loaders): a source guard, since a payload could only be unpickled by
+    code that imports it."""
+    guarded = [
+        *sorted((PACKAGE / "backends").glob("*.py")),
+        *sorted((PACKAGE / "vllm_plugin").glob("*.py")),
+        PACKAGE / "_bridge.py",
+        PACKAGE / "_round.py",
+        PACKAGE / "_json.py",
+    ]
+    pattern = re.compile(r"\b(import pickle|cloudpickle|torch\.load|pickle\.loads?|marshal)\b")
+    offenders = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in guarded
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == []
+
+
+def _texts_of(error: BaseException) -> list[str]:
+    """str and repr of an error and of everything it was caused by."""
+    texts: list[str] = []
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        exc = stack.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        texts += [str(exc), repr(exc), repr(getattr(exc, "args", ()))]
+        stack += [exc.__cause__, exc.__context__]
+        stack += [getattr(o, "error", None) for o in getattr(exc, "outcomes", {}).values()]
+    return texts
+
+
+@pytest.mark.asyncio
+async def test_bearer_token_sent_on_every_request_and_never_logged_or_in_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    errors: list[BaseException] = []
+    timeouts = az.Timeouts(connect=5, control=0.5, update=0.5, generate=5)
+    async with shm_fakes(1) as fakes:
+        fake = fakes[0]
+        async with az.Fleet([fake.url], api_key=TOKEN, timeouts=timeouts, retry=None) as fleet:
+            client = fleet.client(fake.url)
+            await client.health()
+            await client.version()
+            await fleet.generate([1, 2, 3], max_tokens=3)
+            async with client.stream([1, 2], max_tokens=3) as stream:
+                async for _ in stream:
+                    pass
+            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=4096)
+            await publisher.publish(WEIGHTS, version="v1", pause="wait")
+            # Failures of every kind: an error answer, a malformed one, no answer, a
+            # dropped connection, a failed round.
+            faults = {
+                "/pause": Fault.error(401, f"bad token {TOKEN[:4]}", shape="detail"),
+                "/is_paused": Fault.malformed(),
+                "/weight_info": Fault.hang(),
+                "/health": Fault.drop(),
+                "/update_weights": Fault.error(500),
+            }
+            for route, fault in faults.items():
+                fake.inject(route, fault, times=None)  # retries meet the fault too
+            for call in (
+                lambda: client.pause("wait"),
+                client.is_paused,
+                client.weight_info,
+                client.health,
+                lambda: publisher.publish(WEIGHTS, version="v2"),
+            ):
+                with pytest.raises(az.AsyncSyncError) as info:
+                    await call()
+                errors.append(info.value)
+            fake.clear_faults()
+            await publisher.aclose()
+        sent = fake.requests
+    assert len(sent) > 15
+    unauthorized = [r.path for r in sent if r.headers.get("Authorization") != f"Bearer {TOKEN}"]
+    assert unauthorized == []
+    texts = [t for error in errors for t in _texts_of(error)]
+    assert len(errors) == 5
+    assert not [t for t in texts if TOKEN in t]
+    logged = [record.getMessage() + repr(record.args) for record in caplog.records]
+    assert not [line for line in logged if TOKEN in line]
+    assert TOKEN not in repr(fleet)
+    assert TOKEN not in repr(client)
