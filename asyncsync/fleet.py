@@ -124,8 +124,9 @@ class Fleet(FleetControl):
             self._add(server)
 
     # ------------------------------------------------------------------ lifecycle
-    def on_close(self, hook: Callable[[], None]) -> None:
-        """Call the bound method ``hook`` (held weakly) when the fleet closes."""
+    def _on_close(self, hook: Callable[[], None]) -> None:
+        """Call the bound method ``hook`` (held weakly) when the fleet closes (for a
+        publisher bound to this fleet: its buffers go with the fleet)."""
         self._close_hooks.append(weakref.WeakMethod(hook))
 
     async def __aenter__(self) -> Fleet:

@@ -113,7 +113,7 @@ class AsyncWeightPublisher:
         self.version: str | None = None
         self.last_report: PublishReport | None = None
         if fleet is not None:
-            fleet.on_close(self._release)
+            fleet._on_close(self._release)
 
     @property
     def rank(self) -> int:
