@@ -1,0 +1,75 @@
+"""vLLM's own trainer API (``WeightTransferTrainerFactory`` + ``HTTPVLLMWeightSyncClient``)
+driving asyncsync's ``asyncsync_shm`` trainer engine against the session's real servers.
+(The gloo engine's counterpart is in ``test_gloo_vllm.py``, against gloo servers.)"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncsync as az
+from asyncsync.testing import reference_greedy
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
+
+PROMPT = [1, 17, 42, 99, 123, 7, 300, 5]
+MAX_TOKENS = 8
+
+
+def _perturbed(model_dir: Path, seed: int) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model.eval()
+
+
+def test_the_factory_knows_asyncsyncs_trainer_engines() -> None:
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    import asyncsync.vllm_plugin.trainer  # noqa: F401 - registers on import
+
+    assert {"asyncsync_shm", "asyncsync_gloo"} <= set(WeightTransferTrainerFactory._registry)
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+async def test_vllms_trainer_api_drives_the_shm_engine(
+    fleet: az.Fleet, tiny_model_dir: Path
+) -> None:
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from asyncsync.vllm_plugin.trainer import ShmTrainerInitInfo
+
+    url = fleet.urls[0]
+    model = _perturbed(tiny_model_dir, seed=11)
+
+    def vllm_style() -> None:
+        engine = WeightTransferTrainerFactory.trainer_init(
+            ShmTrainerInitInfo(rank=0, buffer_bytes=256 * 1024),
+            client=HTTPVLLMWeightSyncClient(url, timeout=120),
+            source=ModuleSource(model),
+        )
+        try:
+            engine.send_weights()  # several chunks: the buffer is smaller than the model
+            engine.send_weights()  # and a second round through the same engine
+        finally:
+            engine.shutdown()
+
+    await asyncio.to_thread(vllm_style)
+    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
+    async with az.AsyncVLLMClient(url) as client:
+        completion = await client.generate(
+            PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+        )
+    assert list(completion.token_ids) == expected
