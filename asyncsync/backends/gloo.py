@@ -393,6 +393,8 @@ class GlooTrainerEngine:
             init_info.op_timeout_s,
         )
         engine.link = GlooLink(settings, init_info.buffer_bytes)
+        timeout = getattr(client, "timeout", None)  # HTTPVLLMWeightSyncClient's per call
+        engine.link.update_deadline_s = float(timeout) if timeout else None
         engine._threaded = ThreadedClient(client)
         engine._members = {engine._threaded.url: int(init_info.world_size) - 1}
         engine.link.connect(engine._threaded, engine._members)
