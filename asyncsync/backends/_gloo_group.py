@@ -312,10 +312,13 @@ class GlooGroup:
         if pg is not None:
             with contextlib.suppress(Exception):
                 pg.shutdown()
+        pending = bool(self._keep) or keep is not None
         things = (pg, self.store, self._watch_store, list(self._keep), keep)
         self._keep.clear()
         _live.discard(self)
-        _bury(time.monotonic() + self.op_timeout_s + 2.0, things)
+        # With an op pending: until gloo's own timeout ended it. Without: a few seconds,
+        # for the workers' watchers to read the abort key from this store.
+        _bury(time.monotonic() + (self.op_timeout_s + 2.0 if pending else 5.0), things)
 
     def close(self) -> None:
         """Orderly end of a healthy group (no op pending): the same teardown."""
