@@ -20,18 +20,15 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.backends._gloo_group import GlooGroup
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooUpdateFields
 from asyncsync.backends._wire import ShmFormatError, ShmUpdateFields
 from asyncsync.vllm_plugin._infos import GlooInitInfo, GlooUpdateInfo
+from asyncsync.vllm_plugin.engine_v032 import ShmWeightTransferEngine
 from asyncsync.vllm_plugin.shm_engine import BufferViews, CheckpointTable, ShmReceiver
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.config.weight_transfer import WeightTransferConfig
-
     from asyncsync.backends._gloo_wire import GlooInitFields
 
 __all__ = ["GlooReceiver", "GlooWeightTransferEngine"]
@@ -113,50 +110,18 @@ class GlooReceiver(ShmReceiver):
         super().close()
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):  # type: ignore[misc]
-    """Receives trainer weights over a standalone gloo group on a CPU (or any) worker."""
+class GlooWeightTransferEngine(ShmWeightTransferEngine):
+    """Receives trainer weights over a standalone gloo group on a CPU (or any) worker:
+    the shm engine's round (layerwise reload once per round, validation before loading)
+    with :class:`GlooReceiver` and a group joined at init."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
-    supports_draft_weight_update = False
-
-    def __init__(
-        self,
-        config: WeightTransferConfig,
-        vllm_config: VllmConfig,
-        device: torch.device,
-        model: torch.nn.Module,
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
-        served = str(self.model_config.dtype).removeprefix("torch.")
-        table = CheckpointTable.from_model_path(str(self.model_config.model), served)
-        self.receiver = GlooReceiver(model, table)
+    receiver_cls = GlooReceiver
+    receiver: GlooReceiver
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         init_info.check()
         pc = self.parallel_config
         worker = int(getattr(pc, "data_parallel_index", 0)) * int(pc.world_size) + int(pc.rank)
         self.receiver.join(init_info, worker + int(init_info.rank_offset))
-
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        self.receiver.begin_round()
-        initialize_layerwise_reload(self.model)
-
-    def _restore(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        self.receiver.receive(update_info, self.model.load_weights, self._restore)
-
-    def finish_weight_update(self) -> None:
-        try:
-            self.receiver.end_round()
-        finally:
-            self._restore()
-
-    def shutdown(self) -> None:
-        self.receiver.close()

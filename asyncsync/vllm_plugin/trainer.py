@@ -63,27 +63,16 @@ class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     op_timeout_s: float = 600.0
 
 
-class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):  # type: ignore[misc]
-    """vLLM's trainer-engine interface over :class:`~asyncsync.backends.shm.ShmTrainerEngine`."""
-
-    init_info_cls = ShmTrainerInitInfo
+class _AsyncsyncTrainerEngine(TrainerWeightTransferEngine[Any]):  # type: ignore[misc]
+    """vLLM's trainer-engine interface over one of asyncsync's engines (``self.engine``,
+    built by the subclass's ``trainer_init``)."""
 
     def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
-        self.engine: ShmTrainerEngine | None = None
-
-    @classmethod
-    def trainer_init(
-        cls, init_info: ShmTrainerInitInfo, *, client: Any, source: Any = None
-    ) -> ShmTrainerWeightTransferEngine:
-        self = cls(client=client, source=source, is_sender=init_info.is_sender)
-        self.engine = ShmTrainerEngine.trainer_init(
-            init_info, client=client, source=source, buffers=ShmBuffers(init_info.buffer_bytes)
-        )
-        return self
+        self.engine: ShmTrainerEngine | GlooTrainerEngine | None = None
 
     def send_weights(self) -> None:
-        assert self.engine is not None
+        assert self.engine is not None, "use trainer_init"
         self.engine.send_weights()
 
     def shutdown(self) -> None:
@@ -91,14 +80,27 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             self.engine.shutdown()
 
 
-class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):  # type: ignore[misc]
-    """vLLM's trainer-engine interface over :class:`~asyncsync.backends.gloo.GlooTrainerEngine`."""
+class ShmTrainerWeightTransferEngine(_AsyncsyncTrainerEngine):
+    """``asyncsync_shm``: :class:`~asyncsync.backends.shm.ShmTrainerEngine`."""
+
+    init_info_cls = ShmTrainerInitInfo
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: ShmTrainerInitInfo, *, client: Any, source: Any = None
+    ) -> ShmTrainerWeightTransferEngine:
+        self = cls(client=client, source=source, is_sender=init_info.is_sender)
+        buffers = ShmBuffers(init_info.buffer_bytes)
+        self.engine = ShmTrainerEngine.trainer_init(
+            init_info, client=client, source=source, buffers=buffers
+        )
+        return self
+
+
+class GlooTrainerWeightTransferEngine(_AsyncsyncTrainerEngine):
+    """``asyncsync_gloo``: :class:`~asyncsync.backends.gloo.GlooTrainerEngine`."""
 
     init_info_cls = GlooTrainerInitInfo
-
-    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
-        self.engine: GlooTrainerEngine | None = None
 
     @classmethod
     def trainer_init(
@@ -107,14 +109,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self = cls(client=client, source=source, is_sender=init_info.is_sender)
         self.engine = GlooTrainerEngine.trainer_init(init_info, client=client, source=source)
         return self
-
-    def send_weights(self) -> None:
-        assert self.engine is not None
-        self.engine.send_weights()
-
-    def shutdown(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
 
 
 register_trainer_engines()
