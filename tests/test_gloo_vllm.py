@@ -8,20 +8,21 @@ vLLM's own trainer API, a frozen server, and last a killed one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, reference_greedy
+from tests.test_publish_vllm import _perturbed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -68,17 +69,6 @@ def gloo_servers(tiny_model_dir: Path) -> Iterator[list[LocalVLLMServer]]:
             yield servers
         finally:
             portal.call(stop_all)
-
-
-def _perturbed(model_dir: Path, seed: int, scale: float = 0.1) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * scale)
-    return model.eval()
 
 
 async def _greedy(url: str) -> list[int]:
@@ -188,35 +178,53 @@ async def test_vllms_trainer_api_drives_the_gloo_engine(
     await _assert_serves([url], model, None)
 
 
+@contextlib.asynccontextmanager
+async def _publisher(urls: list[str], model_dir: Path) -> AsyncIterator[az.AsyncWeightPublisher]:
+    """A gloo publisher with the fault tests' deadlines that published "before"."""
+    async with (
+        az.Fleet(urls, timeouts=FAULT_TIMEOUTS) as fleet,
+        az.AsyncWeightPublisher(fleet, backend="gloo", buffer_bytes=SMALL_BUFFER) as publisher,
+    ):
+        await publisher.publish(_perturbed(model_dir, seed=6), version="before")
+        yield publisher
+
+
+async def _round_with_fault(
+    publisher: az.AsyncWeightPublisher, model: Any, server: LocalVLLMServer, sig: signal.Signals
+) -> tuple[az.PublishError, float]:
+    """Publish ``model`` while ``server`` gets ``sig`` once chunk 1 was loaded
+    everywhere (mid-round). Returns the round's error and its seconds, after checking
+    what every failure leaves: the server named, the version unchanged, the group torn
+    down, the publisher's thread free."""
+    fault = _after_chunks(2, lambda: _signal_server(server, sig))
+    started = time.monotonic()
+    with pytest.raises(az.PublishError) as info:
+        await publisher.publish(model, version=sig.name, progress=fault)
+    took = time.monotonic() - started
+    assert server.url in str(info.value)
+    assert not info.value.outcomes[server.url].ok
+    assert publisher.version == "before"
+    assert publisher._backend.link.group is None  # type: ignore[attr-defined]
+    _no_gloo_thread_blocked()
+    return info.value, took
+
+
 async def test_a_frozen_server_fails_the_round_within_the_deadline(
     gloo_servers: list[LocalVLLMServer], tiny_model_dir: Path
 ) -> None:
     live, frozen = gloo_servers
     urls = [live.url, frozen.url]
     model = _perturbed(tiny_model_dir, seed=5)
-    async with (
-        az.Fleet(urls, timeouts=FAULT_TIMEOUTS) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="gloo", buffer_bytes=SMALL_BUFFER) as publisher,
-    ):
-        await publisher.publish(_perturbed(tiny_model_dir, seed=6), version="before")
-        freeze = _after_chunks(2, lambda: _signal_server(frozen, signal.SIGSTOP))
-        started = time.monotonic()
+    async with _publisher(urls, tiny_model_dir) as publisher:
         try:
-            with pytest.raises(az.PublishError) as info:
-                await publisher.publish(model, version="frozen", progress=freeze)
-            took = time.monotonic() - started
+            err, took = await _round_with_fault(publisher, model, frozen, signal.SIGSTOP)
         finally:
             _signal_server(frozen, signal.SIGCONT)
-        err = info.value
         # The trainer gave up at its chunk deadline; the frozen server's own call ran
         # to the update deadline, and the rollback tried to end its round (one more).
         assert took < 2 * UPDATE_DEADLINE + 10, took
         assert err.outcomes[frozen.url].phase == "update"
         assert isinstance(err.outcomes[frozen.url].error, az.ServerTimeout)
-        assert frozen.url in str(err)
-        assert publisher.version == "before"
-        assert publisher._backend.link.group is None  # type: ignore[attr-defined]
-        _no_gloo_thread_blocked()
         # The next round builds a new group on the thawed fleet and is exact.
         report = await publisher.publish(model, version="after-freeze")
         assert report.version == publisher.version == "after-freeze"
@@ -228,25 +236,10 @@ async def test_a_killed_server_fails_the_round_and_the_survivor_is_exact(
     gloo_servers: list[LocalVLLMServer], tiny_model_dir: Path
 ) -> None:
     survivor, victim = gloo_servers
-    urls = [survivor.url, victim.url]
     model = _perturbed(tiny_model_dir, seed=7)
-    async with (
-        az.Fleet(urls, timeouts=FAULT_TIMEOUTS) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="gloo", buffer_bytes=SMALL_BUFFER) as publisher,
-    ):
-        await publisher.publish(_perturbed(tiny_model_dir, seed=8), version="before")
-        kill = _after_chunks(2, lambda: _signal_server(victim, signal.SIGKILL))
-        started = time.monotonic()
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(model, version="killed", progress=kill)
-        took = time.monotonic() - started
-        err = info.value
+    async with _publisher([survivor.url, victim.url], tiny_model_dir) as publisher:
+        _, took = await _round_with_fault(publisher, model, victim, signal.SIGKILL)
         assert took < UPDATE_DEADLINE + 5, took
-        assert not err.outcomes[victim.url].ok
-        assert victim.url in str(err)
-        assert publisher.version == "before"
-        assert publisher._backend.link.group is None  # type: ignore[attr-defined]
-        _no_gloo_thread_blocked()
         # The same publisher, on the survivor only: a new group, exact.
         report = await publisher.publish(model, version="survivor", targets=[survivor.url])
         assert report.servers == [survivor.url]

@@ -6,29 +6,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 import asyncsync as az
 from asyncsync.testing import reference_greedy
+from tests.test_publish_vllm import _perturbed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
 PROMPT = [1, 17, 42, 99, 123, 7, 300, 5]
 MAX_TOKENS = 8
-
-
-def _perturbed(model_dir: Path, seed: int) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model.eval()
 
 
 def test_the_factory_knows_asyncsyncs_trainer_engines() -> None:
