@@ -13,7 +13,7 @@ import asyncsync as az
 from asyncsync.testing import reference_greedy
 from tests.test_publish_vllm import _perturbed
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
+pytestmark = pytest.mark.vllm
 
 PROMPT = [1, 17, 42, 99, 123, 7, 300, 5]
 MAX_TOKENS = 8
@@ -27,6 +27,7 @@ def test_the_factory_knows_asyncsyncs_trainer_engines() -> None:
     assert {"asyncsync_shm", "asyncsync_gloo"} <= set(WeightTransferTrainerFactory._registry)
 
 
+@pytest.mark.asyncio
 @pytest.mark.usefixtures("original_weights_restored")
 async def test_vllms_trainer_api_drives_the_shm_engine(
     fleet: az.Fleet, tiny_model_dir: Path
