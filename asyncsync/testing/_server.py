@@ -23,7 +23,12 @@ __all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError"]
 
 #: Short names accepted by ``LocalVLLMServer(backend=...)`` and the vLLM weight-transfer
 #: backend each one selects. Any other string is passed to vLLM unchanged.
-BACKEND_NAMES: dict[str, str] = {"shm": "asyncsync_shm", "nccl": "nccl", "ipc": "ipc"}
+BACKEND_NAMES: dict[str, str] = {
+    "shm": "asyncsync_shm",
+    "gloo": "asyncsync_gloo",
+    "nccl": "nccl",
+    "ipc": "ipc",
+}
 
 _LOG_TAIL_LINES = 40
 

@@ -1,19 +1,39 @@
-"""vLLM plugin: registers asyncsync's worker-side weight-transfer engines.
+"""vLLM plugin: registers asyncsync's weight-transfer engines.
 
 Loaded by vLLM in every process through the ``vllm.general_plugins`` entry point
 ``asyncsync_shm = asyncsync.vllm_plugin:register``. Registration is lazy (a module path),
-so vLLM processes that never use the backend import nothing more.
+so vLLM processes that never use the backends import nothing more. Worker engines:
+``asyncsync_shm`` (vLLM 0.32 and 0.23 contracts) and ``asyncsync_gloo`` (0.3x). Trainer
+engines (vLLM's ``WeightTransferTrainerFactory``, where it exists) under the same names:
+see :mod:`asyncsync.vllm_plugin.trainer`.
 """
 
 from __future__ import annotations
 
 import logging
 
+from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
 from asyncsync.backends._wire import BACKEND_NAME
 
-__all__ = ["BACKEND_NAME", "engine_for_this_vllm", "register"]
+__all__ = [
+    "BACKEND_NAME",
+    "GLOO_BACKEND_NAME",
+    "engine_for_this_vllm",
+    "register",
+    "register_trainer_engines",
+]
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
+
+
+def _vllm_generation() -> tuple[int, int]:
+    import vllm
+
+    parts = str(getattr(vllm, "__version__", "0.0")).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
 
 
 def engine_for_this_vllm() -> tuple[str, str]:
@@ -24,26 +44,41 @@ def engine_for_this_vllm() -> tuple[str, str]:
     ones (0.23) as ``(config, parallel_config, model)`` with ``receive_weights(info,
     load_weights)``.
     """
-    import vllm
-
-    parts = str(getattr(vllm, "__version__", "0.0")).split(".")
-    try:
-        generation = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        generation = (0, 0)
-    if generation >= (0, 30):
+    if _vllm_generation() >= (0, 30):
         return "asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"
     return "asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"
 
 
 def register() -> None:
-    """Register ``asyncsync_shm`` with vLLM's weight-transfer engine factory."""
+    """Register ``asyncsync_shm`` (and, on vLLM 0.30+, ``asyncsync_gloo``) with vLLM's
+    weight-transfer engine factory, and the trainer engines where vLLM has them."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:  # vLLM without pluggable weight transfer: nothing to register
         logger.debug("asyncsync: this vLLM has no weight-transfer factory")
         return
-    if BACKEND_NAME in WeightTransferEngineFactory._registry:
+    registry = WeightTransferEngineFactory._registry
+    if BACKEND_NAME not in registry:
+        module, cls = engine_for_this_vllm()
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, module, cls)
+    if GLOO_BACKEND_NAME not in registry and _vllm_generation() >= (0, 30):
+        WeightTransferEngineFactory.register_engine(
+            GLOO_BACKEND_NAME, "asyncsync.vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
+        )
+    register_trainer_engines()
+
+
+def register_trainer_engines() -> None:
+    """Register ``asyncsync_shm`` and ``asyncsync_gloo`` in vLLM's
+    ``WeightTransferTrainerFactory`` (vLLM 0.28+; a no-op before)."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
         return
-    module, cls = engine_for_this_vllm()
-    WeightTransferEngineFactory.register_engine(BACKEND_NAME, module, cls)
+    registry = WeightTransferTrainerFactory._registry
+    for name, cls in (
+        (BACKEND_NAME, "ShmTrainerWeightTransferEngine"),
+        (GLOO_BACKEND_NAME, "GlooTrainerWeightTransferEngine"),
+    ):
+        if name not in registry:
+            WeightTransferTrainerFactory.register_engine(name, "asyncsync.vllm_plugin.trainer", cls)

@@ -1,6 +1,7 @@
-"""The ``asyncsync_shm`` info classes vLLM builds with ``cls(**info)``: vLLM's bases plus
-the shared wire fields of :mod:`asyncsync.backends._wire` (one definition of the fields
-for the trainer and the worker side)."""
+"""The ``asyncsync_shm`` and ``asyncsync_gloo`` info classes vLLM builds with
+``cls(**info)``: vLLM's bases plus the shared wire fields of :mod:`asyncsync.backends._wire`
+and :mod:`asyncsync.backends._gloo_wire` (one definition of the fields for the trainer
+and the worker side)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from asyncsync.backends._gloo_wire import GlooInitFields, GlooUpdateFields
 from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
 
-__all__ = ["ShmInitInfo", "ShmUpdateInfo"]
+__all__ = ["GlooInitInfo", "GlooUpdateInfo", "ShmInitInfo", "ShmUpdateInfo"]
 
 
 @dataclass
@@ -24,3 +26,13 @@ class ShmInitInfo(ShmInitFields, WeightTransferInitInfo):  # type: ignore[misc]
 @dataclass
 class ShmUpdateInfo(ShmUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
     """One chunk (see :mod:`asyncsync.backends._wire`)."""
+
+
+@dataclass
+class GlooInitInfo(GlooInitFields, WeightTransferInitInfo):  # type: ignore[misc]
+    """``asyncsync_gloo``: the trainer's store, this server's rank offset, the group."""
+
+
+@dataclass
+class GlooUpdateInfo(GlooUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
+    """One ``asyncsync_gloo`` chunk (see :mod:`asyncsync.backends._gloo_wire`)."""

@@ -23,6 +23,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
     supports_draft_weight_update = False
+    #: the version-neutral receive logic (validation, loading) this engine drives
+    receiver_cls: type[ShmReceiver] = ShmReceiver
 
     def __init__(
         self,
@@ -34,7 +36,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         super().__init__(config, vllm_config, device, model)
         served = str(self.model_config.dtype).removeprefix("torch.")
         table = CheckpointTable.from_model_path(str(self.model_config.model), served)
-        self.receiver = ShmReceiver(model, table)
+        self.receiver = self.receiver_cls(model, table)
         self.initialized = False
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:

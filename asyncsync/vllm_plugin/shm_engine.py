@@ -43,7 +43,7 @@ from asyncsync.backends._wire import (
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
-__all__ = ["CheckpointTable", "ShmReceiver"]
+__all__ = ["BufferViews", "CheckpointTable", "ShmReceiver"]
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -152,7 +152,28 @@ class _Round:
     complete: bool = False
 
 
-class _Mapping:
+class BufferViews:
+    """Tensor views into one flat uint8 buffer (a segment mapping, a receive buffer)."""
+
+    def __init__(self, base: torch.Tensor) -> None:
+        self.base = base
+        self.size = int(base.numel())
+        self.ptr = int(base.data_ptr())
+
+    def view(self, offset: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        count = nbytes(dtype_name, shape)
+        flat = self.base[offset : offset + count]
+        return flat.view(_TORCH_DTYPES[dtype_name]).view(shape)
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        try:
+            ptr = int(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            return False
+        return self.ptr <= ptr < self.ptr + self.size
+
+
+class _Mapping(BufferViews):
     """A private mapping of a trainer-owned shm segment (never written here; the trainer
     owns its lifetime). The segment is opened through the trainer's descriptor
     (``/proc/<owner_pid>/fd/<fd>``), which must link to ``memfd:<segment>``."""
@@ -182,21 +203,7 @@ class _Mapping:
         finally:
             os.close(fd)
         self.owner_pid = update.owner_pid
-        self.size = size
-        self.base = torch.frombuffer(self.mm, dtype=torch.uint8, count=size)
-        self.ptr = int(self.base.data_ptr())
-
-    def view(self, offset: int, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        count = nbytes(dtype_name, shape)
-        flat = self.base[offset : offset + count]
-        return flat.view(_TORCH_DTYPES[dtype_name]).view(shape)
-
-    def owns(self, tensor: torch.Tensor) -> bool:
-        try:
-            ptr = int(tensor.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):
-            return False
-        return self.ptr <= ptr < self.ptr + self.size
+        super().__init__(torch.frombuffer(self.mm, dtype=torch.uint8, count=size))
 
     def close(self) -> None:
         del self.base
@@ -221,6 +228,9 @@ class ShmReceiver:
 
     #: mappings kept across rounds (the trainer reuses its segments between rounds)
     max_cached_mappings = 4
+    #: the update_info fields this receiver parses, and the backend named in errors
+    fields_cls: type[ShmUpdateFields] = ShmUpdateFields
+    backend_name = BACKEND_NAME
 
     def __init__(self, model: torch.nn.Module, table: CheckpointTable | None) -> None:
         self.model = model
@@ -246,7 +256,7 @@ class ShmReceiver:
         """Validate one update and load it. On failure: restore the previous weights
         when nothing was loaded yet this round, and raise with the reason."""
         try:
-            self._receive(ShmUpdateFields.parse(info), load_weights)
+            self._receive(self.fields_cls.parse(info), load_weights)
         except BaseException as exc:
             loaded = self.round is not None and self.round.loaded_any
             self.round = None
@@ -258,7 +268,7 @@ class ShmReceiver:
                 if loaded
                 else "nothing was loaded; the model keeps its previous weights"
             )
-            raise RuntimeError(f"{BACKEND_NAME}: {exc} ({state})") from exc
+            raise RuntimeError(f"{self.backend_name}: {exc} ({state})") from exc
 
     def _receive(
         self,
@@ -342,7 +352,7 @@ class ShmReceiver:
         layerwise loader keeps pending are copied out (the trainer reuses segments)."""
         if not update.names:
             return
-        mapping = self._mapping(update)
+        mapping = self._chunk_bytes(update)
         views = [
             (name, mapping.view(offset, dtype_name, tuple(shape)))
             for name, dtype_name, shape, offset in zip(
@@ -353,6 +363,10 @@ class ShmReceiver:
         load_weights(views)
         del views
         self._pin_pending(mapping)
+
+    def _chunk_bytes(self, update: ShmUpdateFields) -> BufferViews:
+        """The chunk's bytes: the trainer's segment, mapped."""
+        return self._mapping(update)
 
     def end_round(self) -> None:
         """Called at finish: the round must be complete."""
@@ -398,7 +412,7 @@ class ShmReceiver:
                 self._mappings.pop(key).close()
         self._used_this_round.clear()
 
-    def _pin_pending(self, mapping: _Mapping) -> None:
+    def _pin_pending(self, mapping: BufferViews) -> None:
         """Copy out any segment view that vLLM's layerwise loader still buffers (a layer
         whose weights are not complete yet), since the trainer reuses the segment."""
         try:
