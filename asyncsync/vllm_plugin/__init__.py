@@ -11,29 +11,29 @@ import logging
 
 from asyncsync.backends._wire import BACKEND_NAME
 
-__all__ = ["BACKEND_NAME", "engine_for_this_vllm", "register"]
+__all__ = ["ADAPTERS", "BACKEND_NAME", "engine_for_this_vllm", "register"]
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
+
+
+#: The ``asyncsync_shm`` adapter for each engine contract (``asyncsync._vllm_caps``).
+ADAPTERS = {
+    "worker-owns-round": ("asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"),
+    "engine-owns-round": ("asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"),
+}
 
 
 def engine_for_this_vllm() -> tuple[str, str]:
     """``(module, class)`` of the ``asyncsync_shm`` engine for the running vLLM.
 
-    The one place that decides by vLLM version: 0.30 and later construct engines as
-    ``(config, vllm_config, device, model)`` and let them own layerwise reload; earlier
-    ones (0.23) as ``(config, parallel_config, model)`` with ``receive_weights(info,
-    load_weights)``.
+    Chosen by probing vLLM's ``WeightTransferEngine`` base class (its constructor and
+    ``receive_weights`` signatures), not by version number: vLLM 0.23-0.24 build engines
+    as ``(config, parallel_config, model)``, 0.25 and later as ``(config, vllm_config,
+    device, model)``. An unknown contract raises :class:`~asyncsync.UnsupportedVLLM`.
     """
-    import vllm
+    from asyncsync._vllm_caps import installed_engine_contract
 
-    parts = str(getattr(vllm, "__version__", "0.0")).split(".")
-    try:
-        generation = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        generation = (0, 0)
-    if generation >= (0, 30):
-        return "asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"
-    return "asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"
+    return ADAPTERS[installed_engine_contract()]
 
 
 def register() -> None:
