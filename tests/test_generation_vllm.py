@@ -209,6 +209,7 @@ async def test_keep_pause_across_a_publish_reports_two_spans(
         assert s.token_versions.count(version) == len(second)
 
 
+@pytest.mark.needs("generate:n")  # the plain request asks for n=8 samples
 async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -> None:
     """A plain generate and a stream run on one server; once the stream's first tokens
     are back (the engine is stepping), a pause with mode="abort" must end both with
