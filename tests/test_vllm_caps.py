@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import asyncsync as az
 from asyncsync import UnsupportedVLLM
 from asyncsync import _vllm_caps as caps
 from asyncsync._vllm_caps import (
@@ -64,6 +65,18 @@ def test_unknown_engine_contract_names_version_and_signatures() -> None:
     assert "('config', 'vllm_config', 'model')" in err.missing
     assert "('update_info', 'stream')" in err.missing
     assert "vLLM 0.40.0 is not supported" in str(err)
+
+
+def test_client_protocol_per_server_version() -> None:
+    from asyncsync._protocol import protocol_for_version
+
+    assert protocol_for_version("0.23.0") == "0.23"
+    assert protocol_for_version("0.27.1") == "0.23"
+    assert protocol_for_version("0.32.0") == "0.32"
+    with pytest.raises(UnsupportedVLLM, match="no weight-transfer routes") as info:
+        protocol_for_version("0.22.1")
+    assert info.value.version == "0.22.1"
+    assert isinstance(info.value, az.ProtocolError)
 
 
 def test_unsupported_vllm_survives_pickling() -> None:
