@@ -567,7 +567,12 @@ def parse_answer(data: Any, path: str, n: int, logprobs: int | None) -> list[Com
     if not isinstance(choices, list):
         raise Malformed("'choices' missing or not a list of objects")
     if len(choices) != n:
-        raise Malformed(f"{len(choices)} choices for n={n}")
+        hint = ""
+        if path == GENERATE_ROUTE and len(choices) == 1:
+            # vLLM < 0.29 answers one choice here without streaming (docs/versions.md)
+            hint = " (vLLM < 0.29 answers n > 1 with one choice on this route: "
+            hint += "use route='completions' or send n requests)"
+        raise Malformed(f"{len(choices)} choices for n={n}{hint}")
     rule: IdsRule = "required" if path == GENERATE_ROUTE else "fallback"
     out = [parse_choice(raw, logprobs is not None, rule, path) for raw in choices]
     if n > 1:

@@ -187,6 +187,17 @@ def test_features_are_read_from_the_answers() -> None:
         ServerFeatures.from_answers("0.27.1", OPENAPI_027, {"choices": []})
 
 
+def test_one_choice_for_n_names_the_older_generate_route() -> None:
+    """vLLM 0.27.1's /inference/v1/generate answers n=2 with one choice (seen for real;
+    fixed in 0.29): refused, never taken as a complete answer, and the error says why."""
+    from asyncsync._genwire import GENERATE_ROUTE, Malformed, parse_answer
+
+    with pytest.raises(Malformed, match=r"1 choices for n=2 \(vLLM < 0.29 answers n > 1"):
+        parse_answer(GENERATE_027, GENERATE_ROUTE, 2, None)
+    with pytest.raises(Malformed, match=r"^1 choices for n=2$"):
+        parse_answer(GENERATE_027, "/v1/completions", 2, None)
+
+
 @pytest.mark.server_deps
 def test_installed_vllm_gets_an_adapter_it_can_build() -> None:
     """The plugin's choice for the installed vLLM subclasses its real base class with no
