@@ -65,9 +65,12 @@ def tests027(session: nox.Session) -> None:
     """
     install_with_server(session, "torch,fast", *VLLM_027, *TEST_TOOLS)
     selection = "(vllm or server_deps) and not slow"
+    # A third server start (~90 s) that proves process-group cleanup, not a vLLM feature:
+    # ``tests`` runs it.
+    skip = "tests/test_testbed.py::test_stop_leaves_nothing_behind_even_after_outside_kill"
     session.run(
-        "python", "-m", "pytest", "-m", selection, *TESTS027, *session.posargs,
-        env={"PYTHONFAULTHANDLER": "1"},
+        "python", "-m", "pytest", "-m", selection, "--deselect", skip, *TESTS027,
+        *session.posargs, env={"PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
 
 
