@@ -273,7 +273,9 @@ def _print_server_options() -> None:
 #: The generate request whose answer :meth:`ServerFeatures.from_answers` reads.
 GENERATE_PROBE: dict[str, Any] = {
     "token_ids": [1, 2],
-    "sampling_params": {"max_tokens": 1, "n": 2, "temperature": 0.0},
+    # not greedy: vLLM refuses n > 1 with temperature 0 (400 "n must be 1 when using
+    # greedy sampling")
+    "sampling_params": {"max_tokens": 1, "n": 2, "seed": 0},
 }
 
 #: Features a running server may lack, and what each one is (vLLM versions that have it).
