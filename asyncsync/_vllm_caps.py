@@ -284,8 +284,6 @@ FEATURES: Mapping[str, str] = {
     "answers (vLLM >= 0.32; elsewhere asyncsync tags tokens client-side)",
     "generate:prompt_token_ids": "prompt_token_ids in /inference/v1/generate answers "
     "(vLLM >= 0.30)",
-    "generate:n": "n > 1 answered with n choices by /inference/v1/generate without "
-    "streaming (vLLM >= 0.29; earlier servers answer one choice)",
 }
 
 
@@ -297,7 +295,8 @@ class ServerFeatures:
         version: what ``GET /version`` answered.
         routes: every path in the server's ``/openapi.json``.
         generate_fields: the keys of a choice in a non-streamed generate answer.
-        generate_choices: how many choices that answer had for ``n=2``.
+        generate_choices: how many choices that answer had for ``n=2`` (vLLM < 0.29 may
+            answer fewer when samples end at different steps: not a reliable probe).
     """
 
     version: str
@@ -327,9 +326,6 @@ class ServerFeatures:
         if kind == "route":
             has = name in self.routes
             what = f"the route {name}"
-        elif feature == "generate:n":
-            has = self.generate_choices == GENERATE_PROBE["sampling_params"]["n"]
-            what = FEATURES[feature]
         elif feature in FEATURES:
             has = name in self.generate_fields
             what = FEATURES[feature]

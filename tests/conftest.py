@@ -129,8 +129,8 @@ def vllm_features(vllm_fleet: VLLMFleet) -> dict[str, ServerFeatures]:
 
 @pytest.fixture(autouse=True)
 def _skip_what_the_servers_lack(request: pytest.FixtureRequest) -> None:
-    """``@pytest.mark.needs("generate:n", ...)``: skipped, with the probe's reason, where
-    a session server lacks a feature (one vLLM generation has it, another not)."""
+    """``@pytest.mark.needs("generate:weight_versions", ...)``: skipped, with the probe's
+    reason, where a session server lacks a feature (one generation has it, another not)."""
     marker = request.node.get_closest_marker("needs")
     if marker is None:
         return

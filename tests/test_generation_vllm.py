@@ -68,7 +68,6 @@ async def test_both_routes_give_identical_token_ids(fleet: az.Fleet) -> None:
                 assert a.token_ids == b.token_ids, (url, prompt, kwargs)
 
 
-@pytest.mark.needs("generate:n")
 async def test_n_samples(fleet: az.Fleet) -> None:
     samples = await fleet.generate(PROMPTS[0], n=4, max_tokens=6, seed=7, logprobs=0)
     assert [len(s.token_ids) for s in samples] == [6] * 4
@@ -209,7 +208,6 @@ async def test_keep_pause_across_a_publish_reports_two_spans(
         assert s.token_versions.count(version) == len(second)
 
 
-@pytest.mark.needs("generate:n")  # the plain request asks for n=8 samples
 async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -> None:
     """A plain generate and a stream run on one server; once the stream's first tokens
     are back (the engine is stepping), a pause with mode="abort" must end both with
@@ -385,7 +383,7 @@ GEN_PROBES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-@pytest.mark.needs("generate:weight_versions", "generate:prompt_token_ids", "generate:n")
+@pytest.mark.needs("generate:weight_versions", "generate:prompt_token_ids")
 async def test_fake_generation_shapes_match_the_real_032_server(vllm_fleet: Any) -> None:
     """Each probe's answer from the fake has the real server's shape. For a stream, the
     number of events is timing, not protocol (the real server coalesces tokens under

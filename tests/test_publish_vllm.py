@@ -95,7 +95,7 @@ async def test_published_weights_generate_exactly(
         )
         assert done.token_ids == expected
         source = "server" if server_spans else "client"
-        assert done.weight_versions == [az.WeightVersionSpan(version, 0, MAX_TOKENS, source)]
+        assert list(done.weight_versions) == [az.WeightVersionSpan(version, 0, MAX_TOKENS, source)]
         # The server itself holds the version where the client's protocol sets it at
         # finish (vLLM >= 0.32 protocol; docs/versions.md).
         if await fleet.client(url).protocol() == "0.32":
