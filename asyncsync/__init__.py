@@ -24,6 +24,7 @@ from asyncsync._errors import (
     ServerError,
     ServerTimeout,
     ServerUnavailable,
+    UnsupportedVLLM,
 )
 from asyncsync._generate import CompletionStream
 from asyncsync._genwire import (
@@ -81,6 +82,7 @@ __all__ = [
     "Timeouts",
     "TokenDelta",
     "Trajectory",
+    "UnsupportedVLLM",
     "WeightComparison",
     "WeightVersionSpan",
     "__version__",

@@ -20,6 +20,7 @@ __all__ = [
     "ServerError",
     "ServerTimeout",
     "ServerUnavailable",
+    "UnsupportedVLLM",
 ]
 
 _BODY_EXCERPT_CHARS = 500
@@ -116,6 +117,30 @@ class ServerUnavailable(AsyncSyncError):
 class ProtocolError(AsyncSyncError):
     """The request or response does not fit the protocol: a route the server's vLLM
     version lacks, a parameter name, shape or dtype mismatch, an unsupported version."""
+
+
+class UnsupportedVLLM(ProtocolError):
+    """The installed or running vLLM lacks something asyncsync needs (found by probing
+    it, not by its version number; see docs/versions.md).
+
+    Attributes:
+        version: the vLLM version, as the probe read it (``"unknown"`` if it could not).
+        missing: what is missing, in words (a flag, a route, an engine contract).
+    """
+
+    version: str = "unknown"
+    missing: str = ""
+
+    def __init__(self, version: str, missing: str, *, server: str | None = None) -> None:
+        super().__init__(
+            f"vLLM {version} is not supported by asyncsync: {missing} (see docs/versions.md)",
+            server=server,
+        )
+        self.version = version
+        self.missing = missing
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.version, self.missing), {"server": self.server})
 
 
 class GenerationError(AsyncSyncError):

@@ -2,10 +2,11 @@
 
 Pure functions and small records, no I/O. Two vLLM routes are spoken:
 
-- ``POST /inference/v1/generate`` (vLLM 0.23 always; vLLM >= 0.32 with
+- ``POST /inference/v1/generate`` (vLLM < 0.30 always; vLLM >= 0.30 with
   ``--enable-scale-out`` or ``--tokens-only``, else 403). vLLM 0.32 reports per-token
   weight-version spans (``choices[i].weight_versions``) and logprobs with integer token
-  ids; vLLM 0.23 reports logprobs as ``"token_id:N"`` strings and no versions.
+  ids; earlier ones (0.23, 0.27.1) report logprobs as ``"token_id:N"`` strings and no
+  versions, and below 0.29 answer ``n > 1`` with one choice (docs/versions.md).
 - ``POST /v1/completions`` with a token-id prompt, ``return_token_ids`` and
   ``return_tokens_as_token_ids`` (legacy logprobs keyed by ``"token_id:N"``; by decoded
   strings on servers that ignore the flag). No versions.
@@ -567,7 +568,12 @@ def parse_answer(data: Any, path: str, n: int, logprobs: int | None) -> list[Com
     if not isinstance(choices, list):
         raise Malformed("'choices' missing or not a list of objects")
     if len(choices) != n:
-        raise Malformed(f"{len(choices)} choices for n={n}")
+        hint = ""
+        if path == GENERATE_ROUTE and len(choices) == 1:
+            # vLLM < 0.29 answers one choice here without streaming (docs/versions.md)
+            hint = " (vLLM < 0.29 answers n > 1 with one choice on this route: "
+            hint += "use route='completions' or send n requests)"
+        raise Malformed(f"{len(choices)} choices for n={n}{hint}")
     rule: IdsRule = "required" if path == GENERATE_ROUTE else "fallback"
     out = [parse_choice(raw, logprobs is not None, rule, path) for raw in choices]
     if n > 1:

@@ -26,7 +26,7 @@ from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from asyncsync import _json
-from asyncsync._errors import ProtocolError
+from asyncsync._errors import ProtocolError, UnsupportedVLLM
 from asyncsync._types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
 
 __all__ = [
@@ -126,17 +126,14 @@ def protocol_for_version(version: str) -> ProtocolGeneration:
     """The protocol generation of a server reporting ``version`` (``GET /version``).
 
     vLLM >= 0.32 speaks the current protocol; 0.23 up to 0.32 the 0.23 one. Older servers
-    have no weight-transfer routes: :class:`~asyncsync.ProtocolError`.
+    have no weight-transfer routes: :class:`~asyncsync.UnsupportedVLLM` (docs/versions.md).
     """
     match = _VERSION_RE.match(version)
     if match is None:
         raise ProtocolError(f"cannot read the vLLM version {version!r}")
     parsed = (int(match.group(1)), int(match.group(2)))
     if parsed < _MIN_SUPPORTED:
-        raise ProtocolError(
-            f"vLLM {version} is not supported: asyncsync needs vLLM >= 0.23 "
-            "(the weight-transfer routes)"
-        )
+        raise UnsupportedVLLM(version, "it has no weight-transfer routes (vLLM >= 0.23 has)")
     return "0.32" if parsed >= _CURRENT else "0.23"
 
 

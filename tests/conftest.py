@@ -11,12 +11,15 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
+from asyncsync._vllm_caps import GENERATE_PROBE, ServerFeatures
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
@@ -100,6 +103,43 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             yield fleet
         finally:
             portal.call(stop_all)
+
+
+async def _probe_features(url: str) -> ServerFeatures:
+    async def get(session: aiohttp.ClientSession, path: str, body: object = None) -> Any:
+        method = "GET" if body is None else "POST"
+        async with session.request(method, url + path, json=body) as resp:
+            assert resp.status == 200, (path, resp.status, await resp.text())
+            return await resp.json()
+
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        version = await get(session, "/version")
+        openapi = await get(session, "/openapi.json")
+        generate = await get(session, "/inference/v1/generate", GENERATE_PROBE)
+    return ServerFeatures.from_answers(str(version["version"]), openapi, generate)
+
+
+@pytest.fixture(scope="session")
+def vllm_features(vllm_fleet: VLLMFleet) -> dict[str, ServerFeatures]:
+    """What each session server serves, probed from its answers (asyncsync._vllm_caps)."""
+    with start_blocking_portal() as portal:
+        return {url: portal.call(_probe_features, url) for url in vllm_fleet.urls}
+
+
+@pytest.fixture(autouse=True)
+def _skip_what_the_servers_lack(request: pytest.FixtureRequest) -> None:
+    """``@pytest.mark.needs("generate:weight_versions", ...)``: skipped, with the probe's
+    reason, where a session server lacks a feature (one generation has it, another not)."""
+    marker = request.node.get_closest_marker("needs")
+    if marker is None:
+        return
+    features: dict[str, ServerFeatures] = request.getfixturevalue("vllm_features")
+    for feature in marker.args:
+        for found in features.values():
+            reason = found.lacks(feature)
+            if reason is not None:
+                pytest.skip(reason)
 
 
 @pytest_asyncio.fixture

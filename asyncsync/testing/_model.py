@@ -7,6 +7,7 @@ vLLM and transformers agree token for token in float32.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -162,12 +163,15 @@ def reference_greedy(
     model = _load(model_or_dir)
     ids = torch.tensor([list(prompt_token_ids)], dtype=torch.long)
     out: list[int] = []
+    # transformers renamed the KV cache argument and output field (``past_key_values`` ->
+    # ``cache``, warning from 5.2x); use the name this version's forward takes.
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         past = None
         step_input = ids
         for _ in range(max_new_tokens):
-            result = model(input_ids=step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
+            result = model(input_ids=step_input, use_cache=True, **{key: past})
+            past = getattr(result, key)
             next_id = int(result.logits[0, -1].argmax())
             out.append(next_id)
             step_input = torch.tensor([[next_id]], dtype=torch.long)

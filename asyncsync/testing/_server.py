@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -18,6 +17,8 @@ from types import TracebackType
 from typing import Any
 
 import aiohttp
+
+from asyncsync._vllm_caps import ProbeError, ServerOptions, probe_server_options, server_flags
 
 __all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError"]
 
@@ -87,8 +88,12 @@ class LocalVLLMServer:
     in scripts, as a plain context manager / with :meth:`start` and :meth:`stop`.
 
     The server runs in its own process group (session) with ``VLLM_SERVER_DEV_MODE=1``,
-    so the RL routes exist, and with ``--enable-scale-out`` so that
-    ``/inference/v1/generate`` is served. Startup waits for ``GET /health`` within
+    so the RL routes exist. Its flags come from what the installed vLLM's argument parser
+    accepts (probed once per install, see docs/versions.md): ``--enable-scale-out`` where
+    the server has it (vLLM >= 0.30 serves ``/inference/v1/generate`` only with it; older
+    ones always serve it); a flag asyncsync needs and the server lacks raises
+    :class:`~asyncsync.UnsupportedVLLM` before anything starts.
+    Startup waits for ``GET /health`` within
     ``startup_timeout`` seconds while checking that the process is alive; on failure a
     :class:`ServerStartError` carries the last lines of the server log. Stopping
     terminates the whole process group (vLLM renames its children, so never by name)
@@ -148,6 +153,7 @@ class LocalVLLMServer:
         self._log_file: Any = None
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
+        self.options: ServerOptions | None = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -172,8 +178,11 @@ class LocalVLLMServer:
         return BACKEND_NAMES.get(self.backend, self.backend)
 
     def command(self) -> list[str]:
-        """The full command line that starts the server."""
+        """The full command line that starts the server (probes the server's options
+        first if :meth:`astart` has not)."""
         assert self.port is not None
+        if self.options is None:
+            self.options = probe_server_options()
         cmd = [
             sys.executable,
             "-m",
@@ -188,16 +197,11 @@ class LocalVLLMServer:
             str(self.max_model_len),
             "--dtype",
             "float32",
-            "--enable-scale-out",
             "--disable-log-stats",
         ]
-        if not self.tokenizer:
-            cmd.append("--skip-tokenizer-init")
-        if self.backend is not None:
-            cmd += [
-                "--weight-transfer-config",
-                json.dumps({"backend": self.weight_transfer_backend}),
-            ]
+        cmd += server_flags(
+            self.options, tokenizer=self.tokenizer, backend=self.weight_transfer_backend
+        )
         cmd += list(self.extra_args)
         return cmd
 
@@ -223,13 +227,14 @@ class LocalVLLMServer:
         if self.process is not None:
             raise RuntimeError("LocalVLLMServer already started")
         self.port = self._requested_port or free_port(self.host)
+        command = self.command()  # an UnsupportedVLLM is raised before anything opens
         if self._log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
             os.close(fd)
             self._log_path = Path(name)
         self._log_file = self._log_path.open("wb")
         self.process = subprocess.Popen(
-            self.command(),
+            command,
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
@@ -245,6 +250,11 @@ class LocalVLLMServer:
 
     async def astart(self) -> LocalVLLMServer:
         """Start the server and wait until ``/health`` answers 200."""
+        try:
+            # Blocking (a subprocess that imports vLLM) once per install; cached after.
+            self.options = await asyncio.to_thread(probe_server_options)
+        except ProbeError as exc:
+            raise ServerStartError(f"vLLM server not started: {exc}") from exc
         started = time.monotonic()
         self._spawn()
         assert self.process is not None

@@ -16,6 +16,7 @@ from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
 from asyncsync.backends._wire import BACKEND_NAME
 
 __all__ = [
+    "ADAPTERS",
     "BACKEND_NAME",
     "GLOO_BACKEND_NAME",
     "engine_for_this_vllm",
@@ -26,31 +27,28 @@ __all__ = [
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
 
-def _vllm_generation() -> tuple[int, int]:
-    import vllm
-
-    parts = str(getattr(vllm, "__version__", "0.0")).split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return 0, 0
+#: The ``asyncsync_shm`` adapter for each engine contract (``asyncsync._vllm_caps``).
+ADAPTERS = {
+    "worker-owns-round": ("asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"),
+    "engine-owns-round": ("asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"),
+}
 
 
 def engine_for_this_vllm() -> tuple[str, str]:
     """``(module, class)`` of the ``asyncsync_shm`` engine for the running vLLM.
 
-    The one place that decides by vLLM version: 0.30 and later construct engines as
-    ``(config, vllm_config, device, model)`` and let them own layerwise reload; earlier
-    ones (0.23) as ``(config, parallel_config, model)`` with ``receive_weights(info,
-    load_weights)``.
+    Chosen by probing vLLM's ``WeightTransferEngine`` base class (its constructor and
+    ``receive_weights`` signatures), not by version number: vLLM 0.23-0.24 build engines
+    as ``(config, parallel_config, model)``, 0.25 and later as ``(config, vllm_config,
+    device, model)``. An unknown contract raises :class:`~asyncsync.UnsupportedVLLM`.
     """
-    if _vllm_generation() >= (0, 30):
-        return "asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"
-    return "asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"
+    from asyncsync._vllm_caps import installed_engine_contract
+
+    return ADAPTERS[installed_engine_contract()]
 
 
 def register() -> None:
-    """Register ``asyncsync_shm`` (and, on vLLM 0.30+, ``asyncsync_gloo``) with vLLM's
+    """Register ``asyncsync_shm`` (and, where engines own the round, ``asyncsync_gloo``) with vLLM's
     weight-transfer engine factory, and the trainer engines where vLLM has them."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -58,10 +56,10 @@ def register() -> None:
         logger.debug("asyncsync: this vLLM has no weight-transfer factory")
         return
     registry = WeightTransferEngineFactory._registry
+    module, cls = engine_for_this_vllm()
     if BACKEND_NAME not in registry:
-        module, cls = engine_for_this_vllm()
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, module, cls)
-    if GLOO_BACKEND_NAME not in registry and _vllm_generation() >= (0, 30):
+    if GLOO_BACKEND_NAME not in registry and ADAPTERS["engine-owns-round"] == (module, cls):
         WeightTransferEngineFactory.register_engine(
             GLOO_BACKEND_NAME, "asyncsync.vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
         )

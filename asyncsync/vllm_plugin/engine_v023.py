@@ -3,14 +3,14 @@ and calls ``receive_weights(update_info, load_weights)``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
-from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
+from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, send_from_trainer
 
 __all__ = ["ShmWeightTransferEngineV023"]
 
@@ -64,10 +64,4 @@ class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
     def shutdown(self) -> None:
         self.receiver.close()
 
-    @staticmethod
-    def trainer_send_weights(
-        iterator: Iterator[tuple[str, torch.Tensor]], trainer_args: Any
-    ) -> None:
-        from asyncsync.backends.shm import trainer_send_weights
-
-        trainer_send_weights(iterator, trainer_args)
+    trainer_send_weights = staticmethod(send_from_trainer)

@@ -1,14 +1,15 @@
-"""``asyncsync_shm`` for vLLM 0.3x's engine contract (engine objects own the round)."""
+"""``asyncsync_shm`` for the engine contract of vLLM 0.25 and later (engine objects own
+the round; tested for real on 0.27.1 and 0.32.0)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
-from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
+from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, send_from_trainer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -54,6 +55,19 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
         finalize_layerwise_reload(self.model, self.model_config)
 
+    def parse_update_info(self, update_dict: Any) -> ShmUpdateInfo:
+        # vLLM's base update_weights parses after start_weight_update began layerwise
+        # reload and before receive_weights: an update that does not parse (a list on
+        # vLLM < 0.29, an unknown key) would leave the model mid-reload while the worker
+        # clears its update flag, and the next forward pass crashes the worker (SIGSEGV
+        # on 0.27.1 and 0.32). Restore the previous weights first.
+        try:
+            return super().parse_update_info(update_dict)  # type: ignore[no-any-return]
+        except BaseException:
+            self.receiver.begin_round()
+            self._restore()
+            raise
+
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         self.receiver.receive(update_info, self.model.load_weights, self._restore)
 
@@ -65,3 +79,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         self.receiver.close()
+
+    # vLLM 0.25-0.27 still declare this static trainer method abstract on the worker-side
+    # base class (dropped in 0.28); without it the engine cannot be built there.
+    trainer_send_weights = staticmethod(send_from_trainer)

