@@ -20,6 +20,7 @@ group when the fleet's servers (or their world sizes) changed.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -113,6 +114,8 @@ class _HeapSegment(Segment):
 
         self.size = size
         self.name = f"heap-{uuid.uuid4().hex[:16]}"
+        self.owner_pid = os.getpid()  # the wire fields name no descriptor: nothing to open
+        self.fd = -1
         self.tensor: torch.Tensor | None = torch.zeros(size, dtype=torch.uint8)
 
     @property
