@@ -60,7 +60,9 @@ async def test_closing_the_publisher_releases_its_segments() -> None:
             held = open_segments()
             assert len(held) == 2
         assert open_segments() == []
-        assert mapped_anywhere(f"asyncsync-{os.getpid()}-") == []
+        # This publisher's segments, by name: real servers of earlier tests in this
+        # process may still map other publishers' segments (until their next round).
+        assert [m for name in held for m in mapped_anywhere(name)] == []
 
 
 @pytest.mark.asyncio
