@@ -51,7 +51,14 @@ from asyncsync._genwire import (
     request_body,
     retokenize,
 )
-from asyncsync._protocol import Call, Malformed, describe_error_body
+from asyncsync._protocol import (
+    Call,
+    Malformed,
+    describe_error_body,
+    generate_keeps_all_choices,
+    plan_version,
+    protocol_for_version,
+)
 from asyncsync._state import ServerState
 from asyncsync._transport import Endpoint, never_sent
 from asyncsync._types import Route
@@ -104,13 +111,27 @@ class GenerationEngine:
     def state(self) -> ServerState:
         return self.endpoint.state
 
-    def route_for(self, route: Route) -> str:
-        """The path ``route`` means on this server now."""
+    def route_for(self, route: Route, n: int = 1) -> str:
+        """The path ``route`` means on this server now, for ``n`` samples: ``"auto"``
+        takes ``/v1/completions`` for ``n > 1`` where the generate route loses choices
+        (vLLM < 0.29)."""
         if route == "generate":
             return GENERATE_ROUTE
         if route == "completions" or self.generate_route is False:
             return COMPLETIONS_ROUTE
+        if n > 1 and not generate_keeps_all_choices(self.state.vllm_version):
+            return COMPLETIONS_ROUTE
         return GENERATE_ROUTE
+
+    async def _learn_version(self) -> None:
+        """Read the server's version once (``GET /version``), where the route choice
+        depends on it (``route_for``)."""
+        state = self.state
+        if state.vllm_version is None:
+            call = plan_version()
+            version = await self.endpoint.request(call, call.encode())
+            state.protocol = protocol_for_version(version)
+            state.vllm_version = version
 
     def _fell_back(self, route: Route, path: str, err: AsyncSyncError) -> bool:
         """Remember an unserved generate route; True when ``route`` allows retrying
@@ -133,7 +154,9 @@ class GenerationEngine:
         timeouts = self.endpoint.timeouts
         if send.timeout is not None:
             timeouts = timeouts.with_generate(send.timeout)
-        path = self.route_for(send.route)
+        if send.route == "auto" and req.n > 1:
+            await self._learn_version()
+        path = self.route_for(send.route, req.n)
         while True:
             if prompt_logprobs is None:
                 call = _generation_call(path, req.n, req.logprobs, False)
@@ -195,7 +218,9 @@ class GenerationEngine:
         self, prompt: list[int], req: GenerationRequest, route: Route, deadline: float | None
     ) -> tuple[str, aiohttp.ClientResponse]:
         """Send a streamed generation; returns (path, the open 200 response)."""
-        path = self.route_for(route)
+        if route == "auto" and req.n > 1:
+            await self._learn_version()
+        path = self.route_for(route, req.n)
         while True:
             call = _generation_call(path, req.n, req.logprobs, True)
             body = request_body(path, prompt, req, stream=True)

@@ -137,6 +137,20 @@ def protocol_for_version(version: str) -> ProtocolGeneration:
     return "0.32" if parsed >= _CURRENT else "0.23"
 
 
+#: The first vLLM whose non-streamed ``/inference/v1/generate`` answers every one of
+#: ``n > 1`` choices (0.27.1 was seen answering 1 or 3 of 4: docs/versions.md).
+_GENERATE_KEEPS_ALL_CHOICES = (0, 29)
+
+
+def generate_keeps_all_choices(version: str | None) -> bool:
+    """Whether a server reporting ``version`` answers ``n > 1`` on the generate route
+    with all its choices (unknown versions are assumed to)."""
+    match = None if version is None else _VERSION_RE.match(version)
+    if match is None:
+        return True
+    return (int(match.group(1)), int(match.group(2))) >= _GENERATE_KEEPS_ALL_CHOICES
+
+
 @dataclass(frozen=True, slots=True)
 class WeightComparison:
     """Result of ``/weight_checker`` with ``action="compare"``.
