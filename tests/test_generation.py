@@ -718,3 +718,22 @@ async def test_stream_closed_early_releases_the_server(fake32: FakeVLLMServer) -
                 break
         assert fleet.state(fake32.url).outstanding == 0
         assert stream.completions == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("version", "path"), [("0.27.1", "/v1/completions"), ("0.32.0", "/inference/v1/generate")]
+)
+async def test_auto_route_sends_n_samples_where_no_choice_is_lost(version: str, path: str) -> None:
+    """vLLM < 0.29's plain generate route loses choices of n > 1 (0.27.1 answered 3 of
+    4): route "auto" sends those to /v1/completions, reading the version once; n = 1
+    keeps the generate route."""
+    async with FakeVLLMServer(version=version) as fake, az.Fleet([fake.url]) as fleet:
+        samples = await fleet.generate([1, 2, 3], n=4, max_tokens=3, seed=1)
+        assert len(samples) == 4
+        await fleet.generate([1, 2, 3], max_tokens=3)
+        await fleet.generate([1, 2, 3], n=2, max_tokens=3)
+        paths = [r.path for r in fake.requests]
+        assert paths.count("/version") == 1
+        generations = [p for p in paths if p != "/version"]
+        assert generations == [path, "/inference/v1/generate", path]
