@@ -51,14 +51,7 @@ from asyncsync._genwire import (
     request_body,
     retokenize,
 )
-from asyncsync._protocol import (
-    Call,
-    Malformed,
-    describe_error_body,
-    generate_keeps_all_choices,
-    plan_version,
-    protocol_for_version,
-)
+from asyncsync._protocol import Call, Malformed, describe_error_body, generate_keeps_all_choices
 from asyncsync._state import ServerState
 from asyncsync._transport import Endpoint, never_sent
 from asyncsync._types import Route
@@ -123,16 +116,6 @@ class GenerationEngine:
             return COMPLETIONS_ROUTE
         return GENERATE_ROUTE
 
-    async def _learn_version(self) -> None:
-        """Read the server's version once (``GET /version``), where the route choice
-        depends on it (``route_for``)."""
-        state = self.state
-        if state.vllm_version is None:
-            call = plan_version()
-            version = await self.endpoint.request(call, call.encode())
-            state.protocol = protocol_for_version(version)
-            state.vllm_version = version
-
     def _fell_back(self, route: Route, path: str, err: AsyncSyncError) -> bool:
         """Remember an unserved generate route; True when ``route`` allows retrying
         on ``/v1/completions``."""
@@ -155,7 +138,7 @@ class GenerationEngine:
         if send.timeout is not None:
             timeouts = timeouts.with_generate(send.timeout)
         if send.route == "auto" and req.n > 1:
-            await self._learn_version()
+            await self.endpoint.server_version()  # route_for depends on it
         path = self.route_for(send.route, req.n)
         while True:
             if prompt_logprobs is None:
@@ -219,7 +202,7 @@ class GenerationEngine:
     ) -> tuple[str, aiohttp.ClientResponse]:
         """Send a streamed generation; returns (path, the open 200 response)."""
         if route == "auto" and req.n > 1:
-            await self._learn_version()
+            await self.endpoint.server_version()  # route_for depends on it
         path = self.route_for(route, req.n)
         while True:
             call = _generation_call(path, req.n, req.logprobs, True)

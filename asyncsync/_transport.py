@@ -29,7 +29,13 @@ from asyncsync._errors import (
     ServerTimeout,
     ServerUnavailable,
 )
-from asyncsync._protocol import Call, Malformed, describe_error_body
+from asyncsync._protocol import (
+    Call,
+    Malformed,
+    describe_error_body,
+    plan_version,
+    protocol_for_version,
+)
 from asyncsync._retry import NO_RETRY, RetryPolicy, is_retryable, parse_retry_after, retry_delay
 from asyncsync._state import ServerState, observe
 from asyncsync._timeouts import Timeouts
@@ -169,6 +175,20 @@ class Endpoint:
         self._deadlines = _deadlines(timeouts)
         # The last answer from this server was a 5xx (see request).
         self._after_server_error = False
+        self._version_lock = asyncio.Lock()
+
+    async def server_version(self) -> str:
+        """The server's vLLM version (``GET /version``, read once; its protocol
+        generation recorded with it)."""
+        state = self.state
+        if state.vllm_version is None:
+            async with self._version_lock:
+                if state.vllm_version is None:
+                    call = plan_version()
+                    version = await self.request(call, call.encode())
+                    state.protocol = protocol_for_version(version)
+                    state.vllm_version = version
+        return state.vllm_version
 
     def url_of(self, route: str) -> yarl.URL:
         """The parsed URL of ``route`` on this server (parsed once, not per request)."""

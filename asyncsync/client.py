@@ -9,7 +9,6 @@ vLLM's RL protocol is spoken (0.23 or 0.32 payloads).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, TypeVar, Unpack, overload
@@ -99,7 +98,6 @@ class AsyncVLLMClient:
         """The server's HTTP endpoint (advanced: sends planned calls)."""
         self.generator = GenerationEngine(self.endpoint)
         """Token-in-token-out on this server (advanced; use :meth:`generate`)."""
-        self._version_lock = asyncio.Lock()
         self.vocab_size: int | None = check_vocab_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before anything is sent (vLLM's engine fails
@@ -165,14 +163,7 @@ class AsyncVLLMClient:
 
     async def server_version(self) -> str:
         """The server's vLLM version (``GET /version``, read once and cached)."""
-        state = self.server_state
-        if state.vllm_version is None:
-            async with self._version_lock:
-                if state.vllm_version is None:
-                    version = await self._run(wire.plan_version())
-                    state.protocol = protocol_for_version(version)
-                    state.vllm_version = version
-        return state.vllm_version
+        return await self.endpoint.server_version()
 
     async def protocol(self) -> ProtocolGeneration:
         """The RL protocol generation the server speaks (``"0.23"`` or ``"0.32"``)."""
