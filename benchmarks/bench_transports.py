@@ -22,19 +22,12 @@ from typing import Any
 
 import torch
 from _markdown import write_section
+from bench_publish import BIG  # the same 199 MB model as the publish benchmark
 
 import asyncsync as az
 from asyncsync._loop import run
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
-BIG = {
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 32000,
-}
 BEGIN, END = "<!-- bench_transports:begin -->", "<!-- bench_transports:end -->"
 
 
