@@ -34,6 +34,7 @@ from asyncsync._genwire import (
     RoutedOptions,
     SamplingOptions,
 )
+from asyncsync._loop import run
 from asyncsync._protocol import WeightComparison
 from asyncsync._retry import RetryPolicy
 from asyncsync._routing import StalenessStats
@@ -86,4 +87,5 @@ __all__ = [
     "WeightComparison",
     "WeightVersionSpan",
     "__version__",
+    "run",
 ]

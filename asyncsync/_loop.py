@@ -30,10 +30,25 @@ def uvloop_enabled(use_uvloop: bool | None = None) -> bool:
 
 
 def run(main: Coroutine[Any, Any, T], *, use_uvloop: bool | None = None, debug: bool = False) -> T:
-    """Run ``main`` to completion in a new event loop (uvloop when enabled).
+    """Run ``main`` to completion in a new event loop, like `asyncio.run`, on uvloop when
+    it is installed (the ``[fast]`` extra).
 
-    For scripts and CLIs; inside a running loop (a notebook) use ``await`` or
-    :mod:`asyncsync.blocking` instead.
+    This is how asyncsync uses uvloop: importing asyncsync never changes the event loop
+    policy, so ``asyncio.run`` keeps the standard loop. Call ``asyncsync.run(main())``
+    (or ``uvloop.run(main())``) in your script's entry point to get uvloop.
+
+    Args:
+        main: the coroutine to run.
+        use_uvloop: ``True`` or ``False`` to decide; ``None`` (the default) uses uvloop
+            when it is importable and the environment variable ``ASYNCSYNC_NO_UVLOOP`` is
+            not set to ``1``, ``true`` or ``yes``.
+        debug: run the loop in asyncio's debug mode.
+
+    Returns:
+        What ``main`` returns.
+
+    Inside a running loop (a notebook cell) use ``await`` or `asyncsync.blocking`
+    instead.
     """
     if uvloop_enabled(use_uvloop):
         import uvloop

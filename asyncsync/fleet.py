@@ -65,12 +65,18 @@ class Fleet(FleetControl):
 
     Args:
         servers: base URLs and/or :class:`AsyncVLLMClient` objects.
-        api_key, timeouts, retry, vllm_version: used for the clients built from URLs.
+        api_key: bearer token of the clients built from URLs (never logged).
+        timeouts: deadlines per phase of the clients built from URLs.
+        retry: retry policy of the clients built from URLs.
+        vllm_version: protocol generation of the clients built from URLs (default:
+            detected per server).
         require: the default partial-failure policy.
         connection_limit: cap on concurrent connections of the shared session (None:
             no cap; a fan-out to N servers needs N).
-        max_staleness, max_concurrency_per_server, admission_timeout: routing of
-            generations (see :meth:`generate`).
+        max_staleness: generations go only to servers at most this many published
+            versions behind the newest (``None``: any version).
+        max_concurrency_per_server: cap on each server's outstanding generations.
+        admission_timeout: how long a generation waits for a server fit to serve.
         tokenizer: default tokenizer for the re-tokenize fallback.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``):
             every prompt is checked against it before it is routed.

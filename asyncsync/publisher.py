@@ -66,9 +66,9 @@ class AsyncWeightPublisher:
             ``"shm"`` (CPU shared memory, this package's vLLM plugin).
         executor: the bounded executor for the blocking send (default: one private
             worker thread).
-        rank, world_size: this trainer process's rank; only rank 0 talks HTTP, every
-            rank iterates the weights (so collectives such as FSDP all-gathers stay
-            aligned).
+        rank: this trainer process's rank; only rank 0 talks HTTP, every rank
+            iterates the weights (so collectives such as FSDP all-gathers stay aligned).
+        world_size: the number of trainer processes that call ``publish`` together.
         api: which trainer-engine style drives the round: ``"engine"`` (vLLM 0.3x
             ``send_weights`` with a synchronous client) or ``"callback"`` (vLLM 0.23
             ``trainer_send_weights`` with a rank-0 ``send_mode`` callback).

@@ -99,4 +99,4 @@ async def main(urls: list[str] | None) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--servers", nargs="+", metavar="URL", help="use running servers")
-    asyncio.run(main(parser.parse_args().servers))
+    az.run(main(parser.parse_args().servers))

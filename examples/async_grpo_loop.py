@@ -129,4 +129,4 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--servers", nargs="+", metavar="URL", help="use running servers")
     args = parser.parse_args()
-    asyncio.run(main(args.steps, args.servers))
+    az.run(main(args.steps, args.servers))

@@ -9,7 +9,6 @@ code drives real servers started with ``VLLM_SERVER_DEV_MODE=1``: pass their URL
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import AsyncExitStack
 
 import asyncsync as az
@@ -66,4 +65,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    az.run(main())

@@ -44,6 +44,7 @@ EXPECTED_PUBLIC = {
     "UnsupportedVLLM",
     "WeightComparison",
     "WeightVersionSpan",
+    "run",
     "__version__",
 }
 

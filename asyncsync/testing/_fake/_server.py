@@ -38,7 +38,8 @@ class FakeVLLMServer(FakeState):
         delay: seconds every request waits before it is handled (a slow server).
         world_size: answered by ``/get_world_size``.
         params: parameter names the weight checker reports.
-        host, port: where to listen (port 0: a free one).
+        host: the address to listen on.
+        port: the port to listen on (0: a free one).
         reject_update_keys: ``update_info`` keys the fake engine refuses with a worker
             failure (default: ``packed`` on 0.32, like the IPC engine).
         update_hook: called with each accepted ``update_info``; raising fails the update
@@ -55,7 +56,9 @@ class FakeVLLMServer(FakeState):
             vLLM sends one event per engine step while its HTTP writer keeps up and
             coalesces several tokens into one event when it does not (under load); the
             final event always carries the last tokens with the finish reason.
-        vocab_size, max_model_len, model: of the fake model (:class:`FakeLM`).
+        vocab_size: the fake model's vocabulary size (:class:`FakeLM`).
+        max_model_len: the fake model's context length.
+        model: the model name the fake serves.
         max_recorded: how many requests (:attr:`requests`) and accepted updates
             (:attr:`updates`) the server keeps, the oldest dropped first; ``None``: all
             of them (memory grows with every request).
