@@ -172,6 +172,7 @@ def bench(session: nox.Session) -> None:
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:
         session.error(f"unknown benchmarks {unknown}; choose from {sorted(BENCHMARKS)}")
+    session.install("matplotlib")  # the plots next to the tables (benchmarks/_plots.py)
     if "generate" in names:
         session.install("openai")  # the comparison client of the generate benchmark
     for name in names:

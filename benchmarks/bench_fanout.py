@@ -32,7 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import _plots
 from _markdown import write_section
+from _plots import plot_path
 
 import asyncsync as az
 from asyncsync import _json
@@ -95,23 +97,35 @@ def stop_processes(children: Sequence[Any]) -> None:
         child.wait(timeout=30)
 
 
+def processes_cpu(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total / ticks
+
+
 async def asyncsync_round(
-    urls: Sequence[str], info: dict[str, Any], repeats: int
-) -> tuple[list[float], list[float]]:
-    """Wall seconds and client CPU seconds per round."""
+    urls: Sequence[str], info: dict[str, Any], repeats: int, server_pids: Sequence[int]
+) -> tuple[list[float], list[float], list[float]]:
+    """Wall seconds, client CPU seconds and the fake servers' CPU seconds per round."""
     times: list[float] = []
     cpu: list[float] = []
+    server_cpu: list[float] = []
     async with az.Fleet(urls) as fleet:
         await fleet.version()  # warm-up: version probe and first connections
         for r in range(repeats + 1):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, s0 = time.perf_counter(), time.process_time(), processes_cpu(server_pids)
             await fleet.start_weight_update()
             await fleet.update_weights(info)
             await fleet.finish_weight_update(f"v{r}")
             if r:  # the first round is a warm-up
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
-    return times, cpu
+                server_cpu.append(processes_cpu(server_pids) - s0)
+    return times, cpu, server_cpu
 
 
 def vllm_clients(urls: Sequence[str]) -> list[Any] | None:
@@ -196,14 +210,15 @@ def main() -> None:
     try:
         for n in sizes:
             urls = all_urls[:n]
-            ours, cpu = run_loop(asyncsync_round(urls, info, args.repeats))
+            pids = [child.pid for child in children]
+            ours, cpu, server_cpu = run_loop(asyncsync_round(urls, info, args.repeats, pids))
             clients = None if args.skip_vllm else vllm_clients(urls)
             seq = thr = None
             if clients is not None:
                 # A sequential round at N=256 takes ~40 s: measure it once there.
                 seq = vllm_sequential(clients, info, 1 if n > 64 else min(3, args.repeats))
                 thr = vllm_threaded(clients, info, min(3, args.repeats), args.threads)
-            rows.append((n, ours, cpu, seq, thr))
+            rows.append((n, ours, cpu, server_cpu, seq, thr))
             print(f"N={n}: asyncsync {fmt_ms(ours)}, vLLM sequential {fmt_ms(seq)}, "
                   f"vLLM {args.threads} threads {fmt_ms(thr)}", flush=True)  # fmt: skip
     finally:
@@ -221,25 +236,48 @@ def main() -> None:
         f"{args.delay * 1000:.0f} ms on the server; servers run in {args.procs} other "
         f"processes. Median of {args.repeats} rounds (asyncsync) after a warm-up round.",
         "",
-        "| servers N | asyncsync `Fleet` | x N=1 | asyncsync client CPU | "
+        "| servers N | asyncsync `Fleet` | x N=1 | asyncsync client CPU | fake servers' CPU | "
         "vLLM `HTTPVLLMWeightSyncClient`, one server after another | "
         f"vLLM clients, {args.threads}-thread pool | asyncsync speed-up vs sequential |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for n, ours, cpu, seq, thr in rows:
+    for n, ours, cpu, server_cpu, seq, thr in rows:
         ratio = statistics.median(ours) / base
         speed = f"{statistics.median(seq) / statistics.median(ours):,.1f}x" if seq else "n/a"
         lines.append(
-            f"| {n} | {fmt_ms(ours)} | {ratio:.2f}x | {fmt_ms(cpu)} | {fmt_ms(seq)} | "
-            f"{fmt_ms(thr)} | {speed} |"
+            f"| {n} | {fmt_ms(ours)} | {ratio:.2f}x | {fmt_ms(cpu)} | {fmt_ms(server_cpu)} | "
+            f"{fmt_ms(seq)} | {fmt_ms(thr)} | {speed} |"
         )
     lines += [
         "",
         f"Encoding the update_info once: stdlib `json` {enc['stdlib json'] * 1e3:.2f} ms, "
         f"`{_json.BACKEND}` {enc[_json.BACKEND] * 1e3:.2f} ms. A fleet encodes it once per "
-        "round, not once per server.",
-        END,
+        "round, not once per server. CPU columns: per round (median); the client and the "
+        f"fake servers share this machine's {os.cpu_count()} cores.",
     ]
+    if args.write is not None:
+        plot = plot_path(args.write, "fanout")
+        sizes_done = [row[0] for row in rows]
+        _plots.lines(
+            plot,
+            f"One control round against N servers ({args.delay * 1000:.0f} ms per call)",
+            sizes_done,
+            {
+                "asyncsync Fleet": [statistics.median(r[1]) * 1000 for r in rows],
+                "vLLM client, servers in turn": [
+                    statistics.median(r[4]) * 1000 if r[4] else None for r in rows
+                ],
+                f"vLLM clients, {args.threads} threads": [
+                    statistics.median(r[5]) * 1000 if r[5] else None for r in rows
+                ],
+            },
+            xlabel="servers N",
+            ylabel="round time (ms)",
+            floor=3 * args.delay * 1000,
+            floor_label="3 calls x delay (the floor)",
+        )
+        lines += ["", f"![Round time against N](img/{plot.name})"]
+    lines.append(END)
     block = "\n".join(lines)
     print(block)
     if args.write is not None:
