@@ -252,9 +252,24 @@ def split_options(
 
 
 # ------------------------------------------------------------------------ prompts
-def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:
-    """The prompt as a list of non-negative ints (below ``vocab_size`` when given);
-    raises TypeError/ValueError naming the offending position otherwise."""
+def check_prompt(
+    prompt_token_ids: Sequence[int],
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
+) -> list[int]:
+    """The prompt as a list of non-negative ints (below ``vocab_size`` when given,
+    shorter than ``max_model_len`` when given); raises TypeError/ValueError naming the
+    offending position or length otherwise."""
+    ids = _checked_ids(prompt_token_ids, vocab_size)
+    if max_model_len is not None and len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens, which leaves no room for a generated token "
+            f"in the model's context (max_model_len={max_model_len}); vLLM refuses it"
+        )
+    return ids
+
+
+def _checked_ids(prompt_token_ids: Sequence[int], vocab_size: int | None) -> list[int]:
     if (
         type(prompt_token_ids) is list
         and prompt_token_ids
@@ -288,7 +303,9 @@ def check_prompt(prompt_token_ids: Sequence[int], vocab_size: int | None = None)
 
 
 def check_prompts(
-    prompts: Sequence[Sequence[int]], vocab_size: int | None = None
+    prompts: Sequence[Sequence[int]],
+    vocab_size: int | None = None,
+    max_model_len: int | None = None,
 ) -> list[list[int]]:
     """:func:`check_prompt` for each prompt of a batch; errors name the prompt."""
     raw: object = prompts
@@ -302,18 +319,19 @@ def check_prompts(
                 "token-id sequences (one per prompt)"
             )
         try:
-            out.append(check_prompt(prompt, vocab_size))
+            out.append(check_prompt(prompt, vocab_size, max_model_len))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"prompts[{i}]: {exc}") from None
     return out
 
 
-def check_vocab_size(vocab_size: int | None) -> int | None:
-    """``vocab_size`` itself when it is None or an int >= 1 (ValueError otherwise)."""
+def check_vocab_size(vocab_size: int | None, name: str = "vocab_size") -> int | None:
+    """``vocab_size`` itself when it is None or an int >= 1 (ValueError otherwise);
+    also checks ``max_model_len`` (``name`` says which)."""
     if vocab_size is not None and (
         not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1
     ):
-        raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+        raise ValueError(f"{name} must be an int >= 1 or None, got {vocab_size!r}")
     return vocab_size
 
 

@@ -137,12 +137,14 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         retry: RetryPolicy | None = DEFAULT_RETRY,
         vllm_version: str | None = None,
         vocab_size: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self._portal = shared_portal()
         self._async = self._call(
             functools.partial(
                 az.AsyncVLLMClient, base_url, api_key=api_key, timeouts=timeouts,
                 retry=retry, vllm_version=vllm_version, vocab_size=vocab_size,
+                max_model_len=max_model_len,
             )
         )  # fmt: skip
         self._track()
@@ -175,6 +177,11 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
     def vocab_size(self) -> int | None:
         """Prompts with a token id outside ``[0, vocab_size)`` are refused when set."""
         return self._async.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Prompts of ``max_model_len`` tokens or more are refused when set."""
+        return self._async.max_model_len
 
     server_version = blocking_method(az.AsyncVLLMClient.server_version)
     protocol = blocking_method(az.AsyncVLLMClient.protocol)
@@ -222,6 +229,7 @@ class Fleet(_Closing[az.Fleet]):
         admission_timeout: float | None = 60.0,
         tokenizer: Tokenizer | None = None,
         vocab_size: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be an iterable of URLs or clients, not one string")
@@ -233,7 +241,7 @@ class Fleet(_Closing[az.Fleet]):
                 connection_limit=connection_limit, max_staleness=max_staleness,
                 max_concurrency_per_server=max_concurrency_per_server,
                 admission_timeout=admission_timeout, tokenizer=tokenizer,
-                vocab_size=vocab_size,
+                vocab_size=vocab_size, max_model_len=max_model_len,
             )
         )  # fmt: skip
         self._track()

