@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
-from asyncsync._errors import AsyncSyncError, FleetError, PublishError
+from asyncsync._errors import AsyncSyncError, FleetError, PublishError, ServerTimeout
 from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
@@ -341,8 +341,12 @@ class PublishRound(InitCalls):
         """Leave no server with an active update, mark every server the round reached
         dirty (a frozen server whose start got no answer included: it may run the start
         when it thaws), and resume the paused ones."""
-        if self.open:
-            await self._end_updates(sorted(self.open))
+        # A server whose call timed out is not sent the abort: it would wait another
+        # deadline for a server that is frozen or overloaded. It stays dirty (below), and
+        # the next round ends whatever update it still holds (is_stale_round_error).
+        answering = [url for url in sorted(self.open) if not self._timed_out(url)]
+        if answering:
+            await self._end_updates(answering)
         reached = [  # or a weight-sync call got no answer there (_state.observe)
             url
             for url, outcome in self.outcomes.items()
@@ -360,6 +364,11 @@ class PublishRound(InitCalls):
                 await self.fleet.resume(targets=self.paused, require="all")
             except FleetError as exc:
                 self._record(Phase.RESUME, exc)
+
+    def _timed_out(self, url: str) -> bool:
+        """Whether ``url``'s failure in this round was a deadline (no answer)."""
+        outcome = self.outcomes.get(url)
+        return outcome is not None and isinstance(outcome.error, ServerTimeout)
 
     async def _end_updates(self, urls: list[str]) -> None:
         """End the active update on ``urls`` with the backend's abort update. A rejection

@@ -182,3 +182,9 @@ async def test_a_prompt_longer_than_the_context_is_a_typed_error_and_harmless(
         completion = await client.generate(PROMPT, max_tokens=2, temperature=0.0)
         assert len(completion.token_ids) == 2
         assert fleet.state(server.url).healthy
+    # Told the context length, asyncsync refuses such a prompt before sending it.
+    async with az.Fleet([server.url], max_model_len=server.max_model_len) as fleet:
+        with pytest.raises(ValueError, match=f"max_model_len={server.max_model_len}"):
+            await fleet.generate([7] * server.max_model_len, max_tokens=2)
+        completion = await fleet.generate(PROMPT, max_tokens=2, temperature=0.0)
+        assert len(completion.token_ids) == 2

@@ -221,9 +221,10 @@ async def test_a_frozen_server_fails_the_round_within_the_deadline(
             err, took = await _round_with_fault(publisher, model, frozen, signal.SIGSTOP)
         finally:
             _signal_server(frozen, signal.SIGCONT)
-        # The trainer gave up at its chunk deadline; the frozen server's own call ran
-        # to the update deadline, and the rollback tried to end its round (one more).
-        assert took < 2 * UPDATE_DEADLINE + 10, took
+        # The trainer gave up at its chunk deadline and the frozen server's own call ran
+        # to the update deadline; the rollback does not wait for it once more (a server
+        # that timed out is not sent the abort), so the round ends within one deadline.
+        assert took < 1.5 * UPDATE_DEADLINE + 10, took
         assert err.outcomes[frozen.url].phase == "update"
         assert isinstance(err.outcomes[frozen.url].error, az.ServerTimeout)
         # The next round builds a new group on the thawed fleet and is exact.
