@@ -104,6 +104,13 @@ class GlooReceiver(ShmReceiver):
             raise
         return BufferViews(slot)
 
+    def release_after_failure(self) -> None:
+        """A failed update keeps the group. A broadcast that failed has left it already
+        (:meth:`_chunk_bytes`); any other failure (a chunk refused or aborted before its
+        broadcast) must not drop a group a newer init joined: the abort update that ends
+        a round an earlier generation left open arrives after this generation's init."""
+        ShmReceiver.close(self)
+
     def close(self) -> None:
         self.leave()
         self._ring = []

@@ -262,7 +262,7 @@ class ShmReceiver:
             self.round = None
             if restore is not None:
                 restore()
-            self.close()  # a failed round keeps no mapping (its trainer may be gone)
+            self.release_after_failure()
             state = (
                 "the model is partially updated; publish a full round to repair it"
                 if loaded
@@ -424,6 +424,10 @@ class ShmReceiver:
                 for key, value in bound.arguments.items():
                     if isinstance(value, torch.Tensor) and mapping.owns(value):
                         bound.arguments[key] = value.clone()
+
+    def release_after_failure(self) -> None:
+        """What a failed update lets go of: every mapping (its trainer may be gone)."""
+        self.close()
 
     def close(self) -> None:
         for mapping in self._mappings.values():
