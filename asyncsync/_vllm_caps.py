@@ -8,6 +8,9 @@ version number: the one place that knows how vLLM generations differ (docs/versi
   server accepts, read from vLLM's own parser builder in a subprocess, once per
   interpreter and vLLM install (cached on disk); :func:`server_flags` turns them into the
   flags :class:`~asyncsync.testing.LocalVLLMServer` passes.
+- :func:`installed_trainer_api`: which trainer-side API vLLM's own NCCL and IPC
+  engines offer (0.28 and later: ``WeightTransferTrainerFactory``; 0.23-0.27: the
+  static ``trainer_send_weights``); the ``"nccl"`` and ``"ipc"`` backends drive it.
 - :class:`ServerFeatures`: what a running server serves (its routes from
   ``/openapi.json``, the fields of a ``/inference/v1/generate`` answer), for code and
   tests that must not rely on what one generation lacks.
@@ -39,8 +42,10 @@ __all__ = [
     "ProbeError",
     "ServerFeatures",
     "ServerOptions",
+    "VLLMTrainerApi",
     "engine_contract",
     "installed_engine_contract",
+    "installed_trainer_api",
     "probe_server_options",
     "server_flags",
 ]
@@ -105,6 +110,76 @@ def installed_engine_contract() -> EngineContract:
             version, "it has no pluggable weight transfer (vllm.distributed.weight_transfer)"
         ) from exc
     return engine_contract(WeightTransferEngine, version)
+
+
+# ------------------------------------------------------------------- trainer API
+#: How vLLM's own trainer side of a built-in transport (``"nccl"``, ``"ipc"``) is driven:
+#: ``"engine"`` (vLLM 0.28 and later): ``WeightTransferTrainerFactory.trainer_init(
+#: <Backend>TrainerInitInfo(...), client=..., source=...)`` then ``send_weights()``,
+#: the engine calling a synchronous ``VLLMWeightSyncClient``; ``"callback"`` (vLLM
+#: 0.23-0.27): the static ``<Backend>WeightTransferEngine.trainer_send_weights(iterator,
+#: <Backend>TrainerSendWeightsArgs(...))``, the caller driving start and finish.
+VLLMTrainerApi = Literal["engine", "callback"]
+
+#: The module of each built-in transport's engines in ``vllm.distributed.weight_transfer``.
+_ENGINE_MODULES: Mapping[str, tuple[str, str]] = {
+    "nccl": ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"),
+    "ipc": ("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferEngine"),
+}
+
+
+def trainer_api(factory: type | None, engine: type | None, version: str) -> VLLMTrainerApi:
+    """The trainer API of a vLLM whose trainer factory is ``factory`` (None when it has
+    none) and whose worker engine class for the transport is ``engine`` (None when it
+    has none).
+
+    Raises:
+        UnsupportedVLLM: neither API is there.
+    """
+    if factory is not None and callable(getattr(factory, "trainer_init", None)):
+        return "engine"
+    if engine is not None and callable(getattr(engine, "trainer_send_weights", None)):
+        return "callback"
+    raise UnsupportedVLLM(
+        version,
+        "it has neither WeightTransferTrainerFactory.trainer_init (vLLM 0.28 and later) "
+        "nor a static trainer_send_weights (vLLM 0.23-0.27) for its built-in engines",
+    )
+
+
+def installed_trainer_api(backend: str) -> VLLMTrainerApi:
+    """:func:`trainer_api` of the vLLM installed in this interpreter, for vLLM's built-in
+    ``backend`` (``"nccl"`` or ``"ipc"``).
+
+    Raises:
+        UnsupportedVLLM: vLLM is missing, older than 0.23 (no weight transfer), or has
+            neither trainer API.
+    """
+    import importlib
+
+    module_name, engine_name = _ENGINE_MODULES[backend]
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UnsupportedVLLM(
+            "(not installed)",
+            f"backend {backend!r} drives vLLM's own trainer engine, and this interpreter "
+            "has no vllm package",
+        ) from exc
+    version = str(getattr(vllm, "__version__", "unknown"))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnsupportedVLLM(
+            version, f"it has no {module_name} (pluggable weight transfer came in vLLM 0.23)"
+        ) from exc
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        factory: type | None = None
+    else:
+        factory = WeightTransferTrainerFactory
+    return trainer_api(factory, getattr(module, engine_name, None), version)
 
 
 # ------------------------------------------------------------------- server options
