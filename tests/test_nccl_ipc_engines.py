@@ -267,11 +267,22 @@ async def test_nccl_failed_start_reaches_publish(monkeypatch: pytest.MonkeyPatch
         async with az.AsyncWeightPublisher(setup.fleet, backend="nccl") as publisher:
             with pytest.raises(az.PublishError) as caught:
                 await publisher.publish(weights(seed=1), version="v1")
-        assert caught.value.outcomes[b.url].phase == "start"
-        assert setup.hub.sent == []  # nothing was broadcast
-        assert a.requests_to("/update_weights")[-1].json["update_info"] == {"asyncsync_abort": True}
-        assert not a.update_active
-        assert publisher.version is None
+            assert caught.value.outcomes[b.url].phase == "start"
+            assert "start refused" in str(caught.value)
+            assert setup.hub.sent == []  # nothing was broadcast
+            aborts = a.requests_to("/update_weights")
+            assert [r.json["update_info"] for r in aborts] == [{"asyncsync_abort": True}]
+            assert not a.update_active
+            assert publisher.version is None
+
+            # Nothing was broadcast: the next round keeps the group.
+            model = weights(seed=2)
+            await publisher.publish(model, version="v2")
+        assert len(setup.hub.endpoints) == 1
+        assert a.weight_version == b.weight_version == "v2"
+        for fake in (a, b):
+            for loaded in nccl_workers_load(setup, fake):
+                assert_loaded(loaded, model)
 
 
 @pytest.mark.asyncio

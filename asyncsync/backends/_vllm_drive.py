@@ -33,7 +33,8 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncsync._errors import ProtocolError
-from asyncsync.backends._base import RoundCancelled, SendControl
+from asyncsync._vllm_caps import installed_trainer_api
+from asyncsync.backends._base import RoundCancelled, SendControl, TrainerApi, TrainerBackend
 
 if TYPE_CHECKING:
     from asyncsync._bridge import InitInfo, SyncFleetClient
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineClient",
+    "EngineStuck",
+    "VllmEngineBackend",
     "VllmSource",
     "checked_pairs",
     "encode_ipc_update",
@@ -56,6 +59,35 @@ T = TypeVar("T")
 PerServer = Callable[[dict[str, Any]], "InitInfo"]
 #: Turns a fan-out's error into a clearer one (or None to keep it).
 Explain = Callable[[BaseException], BaseException | None]
+
+
+class VllmEngineBackend(TrainerBackend):
+    """A backend that drives one of vLLM's built-in trainer engines (:attr:`name` is
+    vLLM's backend name). Which of vLLM's trainer APIs runs is the installed vLLM's
+    (:func:`~asyncsync._vllm_caps.installed_trainer_api`), read on first use, in the
+    publisher's worker thread: importing vLLM takes seconds, and constructing a
+    publisher must not block the event loop. The ``api`` argument is not consulted."""
+
+    _api: TrainerApi | None = None
+
+    @property
+    def api(self) -> TrainerApi:
+        if self._api is None:
+            self._api = installed_trainer_api(self.name)
+        return self._api
+
+    @api.setter
+    def api(self, value: TrainerApi) -> None:
+        del value  # the installed vLLM decides
+
+    def needs_cuda(self, exc: BaseException) -> BaseException:
+        """A clearer error when vLLM's engine found no CUDA device (else ``exc``)."""
+        if not any(word in str(exc) for word in ("CUDA", "accelerator")):
+            return exc
+        return RuntimeError(
+            f"backend {self.name!r} needs a CUDA device in the trainer process (vLLM's "
+            f"{self.name} engine works on the current device): {exc}"
+        )
 
 
 class VllmSource:

@@ -25,10 +25,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._vllm_caps import installed_trainer_api
-from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
+from asyncsync.backends._base import SendControl, SendStats, TrainerApi
 from asyncsync.backends._vllm_drive import (
     EngineClient,
+    VllmEngineBackend,
     VllmSource,
     encode_ipc_update,
     explain_insecure_serialization,
@@ -53,14 +53,7 @@ INSECURE_SERIALIZATION_OPT_IN = (
 DEFAULT_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024
 
 
-def _needs_cuda(exc: BaseException) -> RuntimeError:
-    return RuntimeError(
-        "backend 'ipc' needs a CUDA device in the trainer process (CUDA IPC shares GPU "
-        f"memory with servers on the same GPUs): {exc}"
-    )
-
-
-class IpcBackend(TrainerBackend):
+class IpcBackend(VllmEngineBackend):
     """``"ipc"``: vLLM's CUDA IPC engine (servers run ``{"backend": "ipc"}`` with
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 
@@ -84,14 +77,13 @@ class IpcBackend(TrainerBackend):
         packed: bool = False,
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES,
     ) -> None:
-        del api  # the installed vLLM decides
         if allow_insecure_serialization is not True:
             raise ValueError(INSECURE_SERIALIZATION_OPT_IN)
         if packed_buffer_size_bytes < 1:
             raise ValueError(
                 f"packed_buffer_size_bytes must be >= 1, got {packed_buffer_size_bytes}"
             )
-        super().__init__(rank=rank, world_size=world_size, api=installed_trainer_api("ipc"))
+        super().__init__(rank=rank, world_size=world_size, api=api)
         self.packed = packed
         self.packed_buffer_size_bytes = packed_buffer_size_bytes
         self._engine: Any = None
@@ -128,9 +120,10 @@ class IpcBackend(TrainerBackend):
                 info, client=client, source=VllmSource(None)
             )
         except (RuntimeError, AssertionError) as exc:
-            if "CUDA" in str(exc) or "accelerator" in str(exc):
-                raise _needs_cuda(exc) from exc
-            raise
+            better = self.needs_cuda(exc)
+            if better is exc:
+                raise
+            raise better from exc
 
     # ------------------------------------------------------------------ a round
     def send(

@@ -31,18 +31,17 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from asyncsync._errors import ProtocolError
-from asyncsync._vllm_caps import installed_trainer_api
 from asyncsync.backends._base import (
     RoundCancelled,
     SendControl,
     SendStats,
     TrainerApi,
-    TrainerBackend,
 )
 from asyncsync.backends._gloo_group import master_address_for
 from asyncsync.backends._vllm_drive import (
     EngineClient,
     EngineStuck,
+    VllmEngineBackend,
     VllmSource,
     checked_pairs,
     run_guarded,
@@ -126,14 +125,7 @@ class CountingGroup:
         return getattr(self.group, name)
 
 
-def _needs_cuda(exc: BaseException) -> RuntimeError:
-    return RuntimeError(
-        "backend 'nccl' needs a CUDA device in the trainer process (vLLM's NCCL engine "
-        f"opens its communicator on the current device): {exc}"
-    )
-
-
-class NcclBackend(TrainerBackend):
+class NcclBackend(VllmEngineBackend):
     """``"nccl"``: vLLM's NCCL engine (servers run ``{"backend": "nccl"}``).
 
     Options: ``master_address`` (what the servers' workers connect to; default:
@@ -159,13 +151,12 @@ class NcclBackend(TrainerBackend):
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
     ) -> None:
-        del api  # the installed vLLM decides
         if packed_buffer_size_bytes < 1 or packed_num_buffers < 1:
             raise ValueError(
                 "packed_buffer_size_bytes and packed_num_buffers must be >= 1, got "
                 f"{packed_buffer_size_bytes} and {packed_num_buffers}"
             )
-        super().__init__(rank=rank, world_size=world_size, api=installed_trainer_api("nccl"))
+        super().__init__(rank=rank, world_size=world_size, api=api)
         self.master_address = master_address
         self.master_port = master_port
         self.packed = packed
@@ -228,9 +219,10 @@ class NcclBackend(TrainerBackend):
                 info, client=client, source=VllmSource(None)
             )
         except (RuntimeError, AssertionError) as exc:
-            if "CUDA" in str(exc) or "accelerator" in str(exc):
-                raise _needs_cuda(exc) from exc
-            raise
+            better = self.needs_cuda(exc)
+            if better is exc:
+                raise
+            raise better from exc
 
     def _static_init(self, host: str, port: int, world: int, client: EngineClient) -> Any:
         """vLLM 0.23-0.27: the servers' init (exactly these four fields there) in flight
@@ -247,9 +239,10 @@ class NcclBackend(TrainerBackend):
                     {"master_address": host, "master_port": port, "world_size": world}
                 )
             except (RuntimeError, AssertionError) as exc:
-                if "CUDA" in str(exc) or "accelerator" in str(exc):
-                    raise _needs_cuda(exc) from exc
-                raise
+                better = self.needs_cuda(exc)
+                if better is exc:
+                    raise
+                raise better from exc
 
         group = run_guarded(open_endpoint, client, name="nccl-init")
         pending.result()
@@ -297,7 +290,8 @@ class NcclBackend(TrainerBackend):
             self._drop(stuck=True)
             raise
         except BaseException:
-            self._drop()
+            if self._group.broadcasts:  # a broadcast began: the group's state is unknown
+                self._drop()
             raise
         return SendStats(chunks=self._group.broadcasts, bytes=self._group.bytes, params=params)
 
