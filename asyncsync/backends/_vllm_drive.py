@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EngineClient",
-    "EngineStuck",
     "VllmEngineBackend",
     "VllmSource",
     "checked_pairs",
@@ -232,6 +231,8 @@ class EngineClient:
         self.bytes = 0
         #: the first fan-out that failed (its future), for :func:`run_guarded`
         self.failed: Future[Any] | None = None
+        #: :func:`run_guarded` left a call blocked in a collective
+        self.stuck = False
         self._wake: list[threading.Event] = []
         self._lock = threading.Lock()
 
@@ -341,17 +342,12 @@ class EngineClient:
             event.set()
 
 
-class EngineStuck(Exception):
-    """An engine call was left blocked in a collective after a fan-out failed (its
-    thread is abandoned; the transport's group must be rebuilt)."""
-
-
 def run_guarded(call: Callable[[], T], client: EngineClient, *, name: str) -> T:
-    """``call()`` in a thread of its own; its result, or its error, or, as soon as one of
+    """``call()`` in a thread of its own; its result or its error, or, as soon as one of
     ``client``'s fan-outs failed while ``call`` is still blocked (an NCCL rendezvous or
-    broadcast whose peers refused the HTTP call never completes), that fan-out's error
-    raised from :class:`EngineStuck`. The stuck thread is left behind (a daemon): the
-    caller must not reuse what it holds."""
+    broadcast whose peers refused the HTTP call never completes), that fan-out's error,
+    with ``client.stuck`` set. The stuck thread is left behind (a daemon): the caller
+    must not reuse what it holds."""
     result: Future[T] = Future()
     wake = threading.Event()
 
@@ -373,13 +369,17 @@ def run_guarded(call: Callable[[], T], client: EngineClient, *, name: str) -> T:
     assert failed is not None
     error = _failure(failed)
     assert error is not None
+    client.stuck = True
     logger.warning(
-        "%s: a call to the servers failed while the trainer was blocked in the "
-        "collective; leaving that thread behind (%s)",
+        "%s: a call to the servers failed while vLLM's engine was blocked in the "
+        "collective; that thread is left behind and its group never reused (%s)",
         name,
         error,
     )
-    raise EngineStuck(f"{name} was left blocked after the servers failed: {error}") from error
+    error.add_note(
+        f"asyncsync: {name} was left blocked in the collective; the next round builds a new group"
+    )
+    raise error
 
 
 def explain_insecure_serialization(error: BaseException) -> BaseException | None:

@@ -40,7 +40,6 @@ from asyncsync.backends._base import (
 from asyncsync.backends._gloo_group import master_address_for
 from asyncsync.backends._vllm_drive import (
     EngineClient,
-    EngineStuck,
     VllmEngineBackend,
     VllmSource,
     checked_pairs,
@@ -286,11 +285,10 @@ class NcclBackend(VllmEngineBackend):
                 self._send_static(weights, drive)
         except RoundCancelled:
             raise  # at start or finish: the group saw a whole broadcast, or none
-        except EngineStuck:
-            self._drop(stuck=True)
-            raise
         except BaseException:
-            if self._group.broadcasts:  # a broadcast began: the group's state is unknown
+            if drive.stuck:
+                self._drop(stuck=True)
+            elif self._group.broadcasts:  # a broadcast began: the group's state is unknown
                 self._drop()
             raise
         return SendStats(chunks=self._group.broadcasts, bytes=self._group.bytes, params=params)
