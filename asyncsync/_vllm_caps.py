@@ -9,8 +9,9 @@ version number: the one place that knows how vLLM generations differ (docs/versi
   interpreter and vLLM install (cached on disk); :func:`server_flags` turns them into the
   flags :class:`~asyncsync.testing.LocalVLLMServer` passes.
 - :func:`installed_trainer_api`: which trainer-side API vLLM's own NCCL and IPC
-  engines offer (0.28 and later: ``WeightTransferTrainerFactory``; 0.23-0.27: the
-  static ``trainer_send_weights``); the ``"nccl"`` and ``"ipc"`` backends drive it.
+  engines offer (registered in ``WeightTransferTrainerFactory``: IPC from 0.27, NCCL
+  from 0.28; before that the static ``trainer_send_weights``); the ``"nccl"`` and
+  ``"ipc"`` backends drive it.
 - :class:`ServerFeatures`: what a running server serves (its routes from
   ``/openapi.json``, the fields of a ``/inference/v1/generate`` answer), for code and
   tests that must not rely on what one generation lacks.
@@ -114,11 +115,12 @@ def installed_engine_contract() -> EngineContract:
 
 # ------------------------------------------------------------------- trainer API
 #: How vLLM's own trainer side of a built-in transport (``"nccl"``, ``"ipc"``) is driven:
-#: ``"engine"`` (vLLM 0.28 and later): ``WeightTransferTrainerFactory.trainer_init(
-#: <Backend>TrainerInitInfo(...), client=..., source=...)`` then ``send_weights()``,
-#: the engine calling a synchronous ``VLLMWeightSyncClient``; ``"callback"`` (vLLM
-#: 0.23-0.27): the static ``<Backend>WeightTransferEngine.trainer_send_weights(iterator,
-#: <Backend>TrainerSendWeightsArgs(...))``, the caller driving start and finish.
+#: ``"engine"``: ``WeightTransferTrainerFactory.trainer_init(<Backend>TrainerInitInfo(...),
+#: client=..., source=...)`` then ``send_weights()``, the engine calling a synchronous
+#: ``VLLMWeightSyncClient`` (IPC from vLLM 0.27, NCCL from 0.28); ``"callback"``: the
+#: static ``<Backend>WeightTransferEngine.trainer_send_weights(iterator,
+#: <Backend>TrainerSendWeightsArgs(...))``, the caller driving start and finish (vLLM
+#: 0.23 up to the release that moved the backend into the factory).
 VLLMTrainerApi = Literal["engine", "callback"]
 
 #: The module of each built-in transport's engines in ``vllm.distributed.weight_transfer``.
@@ -128,22 +130,24 @@ _ENGINE_MODULES: Mapping[str, tuple[str, str]] = {
 }
 
 
-def trainer_api(factory: type | None, engine: type | None, version: str) -> VLLMTrainerApi:
-    """The trainer API of a vLLM whose trainer factory is ``factory`` (None when it has
-    none) and whose worker engine class for the transport is ``engine`` (None when it
-    has none).
+def trainer_api(in_factory: bool, engine: type | None, version: str) -> VLLMTrainerApi:
+    """The trainer API of a vLLM whose ``WeightTransferTrainerFactory`` registers the
+    transport (``in_factory``) and whose worker engine class for it is ``engine``
+    (None when it has none). vLLM moved the backends into the factory one at a time
+    (0.27.1 has IPC there, NCCL still static) and left a static stub that raises behind,
+    so the factory wins.
 
     Raises:
         UnsupportedVLLM: neither API is there.
     """
-    if factory is not None and callable(getattr(factory, "trainer_init", None)):
+    if in_factory:
         return "engine"
     if engine is not None and callable(getattr(engine, "trainer_send_weights", None)):
         return "callback"
     raise UnsupportedVLLM(
         version,
-        "it has neither WeightTransferTrainerFactory.trainer_init (vLLM 0.28 and later) "
-        "nor a static trainer_send_weights (vLLM 0.23-0.27) for its built-in engines",
+        "its trainer factory does not register this transport and its engine has no "
+        "static trainer_send_weights (vLLM 0.23 and later have one or the other)",
     )
 
 
@@ -176,10 +180,10 @@ def installed_trainer_api(backend: str) -> VLLMTrainerApi:
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
     except ImportError:
-        factory: type | None = None
+        in_factory = False
     else:
-        factory = WeightTransferTrainerFactory
-    return trainer_api(factory, getattr(module, engine_name, None), version)
+        in_factory = backend in getattr(WeightTransferTrainerFactory, "_registry", {})
+    return trainer_api(in_factory, getattr(module, engine_name, None), version)
 
 
 # ------------------------------------------------------------------- server options

@@ -127,7 +127,9 @@ def install_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     shim = CudaOnCpu()
     for name in _SHIMMED:
         monkeypatch.setattr(importlib.import_module(name), "torch", shim)
-    packed_tensor._get_streams.cache_clear()  # its streams are the stand-in's from now
+    cached = getattr(packed_tensor, "_get_streams", None)  # vLLM >= 0.28 caches streams
+    if cached is not None:
+        cached.cache_clear()  # its streams are the stand-in's from now
 
 
 def wait_for(condition: Callable[[], bool], what: str, cv: threading.Condition) -> None:
