@@ -189,17 +189,17 @@ class NcclHub:
             self.released = True
             self.cv.notify_all()
 
-    def trainer_endpoint(self, init_info: Any) -> TrainerComm:
-        """Stands in for vLLM's ``open_trainer_endpoint(init_info)`` (rank 0)."""
+    def open_trainer(self, master_address: str, master_port: int, world_size: int) -> TrainerComm:
+        """Rank 0's group, as vLLM's ``trainer_init`` opens it."""
         with self.cv:
             self.endpoints.append(
                 {
-                    "master_address": init_info.master_address,
-                    "master_port": init_info.master_port,
-                    "world_size": init_info.world_size,
+                    "master_address": master_address,
+                    "master_port": master_port,
+                    "world_size": world_size,
                 }
             )
-        return TrainerComm(self, init_info.master_port)
+        return TrainerComm(self, master_port)
 
 
 class TrainerComm:

@@ -76,6 +76,28 @@ def finish_versions(fake: FakeVLLMServer) -> list[Any]:
     return [r.json for r in fake.requests_to("/finish_weight_update")]
 
 
+def installed_version() -> str:
+    """The installed vLLM's version: the fakes claim it, so they speak its protocol."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def held(fleet: az.Fleet, fake: FakeVLLMServer) -> str | None:
+    """The version ``fake`` holds: the server's own (vLLM 0.32: finish carries it) or,
+    on the 0.23 protocol (vLLM < 0.32), the fleet's record of what it finished."""
+    if fake.protocol == "0.32":
+        return fake.weight_version
+    return fleet.state(fake.url).weight_version
+
+
+def assert_finished_with(fleet: az.Fleet, fake: FakeVLLMServer, version: str) -> None:
+    """The round's version travelled with its finish (vLLM's engines pass none)."""
+    if fake.protocol == "0.32":
+        assert finish_versions(fake)[-1] == {"weight_version": version}
+    assert held(fleet, fake) == version
+
+
 # --------------------------------------------------------------------------- NCCL
 @dataclass
 class NcclSetup:
@@ -84,35 +106,49 @@ class NcclSetup:
     fleet: az.Fleet
     #: the worker-side communicators' source: what the next worker group replays
     replay: list[list[torch.Tensor]]
+    #: the installed vLLM's NCCL trainer API ("engine": 0.28+, "callback": 0.23-0.27)
+    api: str
+
+    @property
+    def wire(self) -> dict[str, Any]:
+        """The packing fields, in the init info (0.28+) or in every update (0.23-0.27)."""
+        return {"packed": True, "packed_buffer_size_bytes": BUFFER, "packed_num_buffers": 2}
 
 
 @asynccontextmanager
 async def nccl_fleet(
     monkeypatch: pytest.MonkeyPatch, world_sizes: tuple[int, ...] = (2, 1)
 ) -> AsyncIterator[NcclSetup]:
-    _engine_api("nccl")
+    from asyncsync._vllm_caps import installed_trainer_api
+
     install_cuda_on_cpu(monkeypatch)
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
 
-    fakes = [FakeVLLMServer(backend="nccl", world_size=n) for n in world_sizes]
+    fakes = [
+        FakeVLLMServer(version=installed_version(), backend="nccl", world_size=n)
+        for n in world_sizes
+    ]
     for fake in fakes:
         await fake.start()
     hub = NcclHub(fakes)
     replay: list[list[torch.Tensor]] = [[]]
     for fake in fakes:
         fake.update_hook = hub.worker_hook(fake, nccl_engine.NCCLWeightTransferUpdateInfo)
-    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", hub.trainer_endpoint)
 
-    def worker_group(
+    def open_group(
         master_address: str, master_port: int, rank: int, world_size: int, device: Any
-    ) -> ReplayComm:
+    ) -> Any:
+        """vLLM's stateless group setup, for the trainer (rank 0, through vLLM's own
+        trainer_init) and for each worker (through vLLM's worker_init_process_group)."""
+        if rank == 0:
+            return hub.open_trainer(master_address, master_port, world_size)
         hub.worker_ranks.append((master_port, rank, world_size))
         return ReplayComm(replay[0])
 
-    monkeypatch.setattr(nccl_common, "stateless_init_process_group", worker_group)
+    monkeypatch.setattr(nccl_common, "stateless_init_process_group", open_group)
     try:
         async with az.Fleet([f.url for f in fakes]) as fleet:
-            yield NcclSetup(hub, fakes, fleet, replay)
+            yield NcclSetup(hub, fakes, fleet, replay, installed_trainer_api("nccl"))
     finally:
         hub.release()  # a broadcast left blocked by a failed round ends now
         for fake in fakes:
@@ -144,7 +180,6 @@ async def test_nccl_rounds_through_vllms_engine(monkeypatch: pytest.MonkeyPatch)
         publisher = az.AsyncWeightPublisher(
             setup.fleet, backend="nccl", packed_buffer_size_bytes=BUFFER
         )
-        assert publisher.api == "engine"
         assert publisher.backend_name == "nccl"
         async with publisher:
             for step in (1, 2):
@@ -155,19 +190,24 @@ async def test_nccl_rounds_through_vllms_engine(monkeypatch: pytest.MonkeyPatch)
 
                 # Every server finished with the round's version (vLLM's engine passes none).
                 for fake in (a, b):
-                    assert finish_versions(fake)[-1] == {"weight_version": f"step-{step}"}
-                    assert fake.weight_version == f"step-{step}"
+                    assert_finished_with(setup.fleet, fake, f"step-{step}")
                     assert round_calls(fake)[-4:] == [
                         "/start_weight_update",
                         "/update_weights",
                         "/finish_weight_update",
                         "/reset_prefix_cache",
                     ]
-                # One update per server: vLLM's update info, names in order, no packing keys.
+                assert publisher.api == setup.api
+                # One update per server: vLLM's update info, names in order; the packing
+                # rides it only on 0.23-0.27 (0.28+ refuses it there).
                 assert a.updates[-1] == b.updates[-1]
                 assert a.updates[-1]["names"] == list(model)
                 assert a.updates[-1]["shapes"] == [list(t.shape) for t in model.values()]
-                assert set(a.updates[-1]) == {"names", "dtype_names", "shapes"}
+                fields = {"names", "dtype_names", "shapes"}
+                if setup.api == "callback":
+                    fields |= set(setup.wire)
+                    assert {k: a.updates[-1][k] for k in setup.wire} == setup.wire
+                assert set(a.updates[-1]) == fields
 
                 # Packed chunks, each just over the buffer (vLLM's packing), all exact.
                 sent = setup.hub.sent
@@ -186,6 +226,7 @@ async def test_nccl_rounds_through_vllms_engine(monkeypatch: pytest.MonkeyPatch)
         endpoint = setup.hub.endpoints[0]
         assert endpoint["world_size"] == 4
         assert endpoint["master_address"] == "127.0.0.1"
+        wire = setup.wire if setup.api == "engine" else {}  # 0.23-0.27: exactly four fields
         assert [f.init_infos for f in (a, b)] == [
             [
                 {
@@ -193,9 +234,7 @@ async def test_nccl_rounds_through_vllms_engine(monkeypatch: pytest.MonkeyPatch)
                     "master_port": endpoint["master_port"],
                     "rank_offset": offset,
                     "world_size": 4,
-                    "packed": True,
-                    "packed_buffer_size_bytes": BUFFER,
-                    "packed_num_buffers": 2,
+                    **wire,
                 }
             ]
             for offset in (1, 3)
@@ -213,7 +252,8 @@ async def test_nccl_unpacked_broadcasts_each_tensor(monkeypatch: pytest.MonkeyPa
             report = await pub.publish(model, version="v")
         assert [tuple(t.shape) for t in setup.hub.sent] == [tuple(t.shape) for t in model.values()]
         assert report.chunks == len(model)
-        assert fake.init_infos[0]["packed"] is False
+        packing = fake.init_infos[0] if setup.api == "engine" else fake.updates[-1]
+        assert packing["packed"] is False
         assert fake.init_infos[0]["rank_offset"] == 1
         (loaded,) = nccl_workers_load(setup, fake)
         assert_loaded(loaded, model)
@@ -241,7 +281,7 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
             assert not outcomes[b.url].ok
             assert "worker refused the update" in str(outcomes[b.url].error)
             assert publisher.version == "v1"
-            assert a.weight_version == "v1"
+            assert held(setup.fleet, a) == "v1"
             assert not a.update_active
             assert not b.update_active
             assert sorted(caught.value.needs_resync) == sorted([a.url, b.url])
@@ -254,7 +294,7 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
         assert [i["master_port"] for i in a.init_infos] == ports
         assert [i["rank_offset"] for i in b.init_infos] == [3, 3]
         for fake in (a, b):
-            assert fake.weight_version == "v3"
+            assert held(setup.fleet, fake) == "v3"
             for loaded in nccl_workers_load(setup, fake):
                 assert_loaded(loaded, model)
 
@@ -279,7 +319,7 @@ async def test_nccl_failed_start_reaches_publish(monkeypatch: pytest.MonkeyPatch
             model = weights(seed=2)
             await publisher.publish(model, version="v2")
         assert len(setup.hub.endpoints) == 1
-        assert a.weight_version == b.weight_version == "v2"
+        assert held(setup.fleet, a) == held(setup.fleet, b) == "v2"
         for fake in (a, b):
             for loaded in nccl_workers_load(setup, fake):
                 assert_loaded(loaded, model)
@@ -321,7 +361,11 @@ class CountingWeights:
 async def test_other_ranks_run_the_engine_but_never_send(
     monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    _engine_api(backend)
+    from asyncsync._vllm_caps import installed_trainer_api
+
+    api = installed_trainer_api(backend)
+    if backend == "ipc" and api != "engine":
+        pytest.skip(f"vLLM's static IPC send (API {api!r}) is not exercised here")
     install_cuda_on_cpu(monkeypatch)
     handles = install_ipc_handles(monkeypatch)
     source = CountingWeights(weights(seed=1))
@@ -331,8 +375,11 @@ async def test_other_ranks_run_the_engine_but_never_send(
     ) as publisher:
         report = await publisher.publish(source, version="v1")
         engine = publisher._backend._engine  # type: ignore[attr-defined]
-    assert type(engine).__name__ == f"{backend.upper()}TrainerWeightTransferEngine"
-    assert engine.is_sender is False
+    if api == "engine":
+        assert type(engine).__name__ == f"{backend.upper()}TrainerWeightTransferEngine"
+        assert engine.is_sender is False
+    else:  # vLLM 0.23-0.27's static send has nothing to run on other ranks
+        assert engine is None
     assert source.passes == 1  # vLLM's engine iterated the weights (collectives aligned)
     assert report.servers == []
     assert report.bytes == 0
@@ -375,7 +422,10 @@ async def ipc_fleet(monkeypatch: pytest.MonkeyPatch, count: int = 2) -> AsyncIte
     _engine_api("ipc")
     install_cuda_on_cpu(monkeypatch)
     handles = install_ipc_handles(monkeypatch)
-    servers = [IpcServer(FakeVLLMServer(backend="ipc"), RecordingModel()) for _ in range(count)]
+    servers = [
+        IpcServer(FakeVLLMServer(version=installed_version(), backend="ipc"), RecordingModel())
+        for _ in range(count)
+    ]
     for server in servers:
         server.fake.update_hook = server.hook
         await server.fake.start()
@@ -416,8 +466,7 @@ async def test_ipc_rounds_through_vllms_engine(
                 )
                 for server in servers:
                     assert_loaded(server.model.loaded, model)
-                    assert finish_versions(server.fake)[-1] == {"weight_version": f"step-{step}"}
-                    assert server.fake.weight_version == f"step-{step}"
+                    assert_finished_with(fleet, server.fake, f"step-{step}")
                 total = sum(t.numel() * t.element_size() for t in model.values())
                 assert report.bytes == total
         for server in servers:
