@@ -326,6 +326,40 @@ async def test_nccl_failed_start_reaches_publish(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.asyncio
+async def test_nccl_cancelled_round_stops_at_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled while vLLM broadcasts: the servers' workers are already in the
+    broadcast, so it runs to its end; the round then stops before finish and ends the
+    update everywhere."""
+    async with nccl_fleet(monkeypatch, world_sizes=(1,)) as setup:
+        (fake,) = setup.fakes
+        gate = asyncio.Event()
+        fake.inject("/update_weights", Fault.until(gate))
+        async with az.AsyncWeightPublisher(setup.fleet, backend="nccl") as publisher:
+            task = asyncio.create_task(publisher.publish(weights(seed=1), version="v1"))
+            async with asyncio.timeout(60):  # only catches a hang
+                while not fake.requests_to("/update_weights"):  # noqa: ASYNC110 - the fake's records
+                    await asyncio.sleep(0.01)  # until the update is held there
+            task.cancel()
+            gate.set()  # the worker joins; the broadcast completes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(setup.hub.sent) > 0  # the broadcast ran to its end
+            assert finish_versions(fake) == []
+            bodies = [r.json["update_info"] for r in fake.requests_to("/update_weights")]
+            assert [b.get("asyncsync_abort") for b in bodies] == [None, True]
+            assert not fake.update_active
+            assert publisher.version is None
+
+            # The group saw a whole broadcast: the next round reuses it.
+            setup.hub.sent.clear()
+            model = weights(seed=2)
+            await publisher.publish(model, version="v2")
+        assert len(setup.hub.endpoints) == 1
+        (loaded,) = nccl_workers_load(setup, fake)
+        assert_loaded(loaded, model)
+
+
+@pytest.mark.asyncio
 async def test_nccl_fleet_change_rebuilds_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
     async with nccl_fleet(monkeypatch, world_sizes=(1, 2)) as setup:
         _a, b = setup.fakes
