@@ -142,7 +142,8 @@ def checked_pairs(
                 f"{want_name!r} {want_dtype} {want_shape} was announced"
             )
         sent += 1
-        yield name, tensor
+        # NCCL sends numel elements from data_ptr(): a view must be made contiguous.
+        yield name, (tensor if tensor.is_contiguous() else tensor.contiguous())
     if sent != len(meta):
         raise ValueError(f"the weights ended after {sent} of {len(meta)} announced tensors")
 

@@ -254,8 +254,8 @@ class NcclBackend(VllmEngineBackend):
         if stuck:
             _abandoned.append((engine, group))
             return
-        try:
-            if engine is not None and self.api == "engine":
+        try:  # vLLM's engine destroys its communicator; the static API left us the group
+            if engine is not None:
                 engine.shutdown()
             elif group is not None:
                 group.destroy()
