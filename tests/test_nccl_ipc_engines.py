@@ -596,3 +596,27 @@ def test_ipc_handles_are_pickled_like_vllms_http_client() -> None:
     }
     assert encode_ipc_update(info) == _json_safe_update_info(info)
     assert encode_ipc_update({"names": []}) == {"names": []}
+
+
+def test_rank_offsets_follow_the_fleet_order() -> None:
+    from asyncsync.backends.nccl import rank_offsets
+
+    assert rank_offsets({"a": 2, "b": 1, "c": 4}) == ({"a": 1, "b": 3, "c": 4}, 8)
+    with pytest.raises(ProtocolError, match="world size of 0"):
+        rank_offsets({"a": 0})
+
+
+def test_checked_pairs_refuse_what_was_not_announced() -> None:
+    from asyncsync.backends._vllm_drive import checked_pairs
+
+    w = torch.zeros(4, 6)
+    meta = [("w", torch.float32, (6, 4)), ("b", torch.float32, (2,))]
+    pairs = list(checked_pairs(iter([("w", w.t()), ("b", torch.ones(2))]), meta))
+    assert pairs[0][1].is_contiguous()  # a transposed view is sent as its values
+    assert torch.equal(pairs[0][1], w.t())
+    with pytest.raises(ValueError, match=r"weight 1 is 'c'.*'b'"):
+        list(checked_pairs(iter([("w", w.t()), ("c", torch.ones(2))]), meta))
+    with pytest.raises(ValueError, match="ended after 1 of 2"):
+        list(checked_pairs(iter([("w", w.t())]), meta))
+    with pytest.raises(ValueError, match="after the 2 announced"):
+        list(checked_pairs(iter([("w", w.t()), ("b", torch.ones(2)), ("x", w)]), meta))
