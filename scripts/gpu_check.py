@@ -123,10 +123,18 @@ def make_tensors(spec: Sequence[tuple[str, str, tuple[int, ...]]], device: str) 
 
 
 def digest(tensor: Any) -> str:
-    """sha256 of a tensor's bytes, as laid out contiguously."""
+    """sha256 of a tensor's bytes, as laid out contiguously (without numpy, which a
+    torch install may lack: two position-weighted sums of the bytes, on the device)."""
     import torch
 
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    try:
+        raw = flat.cpu().numpy().tobytes()
+    except (RuntimeError, TypeError, ImportError):
+        values = flat.to(torch.int64)
+        weights = torch.arange(values.numel(), device=values.device, dtype=torch.int64) % 65521
+        plain, weighted = int(values.sum()), int(((weights + 1) * values).sum())
+        return f"sums:{values.numel()}:{plain}:{weighted}"
     return hashlib.sha256(raw).hexdigest()
 
 
