@@ -1,5 +1,5 @@
-"""Stand-ins for what vLLM's NCCL and IPC engines need CUDA for, so that vLLM 0.32's real
-engine classes run on CPU (not a test module).
+"""Stand-ins for what vLLM's NCCL and IPC engines need CUDA for, so that the installed
+vLLM's real engine classes (0.32, 0.27.1) run on CPU (not a test module).
 
 Only the CUDA-bound calls are replaced, nothing of vLLM's logic:
 
@@ -7,12 +7,14 @@ Only the CUDA-bound calls are replaced, nothing of vLLM's logic:
   device indices and properties, ``synchronize``/``ipc_collect`` are no-ops on CPU, and
   ``torch.empty(..., device="cuda")`` allocates on CPU. Everything else is real torch.
 - :class:`NcclHub` and :class:`TrainerComm`: a communicator with NCCL's ``broadcast``
-  shape. Like NCCL, the trainer's broadcast completes only when every peer takes part:
-  here, when each fake server's worker joined (its ``/update_weights`` arrived there and
-  vLLM's update-info class accepted it) after that server's latest
-  ``/start_weight_update``. A server that refused the update never joins, and the
-  broadcast stays blocked, as NCCL's would, until the test releases it. What rank 0
-  broadcast is kept, and :class:`ReplayComm` gives it to vLLM's worker-side engine.
+  shape, returned where vLLM's own ``trainer_init`` and worker init open their group
+  (``stateless_init_process_group``). Like NCCL, the trainer's broadcast completes
+  only when every peer takes part: here, when each fake server's worker joined (its
+  ``/update_weights`` arrived there and vLLM's update-info class accepted it) after
+  that server's latest ``/start_weight_update``. A server that refused the update
+  never joins, and the broadcast stays blocked, as NCCL's would, until the test
+  releases it. What rank 0 broadcast is kept, and :class:`ReplayComm` gives it to
+  vLLM's worker-side engine.
 - :class:`IpcHandles`: the CUDA IPC handle producer (``reduce_tensor``) and opener
   (``rebuild_cuda_tensor``): a handle has the shape of torch's (the device index at
   position 6) and names a tensor in a registry; opening it aliases that tensor, as

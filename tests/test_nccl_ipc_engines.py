@@ -1,6 +1,7 @@
-"""``backend="nccl"`` and ``backend="ipc"``: vLLM 0.32's real trainer and worker engine
-classes, driven by asyncsync's publisher on CPU against fake servers, with stand-ins
-only where CUDA is needed (``tests/cuda_standins.py``).
+"""``backend="nccl"`` and ``backend="ipc"``: the installed vLLM's real trainer and worker
+engine classes (0.32: both in the trainer factory; 0.27.1: NCCL's static send, IPC in the
+factory), driven by asyncsync's publisher on CPU against fake servers that claim the
+same version, with stand-ins only where CUDA is needed (``tests/cuda_standins.py``).
 
 The stand-in communicator's broadcast, like NCCL's, completes only once every server's
 worker joined it, i.e. once that server's ``/update_weights`` arrived: a round passes only
@@ -45,7 +46,7 @@ def _engine_api(backend: str) -> None:
 
     api = installed_trainer_api(backend)
     if api != "engine":
-        pytest.skip(f"the installed vLLM's {backend} trainer API is {api!r} (0.23-0.27 style)")
+        pytest.skip(f"the installed vLLM's static {backend} send (API {api!r}) is not exercised")
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
