@@ -266,8 +266,8 @@ def ipc_wire(
     tensors plus the views with one handle each (vLLM's unpacked mode)."""
     import torch
 
+    from asyncsync.backends._ipc_handles import encode_ipc_update
     from asyncsync.backends._shm_pack import plan_chunks
-    from asyncsync.backends._vllm_drive import encode_ipc_update
     from asyncsync.backends._wire import Manifest
 
     manifest = Manifest.from_entries([(n, d, list(s)) for n, d, s in spec])

@@ -585,7 +585,7 @@ def test_payload_bytes_follows_shapes_and_sizes() -> None:
 def test_ipc_handles_are_pickled_like_vllms_http_client() -> None:
     from vllm.distributed.weight_transfer.clients import _json_safe_update_info
 
-    from asyncsync.backends._vllm_drive import encode_ipc_update
+    from asyncsync.backends._ipc_handles import encode_ipc_update
 
     info = {
         "names": ["w"],

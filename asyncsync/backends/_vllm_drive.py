@@ -13,7 +13,8 @@ know about a fleet:
 - the round's version on finish (vLLM's engines call ``finish_weight_update()``
   without one; the :class:`SyncFleetClient` adds it);
 - cancellation at the boundaries where the transport can stop, progress per update;
-- the encoding of an update for HTTP (IPC handles pickled, as vLLM's HTTP client does);
+- the encoding of an update for HTTP (a hook: IPC handles are pickled by
+  :mod:`asyncsync.backends._ipc_handles`, the one module that pickles);
 - the first failed fan-out, signalled to :func:`run_guarded`, which stops waiting for an
   engine call stuck in a collective whose peers will never come.
 
@@ -23,10 +24,8 @@ know about a fleet:
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
-import pickle
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -45,7 +44,6 @@ __all__ = [
     "VllmEngineBackend",
     "VllmSource",
     "checked_pairs",
-    "encode_ipc_update",
     "payload_bytes",
     "run_guarded",
 ]
@@ -168,27 +166,6 @@ def payload_bytes(update_info: Any) -> int:
         itemsize = int(getattr(dtype, "itemsize", 0))
         total += math.prod(int(x) for x in shape) * itemsize
     return total
-
-
-def encode_ipc_update(update_info: Any) -> Any:
-    """An IPC update info as vLLM's HTTP route takes it: ``ipc_handles`` pickled and
-    base64-encoded into ``ipc_handles_pickled`` (the servers unpickle it only with
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Plain pickle first; cloudpickle where
-    plain pickle cannot (handles holding locally defined objects)."""
-    if isinstance(update_info, list):
-        return [encode_ipc_update(info) for info in update_info]
-    if not isinstance(update_info, Mapping) or update_info.get("ipc_handles") is None:
-        return update_info
-    handles = update_info["ipc_handles"]
-    try:
-        raw = pickle.dumps(handles)
-    except (pickle.PicklingError, AttributeError, TypeError):
-        import cloudpickle  # type: ignore[import-untyped,unused-ignore]
-
-        raw = cloudpickle.dumps(handles)
-    out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
-    out["ipc_handles_pickled"] = base64.b64encode(raw).decode("ascii")
-    return out
 
 
 def _failure(future: Future[Any]) -> BaseException | None:

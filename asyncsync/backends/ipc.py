@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi
+from asyncsync.backends._ipc_handles import encode_ipc_update
 from asyncsync.backends._vllm_drive import (
     EngineClient,
     VllmEngineBackend,
     VllmSource,
-    encode_ipc_update,
     explain_insecure_serialization,
 )
 
