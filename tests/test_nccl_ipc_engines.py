@@ -118,7 +118,9 @@ class NcclSetup:
 
 @asynccontextmanager
 async def nccl_fleet(
-    monkeypatch: pytest.MonkeyPatch, world_sizes: tuple[int, ...] = (2, 1)
+    monkeypatch: pytest.MonkeyPatch,
+    world_sizes: tuple[int, ...] = (2, 1),
+    timeouts: az.Timeouts | None = None,
 ) -> AsyncIterator[NcclSetup]:
     from asyncsync._vllm_caps import installed_trainer_api
 
@@ -148,7 +150,7 @@ async def nccl_fleet(
 
     monkeypatch.setattr(nccl_common, "stateless_init_process_group", open_group)
     try:
-        async with az.Fleet([f.url for f in fakes]) as fleet:
+        async with az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet:
             yield NcclSetup(hub, fakes, fleet, replay, installed_trainer_api("nccl"))
     finally:
         hub.release()  # a broadcast left blocked by a failed round ends now
@@ -298,6 +300,30 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
             assert held(setup.fleet, fake) == "v3"
             for loaded in nccl_workers_load(setup, fake):
                 assert_loaded(loaded, model)
+
+
+@pytest.mark.asyncio
+async def test_nccl_frozen_server_fails_the_round_at_the_update_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that never answers ``/update_weights`` never joins the broadcast either:
+    the round fails with its ServerTimeout at the fleet's update deadline (3 s here;
+    control's is 60 s, so the phase is the update's), and the trainer is not left in the
+    broadcast."""
+    timeouts = az.Timeouts(connect=5, control=60, update=3, generate=60)
+    async with nccl_fleet(monkeypatch, timeouts=timeouts) as setup:
+        a, b = setup.fakes
+        b.inject("/update_weights", Fault.hang(), times=None)
+        async with az.AsyncWeightPublisher(setup.fleet, backend="nccl") as publisher:
+            with pytest.raises(az.PublishError) as caught:
+                await publisher.publish(weights(seed=1), version="v1")
+        outcome = caught.value.outcomes[b.url]
+        assert outcome.phase == "update"
+        assert isinstance(outcome.error, az.ServerTimeout)
+        assert caught.value.outcomes[a.url].ok  # it took the update; the round ended it
+        assert setup.hub.sent == []  # the broadcast never completed
+        assert not a.update_active
+        assert publisher.version is None
 
 
 @pytest.mark.asyncio
