@@ -41,12 +41,14 @@ def tests(session: nox.Session) -> None:
 
 
 #: Test files run by ``tests027``: publishing, versions, prefix-cache hygiene, failed
-#: rounds, token-in-token-out on both routes, the plugin and the server's flags.
+#: rounds, token-in-token-out on both routes, the plugin and the server's flags, vLLM's
+#: own NCCL and IPC engines (no server: 0.27.1's real classes on CPU).
 TESTS027 = (
     "tests/test_publish_vllm.py",
     "tests/test_generation_vllm.py",
     "tests/test_testbed.py",
     "tests/test_vllm_caps.py",
+    "tests/test_nccl_ipc_engines.py",  # 0.27.1's NCCL static send, its IPC trainer engine
 )
 
 #: The older vLLM generation tested against real servers (docs/versions.md), and the

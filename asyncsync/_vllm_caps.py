@@ -8,6 +8,10 @@ version number: the one place that knows how vLLM generations differ (docs/versi
   server accepts, read from vLLM's own parser builder in a subprocess, once per
   interpreter and vLLM install (cached on disk); :func:`server_flags` turns them into the
   flags :class:`~asyncsync.testing.LocalVLLMServer` passes.
+- :func:`installed_trainer_api`: which trainer-side API vLLM's own NCCL and IPC
+  engines offer (registered in ``WeightTransferTrainerFactory``: IPC from 0.27, NCCL
+  from 0.28; before that the static ``trainer_send_weights``); the ``"nccl"`` and
+  ``"ipc"`` backends drive it.
 - :class:`ServerFeatures`: what a running server serves (its routes from
   ``/openapi.json``, the fields of a ``/inference/v1/generate`` answer), for code and
   tests that must not rely on what one generation lacks.
@@ -39,8 +43,10 @@ __all__ = [
     "ProbeError",
     "ServerFeatures",
     "ServerOptions",
+    "VLLMTrainerApi",
     "engine_contract",
     "installed_engine_contract",
+    "installed_trainer_api",
     "probe_server_options",
     "server_flags",
 ]
@@ -105,6 +111,79 @@ def installed_engine_contract() -> EngineContract:
             version, "it has no pluggable weight transfer (vllm.distributed.weight_transfer)"
         ) from exc
     return engine_contract(WeightTransferEngine, version)
+
+
+# ------------------------------------------------------------------- trainer API
+#: How vLLM's own trainer side of a built-in transport (``"nccl"``, ``"ipc"``) is driven:
+#: ``"engine"``: ``WeightTransferTrainerFactory.trainer_init(<Backend>TrainerInitInfo(...),
+#: client=..., source=...)`` then ``send_weights()``, the engine calling a synchronous
+#: ``VLLMWeightSyncClient`` (IPC from vLLM 0.27, NCCL from 0.28); ``"callback"``: the
+#: static ``<Backend>WeightTransferEngine.trainer_send_weights(iterator,
+#: <Backend>TrainerSendWeightsArgs(...))``, the caller driving start and finish (vLLM
+#: 0.23 up to the release that moved the backend into the factory).
+VLLMTrainerApi = Literal["engine", "callback"]
+
+#: The module of each built-in transport's engines in ``vllm.distributed.weight_transfer``.
+_ENGINE_MODULES: Mapping[str, tuple[str, str]] = {
+    "nccl": ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"),
+    "ipc": ("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferEngine"),
+}
+
+
+def trainer_api(in_factory: bool, engine: type | None, version: str) -> VLLMTrainerApi:
+    """The trainer API of a vLLM whose ``WeightTransferTrainerFactory`` registers the
+    transport (``in_factory``) and whose worker engine class for it is ``engine``
+    (None when it has none). vLLM moved the backends into the factory one at a time
+    (0.27.1 has IPC there, NCCL still static) and left a static stub that raises behind,
+    so the factory wins.
+
+    Raises:
+        UnsupportedVLLM: neither API is there.
+    """
+    if in_factory:
+        return "engine"
+    if engine is not None and callable(getattr(engine, "trainer_send_weights", None)):
+        return "callback"
+    raise UnsupportedVLLM(
+        version,
+        "its trainer factory does not register this transport and its engine has no "
+        "static trainer_send_weights (vLLM 0.23 and later have one or the other)",
+    )
+
+
+def installed_trainer_api(backend: str) -> VLLMTrainerApi:
+    """:func:`trainer_api` of the vLLM installed in this interpreter, for vLLM's built-in
+    ``backend`` (``"nccl"`` or ``"ipc"``).
+
+    Raises:
+        UnsupportedVLLM: vLLM is missing, older than 0.23 (no weight transfer), or has
+            neither trainer API.
+    """
+    import importlib
+
+    module_name, engine_name = _ENGINE_MODULES[backend]
+    try:
+        import vllm
+    except ImportError as exc:
+        raise UnsupportedVLLM(
+            "(not installed)",
+            f"backend {backend!r} drives vLLM's own trainer engine, and this interpreter "
+            "has no vllm package",
+        ) from exc
+    version = str(getattr(vllm, "__version__", "unknown"))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UnsupportedVLLM(
+            version, f"it has no {module_name} (pluggable weight transfer came in vLLM 0.23)"
+        ) from exc
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        in_factory = False
+    else:
+        in_factory = backend in getattr(WeightTransferTrainerFactory, "_registry", {})
+    return trainer_api(in_factory, getattr(module, engine_name, None), version)
 
 
 # ------------------------------------------------------------------- server options

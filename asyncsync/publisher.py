@@ -63,7 +63,9 @@ class AsyncWeightPublisher:
     Args:
         fleet: the servers (rank 0 only; other ranks may pass ``None``).
         backend: a registered trainer-side backend (:mod:`asyncsync.backends`):
-            ``"shm"`` (CPU shared memory, this package's vLLM plugin).
+            ``"shm"`` (CPU shared memory, this package's vLLM plugin), ``"gloo"`` (CPU,
+            across hosts, this package's plugin), ``"nccl"`` and ``"ipc"`` (vLLM's own
+            GPU engines; ``"ipc"`` needs ``allow_insecure_serialization=True``).
         executor: the bounded executor for the blocking send (default: one private
             worker thread).
         rank: this trainer process's rank; only rank 0 talks HTTP, every rank
@@ -71,7 +73,8 @@ class AsyncWeightPublisher:
         world_size: the number of trainer processes that call ``publish`` together.
         api: which trainer-engine style drives the round: ``"engine"`` (vLLM 0.3x
             ``send_weights`` with a synchronous client) or ``"callback"`` (vLLM 0.23
-            ``trainer_send_weights`` with a rank-0 ``send_mode`` callback).
+            ``trainer_send_weights`` with a rank-0 ``send_mode`` callback). For
+            ``"nccl"`` and ``"ipc"`` the installed vLLM decides (``publisher.api``).
         if_busy: a second ``publish`` while one runs ``"wait"``s or ``"raise"``s.
         backend_options: the backend's own options, checked by the backend. ``shm``:
             ``buffer_bytes``, the size of each of its two shared-memory buffers; it

@@ -13,8 +13,10 @@ from asyncsync.backends import register_backend, registered_backends
 
 
 def test_constructor_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="backend 'nccl' is not available"):
-        az.AsyncWeightPublisher(None, backend="nccl", rank=1, world_size=2)
+    with pytest.raises(ValueError, match="backend 'rdma' is not available"):
+        az.AsyncWeightPublisher(None, backend="rdma", rank=1, world_size=2)
+    with pytest.raises(TypeError, match="backend 'nccl' got unknown option"):
+        az.AsyncWeightPublisher(None, backend="nccl", rank=1, world_size=2, buffer_bytes=1)
     with pytest.raises(ValueError, match="rank must be in"):
         az.AsyncWeightPublisher(None, rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank 0 needs a fleet"):

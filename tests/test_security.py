@@ -54,12 +54,17 @@ async def test_shm_round_payloads_are_plain_json() -> None:
         assert b"\x80\x04\x95" not in request.body  # a pickle protocol 4+ header
 
 
+#: The one module that pickles: CUDA IPC handles for vLLM's ipc engine, behind the
+#: ``allow_insecure_serialization=True`` opt-in (it never unpickles).
+IPC_HANDLES = PACKAGE / "backends" / "_ipc_handles.py"
+
+
 def test_no_pickle_on_asyncsyncs_own_paths() -> None:
     """The trainer side, the wire and the vLLM plugin never import pickle (or torch's
     pickle-based loaders): a source guard, since a payload could only be unpickled by
-    code that imports it."""
+    code that imports it. The IPC handle encoder is the one exception, checked below."""
     guarded = [
-        *sorted((PACKAGE / "backends").glob("*.py")),
+        *sorted(p for p in (PACKAGE / "backends").glob("*.py") if p != IPC_HANDLES),
         *sorted((PACKAGE / "vllm_plugin").glob("*.py")),
         PACKAGE / "_bridge.py",
         PACKAGE / "_round.py",
@@ -73,6 +78,23 @@ def test_no_pickle_on_asyncsyncs_own_paths() -> None:
         if pattern.search(line)
     ]
     assert offenders == []
+
+
+def test_only_the_ipc_backend_pickles_and_nothing_unpickles() -> None:
+    """vLLM's ipc engine takes its handles only pickled: the encoder pickles (dumps),
+    never loads, and only the ipc backend imports it (after its opt-in)."""
+    source = IPC_HANDLES.read_text()
+    assert "pickle.dumps" in source
+    assert not re.search(r"\b(loads?|torch\.load|marshal|Unpickler)\b", source)
+    importers = sorted(
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("*.py")
+        if path != IPC_HANDLES
+        and re.search(r"^\s*(from|import) \S*_ipc_handles\b", path.read_text(), re.MULTILINE)
+    )
+    assert importers == ["backends/ipc.py"]
+    with pytest.raises(ValueError, match="allow_insecure_serialization=True"):
+        az.AsyncWeightPublisher(None, backend="ipc", rank=1, world_size=2)
 
 
 def _texts_of(error: BaseException) -> list[str]:

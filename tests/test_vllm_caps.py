@@ -226,3 +226,31 @@ def test_probed_options_are_the_installed_servers() -> None:
     flags = server_flags(options, tokenizer=False, backend="asyncsync_shm")
     assert {f for f in flags if f.startswith("--")} <= options.options
     assert {"--model", "--port", "--max-model-len", "--dtype"} <= options.options
+
+
+class _StaticEngine:
+    @staticmethod
+    def trainer_send_weights(iterator: Any, args: Any) -> None: ...
+
+
+def test_trainer_api_is_read_from_what_vllm_has() -> None:
+    # Registered in the trainer factory (IPC from 0.27, NCCL from 0.28): the factory wins
+    # over the static stub vLLM leaves behind.
+    assert caps.trainer_api(True, _StaticEngine, "0.27.1") == "engine"
+    assert caps.trainer_api(True, object, "0.32.0") == "engine"
+    # Not registered there (NCCL on 0.23-0.27): the engine's static trainer_send_weights.
+    assert caps.trainer_api(False, _StaticEngine, "0.27.1") == "callback"
+    with pytest.raises(UnsupportedVLLM, match=r"vLLM 0\.22\.0 .*trainer_send_weights"):
+        caps.trainer_api(False, object, "0.22.0")
+
+
+@pytest.mark.server_deps
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_installed_trainer_api_matches_the_installed_vllm(backend: str) -> None:
+    import vllm
+    from vllm.distributed.weight_transfer import factory
+
+    api = caps.installed_trainer_api(backend)
+    trainers = getattr(factory, "WeightTransferTrainerFactory", None)
+    registered = trainers is not None and backend in trainers._registry
+    assert api == ("engine" if registered else "callback"), vllm.__version__

@@ -39,6 +39,8 @@ __all__ = [
 _REGISTRY: dict[str, type[TrainerBackend] | str] = {
     "shm": "asyncsync.backends.shm:ShmBackend",
     "gloo": "asyncsync.backends.gloo:GlooBackend",
+    "nccl": "asyncsync.backends.nccl:NcclBackend",
+    "ipc": "asyncsync.backends.ipc:IpcBackend",
 }
 
 

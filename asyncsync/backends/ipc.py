@@ -1,0 +1,225 @@
+"""The ``"ipc"`` backend: vLLM's own CUDA IPC weight transfer, driven by asyncsync.
+
+Trainer and servers share the GPUs: the trainer hands the servers CUDA IPC handles to
+its tensors (or to a packed staging buffer) and each server's workers open them and load
+the weights, with no copy over a network. The servers run vLLM's built-in engine
+(``--weight-transfer-config '{"backend": "ipc"}'``); the trainer side is vLLM's too, in
+whichever API the installed vLLM offers (:func:`asyncsync._vllm_caps.installed_trainer_api`):
+``WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(...), client=...,
+source=...)`` then ``send_weights()`` (vLLM 0.28 and later), or the static
+``IPCWeightTransferEngine.trainer_send_weights(iterator, IPCTrainerSendWeightsArgs(
+send_mode=<callback>, ...))`` whose rank-0 callback asyncsync bridges to the loop (vLLM
+0.23-0.27).
+
+Over HTTP the handles can only travel pickled (``ipc_handles_pickled``), and vLLM's
+servers unpickle them only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: whoever can
+reach a server's ``/update_weights`` can then run code in it. The backend therefore
+needs ``allow_insecure_serialization=True``, and a server without the variable fails the
+round with an error that says what to set. Multi-rank trainers: every rank runs vLLM's
+engine (its handle all-gather is a collective); only rank 0 calls the servers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from asyncsync.backends._base import SendControl, SendStats, TrainerApi
+from asyncsync.backends._ipc_handles import encode_ipc_update
+from asyncsync.backends._vllm_drive import (
+    EngineClient,
+    VllmEngineBackend,
+    VllmSource,
+    explain_insecure_serialization,
+)
+
+if TYPE_CHECKING:
+    from asyncsync._bridge import SyncFleetClient
+    from asyncsync._weights import WeightSource
+
+__all__ = ["INSECURE_SERIALIZATION_OPT_IN", "IpcBackend"]
+
+#: Why ``allow_insecure_serialization=True`` is needed (the error when it is missing).
+INSECURE_SERIALIZATION_OPT_IN = (
+    "backend 'ipc' sends CUDA IPC handles to the servers pickled over HTTP, the only way "
+    "vLLM's IPC engine takes them there; the servers must run with "
+    "VLLM_ALLOW_INSECURE_SERIALIZATION=1, which lets anyone who can reach their RL routes "
+    "run code in them. Keep those routes on a trusted host or network and pass "
+    "allow_insecure_serialization=True to accept this (docs/transports/ipc.md)"
+)
+
+#: vLLM's default staging buffer for the packed mode (1 GiB).
+DEFAULT_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024
+
+
+class IpcBackend(VllmEngineBackend):
+    """``"ipc"``: vLLM's CUDA IPC engine (servers run ``{"backend": "ipc"}`` with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+
+    Options: ``allow_insecure_serialization`` (required, see the module docstring),
+    ``packed`` (vLLM's packed mode: tensors copied into one reused staging buffer of
+    ``packed_buffer_size_bytes``, one update per chunk; default off, as in vLLM: one
+    update carrying a handle per tensor, no copy). The installed vLLM decides which of
+    its trainer APIs runs (``publisher.api`` says which); ``api`` is not consulted.
+    """
+
+    name = "ipc"
+    server_backend = "ipc"
+
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        api: TrainerApi = "engine",
+        allow_insecure_serialization: bool = False,
+        packed: bool = False,
+        packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES,
+    ) -> None:
+        if allow_insecure_serialization is not True:
+            raise ValueError(INSECURE_SERIALIZATION_OPT_IN)
+        if packed_buffer_size_bytes < 1:
+            raise ValueError(
+                f"packed_buffer_size_bytes must be >= 1, got {packed_buffer_size_bytes}"
+            )
+        super().__init__(rank=rank, world_size=world_size, api=api)
+        self.packed = packed
+        self.packed_buffer_size_bytes = packed_buffer_size_bytes
+        self._engine: Any = None
+        #: the servers the engine was initialized for
+        self._members: list[str] | None = None
+
+    def init_info(self) -> Mapping[str, Any]:
+        # vLLM 0.28+ sends the packed flag itself (trainer_init); 0.23-0.27 take none.
+        return {}
+
+    # ------------------------------------------------------------------ init
+    def init(self, client: SyncFleetClient) -> None:
+        self._connect(client, list(client.world_sizes()))
+
+    def _connect(self, client: SyncFleetClient, members: list[str]) -> None:
+        drive = EngineClient(client)
+        if self.api == "engine":
+            self._engine = self._trainer_init(drive)
+        else:
+            drive.init_weight_transfer_engine(dict(self.init_info()))
+        self._members = members
+
+    def _trainer_init(self, client: EngineClient) -> Any:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        info = IPCTrainerInitInfo(
+            packed=self.packed,
+            packed_buffer_size_bytes=self.packed_buffer_size_bytes,
+            rank=self.rank,
+        )
+        try:
+            return WeightTransferTrainerFactory.trainer_init(
+                info, client=client, source=VllmSource(None)
+            )
+        except (RuntimeError, AssertionError) as exc:
+            better = self.needs_cuda(exc)
+            if better is exc:
+                raise
+            raise better from exc
+
+    # ------------------------------------------------------------------ a round
+    def send(
+        self, source: WeightSource, client: SyncFleetClient | None, control: SendControl
+    ) -> SendStats:
+        weights = VllmSource(source)
+        if client is None:
+            return self._send_non_sender(weights)
+        members = list(client.world_sizes())
+        if self._members != members or (self.api == "engine" and self._engine is None):
+            self._connect(client, members)
+        drive = EngineClient(
+            client,
+            control=control,
+            encode=encode_ipc_update,
+            cancel_updates=True,
+            explain=explain_insecure_serialization,
+        )
+        if self.api == "engine":
+            self._engine.client, self._engine.source = drive, weights
+            self._engine.send_weights()
+        else:
+            self._send_static(weights, drive)
+        return SendStats(chunks=drive.updates, bytes=drive.bytes, params=self._params(source))
+
+    def _send_static(self, weights: VllmSource, client: EngineClient) -> None:
+        """vLLM 0.23-0.27: start; vLLM's static send calls the rank-0 callback once per
+        payload (it must return only when every server loaded it: the buffer is reused
+        next); finish with the version."""
+        from vllm.distributed.weight_transfer.ipc_engine import (
+            IPCTrainerSendWeightsArgs,
+            IPCWeightTransferEngine,
+        )
+
+        fields = {f.name for f in dataclasses.fields(IPCTrainerSendWeightsArgs)}
+        if "send_mode" not in fields:
+            import vllm
+
+            from asyncsync._errors import UnsupportedVLLM
+
+            raise UnsupportedVLLM(
+                str(getattr(vllm, "__version__", "unknown")),
+                "its IPCTrainerSendWeightsArgs takes no send_mode callback (only its own "
+                "'http'/'ray' modes)",
+            )
+
+        def send_mode(update_info: Any) -> None:
+            info = (
+                dataclasses.asdict(update_info)
+                if dataclasses.is_dataclass(update_info) and not isinstance(update_info, type)
+                else dict(update_info)
+            )
+            client.update_weights(info)
+
+        options: dict[str, Any] = {"send_mode": send_mode}
+        if "packed" in fields:
+            options["packed"] = self.packed
+        if "packed_buffer_size_bytes" in fields:
+            options["packed_buffer_size_bytes"] = self.packed_buffer_size_bytes
+        args = IPCTrainerSendWeightsArgs(**options)
+        client.start_weight_update()
+        IPCWeightTransferEngine.trainer_send_weights(iter(weights), args)
+        client.finish_weight_update()
+
+    def _send_non_sender(self, weights: VllmSource) -> SendStats:
+        """Rank > 0: vLLM's engine iterates the weights and joins the handle
+        all-gather; it calls no server."""
+        if self.api == "engine":
+            if self._engine is None:
+                self._engine = self._trainer_init(EngineClient(None))
+            self._engine.source = weights
+            self._engine.send_weights()
+        else:
+            from vllm.distributed.weight_transfer.ipc_engine import (
+                IPCTrainerSendWeightsArgs,
+                IPCWeightTransferEngine,
+            )
+
+            def refuse(_: Any) -> None:
+                raise RuntimeError("a trainer rank other than 0 tried to send")
+
+            fields = {f.name for f in dataclasses.fields(IPCTrainerSendWeightsArgs)}
+            options: dict[str, Any] = {"send_mode": refuse}
+            if "packed" in fields:
+                options["packed"] = self.packed
+            IPCWeightTransferEngine.trainer_send_weights(
+                iter(weights), IPCTrainerSendWeightsArgs(**options)
+            )
+        return SendStats()
+
+    @staticmethod
+    def _params(source: WeightSource) -> int:
+        meta = source.metadata()
+        return len(meta) if meta is not None else 0
+
+    def close(self) -> None:
+        engine, self._engine, self._members = self._engine, None, None
+        if engine is not None:
+            engine.shutdown()
