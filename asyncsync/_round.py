@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
 from asyncsync._errors import AsyncSyncError, FleetError, PublishError
@@ -29,6 +29,8 @@ from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+T = TypeVar("T")
 
 __all__ = [
     "InitCalls",
@@ -38,6 +40,7 @@ __all__ = [
     "SendJob",
     "ServerOutcome",
     "is_stale_round_error",
+    "run_to_the_end",
 ]
 
 PauseMode = Literal["keep", "wait", "abort"]
@@ -203,6 +206,11 @@ class PublishRound(InitCalls):
         self.paused: list[str] = []
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
+        #: servers that finished this round, and those whose prefix cache was reset
+        #: after it (a finished server whose reset is unconfirmed may reuse KV blocks of
+        #: the old weights: the rollback resets it again, or leaves it dirty)
+        self.finished: set[str] = set()
+        self.cache_reset: set[str] = set()
 
     # ------------------------------------------------------------------ the round
     async def run(self, job: SendJob, executor: Executor) -> PublishReport:
@@ -218,15 +226,15 @@ class PublishRound(InitCalls):
                 await self.reset_prefix_cache()
         except BaseException as exc:
             logger.warning("publishing %r failed (%s): rolling back", self.version, _name(exc))
-            await asyncio.shield(self.rollback())
+            await run_to_the_end(self.rollback())
             if self._passes_through(exc):
                 raise
             raise self.error(exc) from exc
         self.commit()
         logger.info("published %r to %s", self.version, ", ".join(self.targets))
         if self.paused:
-            try:
-                await self.resume()
+            try:  # a cancel meanwhile is re-raised once every server answered
+                await run_to_the_end(self.resume())
             except AsyncSyncError as exc:  # reported, but the version stays published
                 raise self.error(exc) from exc
         return self.report(stats, time.perf_counter() - began)
@@ -257,8 +265,8 @@ class PublishRound(InitCalls):
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             cancel.set()  # the thread stops at its next chunk boundary
-            with contextlib.suppress(BaseException):
-                await future
+            with contextlib.suppress(Exception):  # its RoundCancelled, or its error
+                await run_to_the_end(future)
             raise
 
     async def start(self) -> None:
@@ -298,14 +306,21 @@ class PublishRound(InitCalls):
             )
         except FleetError as exc:
             self.open.difference_update(exc.succeeded)  # those hold the new version
+            self.finished.update(exc.succeeded)
             raise
         self.open.difference_update(self.targets)
+        self.finished.update(self.targets)
 
     async def reset_prefix_cache(self) -> None:
-        await self._phase(
-            Phase.RESET_PREFIX_CACHE,
-            lambda: self.fleet.reset_prefix_cache(targets=self.targets, require="all"),
-        )
+        try:
+            await self._phase(
+                Phase.RESET_PREFIX_CACHE,
+                lambda: self.fleet.reset_prefix_cache(targets=self.targets, require="all"),
+            )
+        except FleetError as exc:
+            self.cache_reset.update(exc.succeeded)
+            raise
+        self.cache_reset.update(self.targets)
 
     async def resume(self) -> None:
         await self._phase(
@@ -338,17 +353,21 @@ class PublishRound(InitCalls):
 
     # ------------------------------------------------------------------ ends
     async def rollback(self) -> None:
-        """Leave no server with an active update, mark every server the round reached
-        dirty (a frozen server whose start got no answer included: it may run the start
-        when it thaws), and resume the paused ones."""
+        """Leave no server with an active update, reset the prefix cache of servers that
+        finished (their KV blocks were computed with the old weights), mark every server
+        the round reached dirty (a frozen server whose start got no answer included: it
+        may run the start when it thaws; a finished one whose cache reset failed too),
+        and resume the paused ones."""
         if self.open:
             await self._end_updates(sorted(self.open))
+        await self._reset_finished_caches()
         reached = [  # or a weight-sync call got no answer there (_state.observe)
             url
             for url, outcome in self.outcomes.items()
             if url in self.open
             or outcome.phase in (Phase.UPDATE, Phase.FINISH)
             or self.fleet.state(url).dirty
+            or self._stale_cache(url)
         ]
         for url in reached:
             self.outcomes[url].dirty = True
@@ -360,6 +379,18 @@ class PublishRound(InitCalls):
                 await self.fleet.resume(targets=self.paused, require="all")
             except FleetError as exc:
                 self._record(Phase.RESUME, exc)
+
+    def _stale_cache(self, url: str) -> bool:
+        """``url`` finished this round, but its prefix-cache reset is unconfirmed."""
+        return self.reset_cache and url in self.finished and url not in self.cache_reset
+
+    async def _reset_finished_caches(self) -> None:
+        """The round failed or was cancelled after some servers finished and before
+        their cache reset was confirmed: reset them now (a failure leaves them dirty)."""
+        stale = [url for url in self.targets if self._stale_cache(url)]
+        if stale:
+            result = await self.fleet.reset_prefix_cache(targets=stale, require="none")
+            self.cache_reset.update(result.succeeded)
 
     async def _end_updates(self, urls: list[str]) -> None:
         """End the active update on ``urls`` with the backend's abort update. A rejection
@@ -401,6 +432,26 @@ class PublishRound(InitCalls):
             outcomes=self.outcomes,
             needs_resync=dirty,
         )
+
+
+async def run_to_the_end(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even when the calling task is cancelled meanwhile
+    (once or many times), then re-raise the cancellation. For what must not be left
+    half done: a worker thread's send, a rollback, a resume. Each of them is bounded by
+    the fleet's deadlines, so a cancelled caller still returns in bounded time."""
+    future = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():  # the awaitable itself was cancelled
+                raise
+            cancelled = True  # the caller was: go on waiting
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
 
 
 def _name(exc: BaseException) -> str:

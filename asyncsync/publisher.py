@@ -33,6 +33,7 @@ from asyncsync._round import (
     PublishReport,
     PublishRound,
     ServerOutcome,
+    run_to_the_end,
 )
 from asyncsync._weights import (
     FiniteChecked,
@@ -175,8 +176,12 @@ class AsyncWeightPublisher:
             assert self.fleet is not None
             calls = InitCalls(self.fleet, self._targets(targets))
             client = SyncFleetClient.on_running_loop(calls, cancel=threading.Event())
-            await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._backend.init, client
+            # A cancel meanwhile is re-raised once the thread's init has returned: no
+            # thread is left talking to the servers.
+            await run_to_the_end(
+                asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._backend.init, client
+                )
             )
         self._initialized = True
 

@@ -53,6 +53,7 @@ class FakeState:
         port: int = 0,
         reject_update_keys: Sequence[str] | None = None,
         update_hook: Callable[[Any], None] | None = None,
+        on_request: Callable[[RecordedRequest], None] | None = None,
         scale_out: bool = True,
         tokenizer: bool = True,
         return_token_ids: bool = True,
@@ -77,6 +78,7 @@ class FakeState:
             reject_update_keys = ("packed",) if self.protocol == "0.32" else ()
         self.reject_update_keys = frozenset(reject_update_keys)
         self.update_hook = update_hook
+        self.on_request = on_request
         # Generation.
         self.tokens_only = tokens_only
         self.scale_out = scale_out
@@ -145,8 +147,11 @@ class FakeState:
         return self._recorded.maxlen
 
     def _record(self, request: RecordedRequest) -> None:
-        """Keeps ``request``, dropping the oldest beyond ``max_recorded``."""
+        """Keeps ``request``, dropping the oldest beyond ``max_recorded``, and tells
+        ``on_request``."""
         self._recorded.append(request)
+        if self.on_request is not None:
+            self.on_request(request)
 
     @property
     def requests(self) -> list[RecordedRequest]:
