@@ -1,7 +1,8 @@
 """One weight-sync round across a fleet, as named phases run by a round object.
 
 The phases, in order: ``pause``? -> ``start`` -> ``update`` (once per payload) ->
-``finish`` -> ``reset_prefix_cache``? -> ``resume``? (resume also after a failure).
+``finish`` -> ``reset_prefix_cache``? -> ``verify``? -> ``resume``? (resume also after a
+failure; before ``verify`` when a probe must generate).
 Start, update and finish are driven by the backend's blocking send in a worker thread
 (vLLM's trainer engines do so), through a :class:`~asyncsync._bridge.SyncFleetClient`
 whose calls land on this round's phase methods; the round runs the other phases around
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
 from asyncsync._errors import AsyncSyncError, FleetError, PublishError
+from asyncsync._types import Outcome
+from asyncsync._verify import TrainerDigests, Verification, Verify, verify_servers
 from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
@@ -56,6 +59,7 @@ _SECONDS_ORDER = (
     "transfer",
     "finish",
     "reset_prefix_cache",
+    "verify",
     "resume",
 )
 
@@ -71,6 +75,7 @@ class Phase(StrEnum):
     UPDATE = "update"
     FINISH = "finish"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
+    VERIFY = "verify"
     RESUME = "resume"
 
     @property
@@ -118,6 +123,8 @@ class PublishReport:
     params: int
     seconds: dict[str, float]
     outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
+    #: what ``verify=`` found on each server (empty when the round did not verify)
+    verified: dict[str, Verification] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -191,6 +198,8 @@ class PublishRound(InitCalls):
         abort_info: Mapping[str, Any],
         published_version: str | None,
         seconds: dict[str, float] | None = None,
+        verify: Verify | None = None,
+        digests: TrainerDigests | None = None,
     ) -> None:
         super().__init__(fleet, targets)
         self.version = version
@@ -211,6 +220,10 @@ class PublishRound(InitCalls):
         #: the old weights: the rollback resets it again, or leaves it dirty)
         self.finished: set[str] = set()
         self.cache_reset: set[str] = set()
+        #: what to check after the finish, the trainer's digests, what was found
+        self.verify = verify
+        self.digests = digests
+        self.verified: dict[str, Verification] = {}
 
     # ------------------------------------------------------------------ the round
     async def run(self, job: SendJob, executor: Executor) -> PublishReport:
@@ -224,6 +237,8 @@ class PublishRound(InitCalls):
             stats = await self.send(job, executor)
             if self.reset_cache:
                 await self.reset_prefix_cache()
+            if self.verify is not None:
+                await self.verify_weights(executor)
         except BaseException as exc:
             logger.warning("publishing %r failed (%s): rolling back", self.version, _name(exc))
             await run_to_the_end(self.rollback())
@@ -322,6 +337,38 @@ class PublishRound(InitCalls):
             raise
         self.cache_reset.update(self.targets)
 
+    async def verify_weights(self, executor: Executor) -> None:
+        """Check every target against the trainer; a server that does not match (or
+        cannot be checked) fails the round there. A probe generates, so paused servers
+        are resumed first."""
+        assert self.verify is not None
+        verify = self.verify
+        if verify.probe is not None and self.paused:
+            await self.resume()
+            self.paused = []  # resumed: neither the commit nor a rollback resumes again
+        await self._phase(Phase.VERIFY, lambda: self._verify_everywhere(verify, executor))
+
+    async def _verify_everywhere(self, verify: Verify, executor: Executor) -> None:
+        expected = self.digests.expected() if self.digests is not None else {}
+        results = await verify_servers(self.fleet, self.targets, verify, expected, executor)
+        self.verified = {url: r for url, r in results.items() if isinstance(r, Verification)}
+        errors: dict[str, Exception] = {}
+        for url, found in results.items():
+            if isinstance(found, Exception):
+                errors[url] = found
+            elif not found.ok:
+                errors[url] = found.error()
+        if errors:
+            outcomes: dict[str, Outcome[None]] = {
+                url: Outcome(url, error=errors.get(url)) for url in self.targets
+            }
+            raise FleetError(
+                f"verify failed on {len(errors)} of {len(self.targets)} server(s)",
+                list(errors.values()),
+                operation="verify",
+                outcomes=outcomes,
+            )
+
     async def resume(self) -> None:
         await self._phase(
             Phase.RESUME, lambda: self.fleet.resume(targets=self.paused, require="all")
@@ -365,7 +412,7 @@ class PublishRound(InitCalls):
             url
             for url, outcome in self.outcomes.items()
             if url in self.open
-            or outcome.phase in (Phase.UPDATE, Phase.FINISH)
+            or outcome.phase in (Phase.UPDATE, Phase.FINISH, Phase.VERIFY)
             or self.fleet.state(url).dirty
             or self._stale_cache(url)
         ]
@@ -419,6 +466,7 @@ class PublishRound(InitCalls):
             params=stats.params,
             seconds=seconds,
             outcomes=self.outcomes,
+            verified=self.verified,
         )
 
     def error(self, exc: BaseException) -> PublishError:

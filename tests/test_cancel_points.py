@@ -26,8 +26,7 @@ import asyncio
 import os
 import random
 import threading
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,10 +38,8 @@ from asyncsync._types import PauseMode
 from asyncsync._weights import resolve
 from asyncsync.backends._segments import leaked_segments, open_segments
 from asyncsync.backends._shm_pack import manifest_of, plan_chunks
-from asyncsync.backends._wire import ShmUpdateFields
 from asyncsync.testing import FakeVLLMServer, RecordedRequest
-from asyncsync.vllm_plugin.shm_engine import ShmReceiver
-from tests.publish_fakes import ROUND_ROUTES
+from tests.publish_fakes import ROUND_ROUTES, Server, receiving_fakes
 from tests.test_shm_lifecycle import mapped_anywhere
 
 BUFFER = 8192
@@ -59,53 +56,6 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 VERSIONS = {"v0": weights(0), "v1": weights(1), "v2": weights(2)}
 #: Chunks of one round (two layers do not fit one buffer).
 CHUNKS = len(plan_chunks(manifest_of(resolve(VERSIONS["v0"])), BUFFER))  # type: ignore[arg-type]
-
-
-class Worker:
-    """A fake server's engine: asyncsync's real receiver loading into a dict.
-
-    The fake has no start hook: chunk 0 opens the round, as the real engine's
-    ``start_weight_update`` would (``ShmReceiver.begin_round``). Aborts are refused,
-    as the real engine does (vLLM then clears its active update).
-    """
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, torch.Tensor] = {}
-        self.receiver = ShmReceiver(torch.nn.Module(), None)
-
-    def load(self, views: list[tuple[str, torch.Tensor]]) -> None:
-        for name, view in views:
-            self.loaded[name] = view.clone()
-
-    def __call__(self, info: Any) -> None:
-        local = ShmUpdateFields.parse(info[0] if isinstance(info, list) else info)
-        if local.chunk == 0 and not local.abort:
-            self.receiver.begin_round()
-        self.receiver.receive(local, self.load, None)
-
-    def holds(self, version: str) -> bool:
-        want = VERSIONS[version]
-        return set(self.loaded) == set(want) and all(
-            torch.equal(self.loaded[n], t) for n, t in want.items()
-        )
-
-
-@dataclass
-class Server:
-    fake: FakeVLLMServer
-    worker: Worker
-
-
-@asynccontextmanager
-async def servers(count: int = 2) -> AsyncIterator[list[Server]]:
-    async with AsyncExitStack() as stack:
-        out = []
-        for _ in range(count):
-            worker = Worker()
-            stack.callback(worker.receiver.close)
-            fake = await stack.enter_async_context(FakeVLLMServer(update_hook=worker))
-            out.append(Server(fake, worker))
-        yield out
 
 
 class SendWatch:
@@ -224,7 +174,7 @@ def check_servers_told_the_truth(point: CancelPoint, fleet: az.Fleet, server: Se
     if state.dirty or state.weight_version is None:
         return
     assert state.weight_version == fake.weight_version, (point, state)
-    assert server.worker.holds(state.weight_version), (point, state)
+    assert server.worker.holds(VERSIONS[state.weight_version]), (point, state)
     paths = [r.path for r in fake.requests]
     finishes = [i for i, p in enumerate(paths) if p == "/finish_weight_update"]
     if finishes:
@@ -247,7 +197,7 @@ def check_nothing_left(point: CancelPoint, fleet: az.Fleet, watch: SendWatch) ->
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_publish_cancelled_at_a_seeded_point(seed: int) -> None:
     point = CancelPoint.draw(seed)
-    async with servers() as (a, b), az.Fleet([a.fake.url, b.fake.url]) as fleet:
+    async with receiving_fakes() as (a, b), az.Fleet([a.fake.url, b.fake.url]) as fleet:
         publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER, api=point.api)
         watch = SendWatch(publisher)
         if point.warm:
@@ -274,7 +224,7 @@ async def test_publish_cancelled_at_a_seeded_point(seed: int) -> None:
         report = await publisher.publish(VERSIONS["v2"], version="v2", pause=point.pause)
         assert report.version == publisher.version == "v2"
         for server in (a, b):
-            assert server.worker.holds("v2"), (point, server.fake.url)
+            assert server.worker.holds(VERSIONS["v2"]), (point, server.fake.url)
             server.worker.receiver.end_round()  # the round is complete there
             assert server.fake.weight_version == "v2"
             assert not server.fake.update_active

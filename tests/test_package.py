@@ -42,7 +42,10 @@ EXPECTED_PUBLIC = {
     "TokenDelta",
     "Trajectory",
     "UnsupportedVLLM",
+    "Verification",
+    "Verify",
     "WeightComparison",
+    "WeightMismatch",
     "WeightVersionSpan",
     "__version__",
 }
