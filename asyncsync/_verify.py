@@ -284,19 +284,30 @@ class Verification:
 def compare_checksums(
     result: Verification, checksums: Mapping[str, str], expected: Mapping[str, str]
 ) -> None:
-    """Compare one server's ``/weight_checker`` checksums with the trainer's digests."""
-    reported: set[str] = set()
-    for key, digest in sorted(checksums.items()):
-        name = _parameter_name(key)
-        reported.add(name)
+    """Compare one server's ``/weight_checker`` checksums with the trainer's digests.
+
+    Every worker reports its own parameters (``dp<i>:pp<j>:pcp<k>:tp<l>:<name>``).
+    Across tensor-parallel ranks a parameter is either replicated (the same bytes
+    everywhere: compared) or sharded (a digest per shard, which the trainer, hashing
+    whole tensors, cannot vouch for: unseen unless every digest equals the trainer's).
+    Data-parallel replicas of a parameter must all match.
+    """
+    by_name: dict[str, set[tuple[str, str]]] = {}
+    for key, digest in checksums.items():
+        prefix = key.rsplit(":", 1)[0] if ":" in key else ""
+        tp = next((p for p in prefix.split(":") if p.startswith("tp")), "")
+        by_name.setdefault(_parameter_name(key), set()).add((tp, digest))
+    for name, found in sorted(by_name.items()):
         want = expected.get(name)
-        if want is None or digest == EMPTY_DIGEST:
+        digests = {digest for _tp, digest in found}
+        sharded = len({tp for tp, _digest in found}) > 1 and digests != {want}
+        if want is None or EMPTY_DIGEST in digests or sharded:
             result.unseen.append(name)
-        elif digest == want:
+        elif digests == {want}:
             result.checked.append(name)
         else:
             result.mismatched.append(name)
-    result.unseen.extend(n for n in expected if n not in reported and _fused_name(n) is None)
+    result.unseen.extend(n for n in expected if n not in by_name and _fused_name(n) is None)
     if result.mismatched:
         shown = ", ".join(result.mismatched[:5])
         more = len(result.mismatched) - 5

@@ -21,6 +21,7 @@ import torch
 
 import asyncsync as az
 from asyncsync import blocking
+from asyncsync._verify import Verification, compare_checksums
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.testing._fake import FakeLM
 from tests.publish_fakes import ShmWorker, receiving_fakes, round_calls
@@ -162,6 +163,34 @@ async def test_weights_from_a_factory_are_hashed_as_they_are_packed() -> None:
         # k_proj is a part of the fused qkv_proj: that is what the server reports.
         assert error.mismatched == ("model.layers.0.self_attn.qkv_proj.weight",)
         assert info.value.outcomes[a.fake.url].ok
+
+
+def test_tensor_parallel_shards_are_unseen_replicas_compared() -> None:
+    """With tensor parallelism every rank reports its shard of a sharded parameter (a
+    digest per shard: the trainer cannot vouch for it, even when the shards are equal)
+    and the same bytes of a replicated one (compared); data-parallel replicas must all
+    match."""
+    norm, head, bias = "model.norm.weight", "lm_head.weight", "model.zero.bias"
+    expected = {norm: "n" * 64, head: "h" * 64, bias: "z" * 64, "model.extra.weight": "e" * 64}
+    checksums = {
+        f"dp0:pp0:pcp0:tp0:{norm}": "n" * 64,
+        f"dp0:pp0:pcp0:tp1:{norm}": "n" * 64,
+        f"dp0:pp0:pcp0:tp0:{head}": "a" * 64,
+        f"dp0:pp0:pcp0:tp1:{head}": "b" * 64,
+        f"dp0:pp0:pcp0:tp0:{bias}": "0" * 64,  # two equal shards of a zero bias
+        f"dp0:pp0:pcp0:tp1:{bias}": "0" * 64,
+    }
+    result = Verification("http://server")
+    compare_checksums(result, checksums, expected)
+    assert result.checked == [norm]
+    assert result.unseen == [head, bias, "model.extra.weight"]
+    assert result.ok
+    replicas = {f"dp{i}:pp0:pcp0:tp0:{norm}": "n" * 64 for i in range(2)}
+    replicas["dp1:pp0:pcp0:tp0:" + norm] = "x" * 64  # one data-parallel replica differs
+    mismatch = Verification("http://server")
+    compare_checksums(mismatch, replicas, expected)
+    assert mismatch.mismatched == [norm]
+    assert mismatch.problems == ["checksum differs for 1 parameter(s): model.norm.weight"]
 
 
 def fake_lm_probe(vocab_size: int, generation: int) -> Callable[[list[int]], torch.Tensor]:
