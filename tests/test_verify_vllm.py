@@ -107,7 +107,7 @@ async def test_checksum_and_probe_pass_then_find_a_server_corrupted_for_real(
             assert isinstance(outcome.error, az.WeightMismatch)
             assert "probe prompt" in str(outcome.error)
         assert set(err.needs_resync) == set(vllm_fleet.urls)
-        assert publisher.version == "verified"
+        assert publisher.version == "corrupted"  # the last round that succeeded
 
         # The next verified round repairs both (checksums read while still paused).
         report = await publisher.publish(
