@@ -25,6 +25,7 @@ from asyncsync._errors import (
     ServerTimeout,
     ServerUnavailable,
     UnsupportedVLLM,
+    WeightMismatch,
 )
 from asyncsync._generate import CompletionStream
 from asyncsync._genwire import (
@@ -43,7 +44,13 @@ from asyncsync._timeouts import Timeouts
 from asyncsync._types import FleetResult, Outcome
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
-from asyncsync.publisher import AsyncWeightPublisher, PublishReport, ServerOutcome
+from asyncsync.publisher import (
+    AsyncWeightPublisher,
+    PublishReport,
+    ServerOutcome,
+    Verification,
+    Verify,
+)
 from asyncsync.trajectory import Trajectory
 
 __version__ = "0.1.0"
@@ -84,7 +91,10 @@ __all__ = [
     "TokenDelta",
     "Trajectory",
     "UnsupportedVLLM",
+    "Verification",
+    "Verify",
     "WeightComparison",
+    "WeightMismatch",
     "WeightVersionSpan",
     "__version__",
     "run",

@@ -21,6 +21,7 @@ __all__ = [
     "ServerTimeout",
     "ServerUnavailable",
     "UnsupportedVLLM",
+    "WeightMismatch",
 ]
 
 _BODY_EXCERPT_CHARS = 500
@@ -248,6 +249,31 @@ def _rebuild_publish(
     needs_resync: tuple[str, ...],
 ) -> PublishError:
     return PublishError(message, version=version, outcomes=outcomes, needs_resync=needs_resync)
+
+
+class WeightMismatch(AsyncSyncError):
+    """Verification found a server whose weights differ from the trainer's
+    (``publish(..., verify=...)``): the message says what differed.
+
+    Attributes:
+        mismatched: the parameters whose checksums differ (empty when a probe
+            generation found the difference).
+    """
+
+    def __init__(
+        self, message: str, *, server: str | None = None, mismatched: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message, server=server)
+        self.mismatched: tuple[str, ...] = tuple(mismatched)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_mismatch, (self.message, self.server, self.mismatched))
+
+
+def _rebuild_mismatch(
+    message: str, server: str | None, mismatched: tuple[str, ...]
+) -> WeightMismatch:
+    return WeightMismatch(message, server=server, mismatched=mismatched)
 
 
 class FleetError(ExceptionGroup[Exception], AsyncSyncError):  # type: ignore[override]

@@ -1,7 +1,8 @@
 """One weight-sync round across a fleet, as named phases run by a round object.
 
 The phases, in order: ``pause``? -> ``start`` -> ``update`` (once per payload) ->
-``finish`` -> ``reset_prefix_cache``? -> ``resume``? (resume also after a failure).
+``finish`` -> ``reset_prefix_cache``? -> ``verify``? -> ``resume``? (resume also after a
+failure; before ``verify`` when a probe must generate).
 Start, update and finish are driven by the backend's blocking send in a worker thread
 (vLLM's trainer engines do so), through a :class:`~asyncsync._bridge.SyncFleetClient`
 whose calls land on this round's phase methods; the round runs the other phases around
@@ -21,14 +22,18 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
 from asyncsync._errors import AsyncSyncError, FleetError, PublishError, ServerTimeout
+from asyncsync._types import Outcome
+from asyncsync._verify import TrainerDigests, Verification, Verify, verify_servers
 from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+T = TypeVar("T")
 
 __all__ = [
     "InitCalls",
@@ -38,6 +43,7 @@ __all__ = [
     "SendJob",
     "ServerOutcome",
     "is_stale_round_error",
+    "run_to_the_end",
 ]
 
 PauseMode = Literal["keep", "wait", "abort"]
@@ -53,6 +59,7 @@ _SECONDS_ORDER = (
     "transfer",
     "finish",
     "reset_prefix_cache",
+    "verify",
     "resume",
 )
 
@@ -68,6 +75,7 @@ class Phase(StrEnum):
     UPDATE = "update"
     FINISH = "finish"
     RESET_PREFIX_CACHE = "reset_prefix_cache"
+    VERIFY = "verify"
     RESUME = "resume"
 
     @property
@@ -115,6 +123,8 @@ class PublishReport:
     params: int
     seconds: dict[str, float]
     outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
+    #: what ``verify=`` found on each server (empty when the round did not verify)
+    verified: dict[str, Verification] = field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -188,6 +198,8 @@ class PublishRound(InitCalls):
         abort_info: Mapping[str, Any],
         published_version: str | None,
         seconds: dict[str, float] | None = None,
+        verify: Verify | None = None,
+        digests: TrainerDigests | None = None,
     ) -> None:
         super().__init__(fleet, targets)
         self.version = version
@@ -203,6 +215,15 @@ class PublishRound(InitCalls):
         self.paused: list[str] = []
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
+        #: servers that finished this round, and those whose prefix cache was reset
+        #: after it (a finished server whose reset is unconfirmed may reuse KV blocks of
+        #: the old weights: the rollback resets it again, or leaves it dirty)
+        self.finished: set[str] = set()
+        self.cache_reset: set[str] = set()
+        #: what to check after the finish, the trainer's digests, what was found
+        self.verify = verify
+        self.digests = digests
+        self.verified: dict[str, Verification] = {}
 
     # ------------------------------------------------------------------ the round
     async def run(self, job: SendJob, executor: Executor) -> PublishReport:
@@ -216,17 +237,19 @@ class PublishRound(InitCalls):
             stats = await self.send(job, executor)
             if self.reset_cache:
                 await self.reset_prefix_cache()
+            if self.verify is not None:
+                await self.verify_weights(executor)
         except BaseException as exc:
             logger.warning("publishing %r failed (%s): rolling back", self.version, _name(exc))
-            await asyncio.shield(self.rollback())
+            await run_to_the_end(self.rollback())
             if self._passes_through(exc):
                 raise
             raise self.error(exc) from exc
         self.commit()
         logger.info("published %r to %s", self.version, ", ".join(self.targets))
         if self.paused:
-            try:
-                await self.resume()
+            try:  # a cancel meanwhile is re-raised once every server answered
+                await run_to_the_end(self.resume())
             except AsyncSyncError as exc:  # reported, but the version stays published
                 raise self.error(exc) from exc
         return self.report(stats, time.perf_counter() - began)
@@ -257,8 +280,8 @@ class PublishRound(InitCalls):
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             cancel.set()  # the thread stops at its next chunk boundary
-            with contextlib.suppress(BaseException):
-                await future
+            with contextlib.suppress(Exception):  # its RoundCancelled, or its error
+                await run_to_the_end(future)
             raise
 
     async def start(self) -> None:
@@ -298,14 +321,53 @@ class PublishRound(InitCalls):
             )
         except FleetError as exc:
             self.open.difference_update(exc.succeeded)  # those hold the new version
+            self.finished.update(exc.succeeded)
             raise
         self.open.difference_update(self.targets)
+        self.finished.update(self.targets)
 
     async def reset_prefix_cache(self) -> None:
-        await self._phase(
-            Phase.RESET_PREFIX_CACHE,
-            lambda: self.fleet.reset_prefix_cache(targets=self.targets, require="all"),
-        )
+        try:
+            await self._phase(
+                Phase.RESET_PREFIX_CACHE,
+                lambda: self.fleet.reset_prefix_cache(targets=self.targets, require="all"),
+            )
+        except FleetError as exc:
+            self.cache_reset.update(exc.succeeded)
+            raise
+        self.cache_reset.update(self.targets)
+
+    async def verify_weights(self, executor: Executor) -> None:
+        """Check every target against the trainer; a server that does not match (or
+        cannot be checked) fails the round there. A probe generates, so paused servers
+        are resumed first."""
+        assert self.verify is not None
+        verify = self.verify
+        if verify.probe is not None and self.paused:
+            await self.resume()
+            self.paused = []  # resumed: neither the commit nor a rollback resumes again
+        await self._phase(Phase.VERIFY, lambda: self._verify_everywhere(verify, executor))
+
+    async def _verify_everywhere(self, verify: Verify, executor: Executor) -> None:
+        expected = self.digests.expected() if self.digests is not None else {}
+        results = await verify_servers(self.fleet, self.targets, verify, expected, executor)
+        self.verified = {url: r for url, r in results.items() if isinstance(r, Verification)}
+        errors: dict[str, Exception] = {}
+        for url, found in results.items():
+            if isinstance(found, Exception):
+                errors[url] = found
+            elif not found.ok:
+                errors[url] = found.error()
+        if errors:
+            outcomes: dict[str, Outcome[None]] = {
+                url: Outcome(url, error=errors.get(url)) for url in self.targets
+            }
+            raise FleetError(
+                f"verify failed on {len(errors)} of {len(self.targets)} server(s)",
+                list(errors.values()),
+                operation="verify",
+                outcomes=outcomes,
+            )
 
     async def resume(self) -> None:
         await self._phase(
@@ -338,21 +400,25 @@ class PublishRound(InitCalls):
 
     # ------------------------------------------------------------------ ends
     async def rollback(self) -> None:
-        """Leave no server with an active update, mark every server the round reached
-        dirty (a frozen server whose start got no answer included: it may run the start
-        when it thaws), and resume the paused ones."""
+        """Leave no server with an active update, reset the prefix cache of servers that
+        finished (their KV blocks were computed with the old weights), mark every server
+        the round reached dirty (a frozen server whose start got no answer included: it
+        may run the start when it thaws; a finished one whose cache reset failed too),
+        and resume the paused ones."""
         # A server whose call timed out is not sent the abort: it would wait another
         # deadline for a server that is frozen or overloaded. It stays dirty (below), and
         # the next round ends whatever update it still holds (is_stale_round_error).
         answering = [url for url in sorted(self.open) if not self._timed_out(url)]
         if answering:
             await self._end_updates(answering)
+        await self._reset_finished_caches()
         reached = [  # or a weight-sync call got no answer there (_state.observe)
             url
             for url, outcome in self.outcomes.items()
             if url in self.open
-            or outcome.phase in (Phase.UPDATE, Phase.FINISH)
+            or outcome.phase in (Phase.UPDATE, Phase.FINISH, Phase.VERIFY)
             or self.fleet.state(url).dirty
+            or self._stale_cache(url)
         ]
         for url in reached:
             self.outcomes[url].dirty = True
@@ -369,6 +435,18 @@ class PublishRound(InitCalls):
         """Whether ``url``'s failure in this round was a deadline (no answer)."""
         outcome = self.outcomes.get(url)
         return outcome is not None and isinstance(outcome.error, ServerTimeout)
+
+    def _stale_cache(self, url: str) -> bool:
+        """``url`` finished this round, but its prefix-cache reset is unconfirmed."""
+        return self.reset_cache and url in self.finished and url not in self.cache_reset
+
+    async def _reset_finished_caches(self) -> None:
+        """The round failed or was cancelled after some servers finished and before
+        their cache reset was confirmed: reset them now (a failure leaves them dirty)."""
+        stale = [u for u in self.targets if self._stale_cache(u) and not self._timed_out(u)]
+        if stale:
+            result = await self.fleet.reset_prefix_cache(targets=stale, require="none")
+            self.cache_reset.update(result.succeeded)
 
     async def _end_updates(self, urls: list[str]) -> None:
         """End the active update on ``urls`` with the backend's abort update. A rejection
@@ -397,6 +475,7 @@ class PublishRound(InitCalls):
             params=stats.params,
             seconds=seconds,
             outcomes=self.outcomes,
+            verified=self.verified,
         )
 
     def error(self, exc: BaseException) -> PublishError:
@@ -410,6 +489,26 @@ class PublishRound(InitCalls):
             outcomes=self.outcomes,
             needs_resync=dirty,
         )
+
+
+async def run_to_the_end(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even when the calling task is cancelled meanwhile
+    (once or many times), then re-raise the cancellation. For what must not be left
+    half done: a worker thread's send, a rollback, a resume. Each of them is bounded by
+    the fleet's deadlines, so a cancelled caller still returns in bounded time."""
+    future = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.done():  # the awaitable itself was cancelled
+                raise
+            cancelled = True  # the caller was: go on waiting
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
 
 
 def _name(exc: BaseException) -> str:

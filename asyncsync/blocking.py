@@ -375,6 +375,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
     init = blocking_method(az.AsyncWeightPublisher.init)
     publish = blocking_method(az.AsyncWeightPublisher.publish)
+    verify = blocking_method(az.AsyncWeightPublisher.verify)
 
     @property
     def version(self) -> str | None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync import _hooks
 from asyncsync._bridge import SyncFleetClient
-from asyncsync._errors import PublishError
+from asyncsync._errors import PublishError, UnsupportedVLLM
 from asyncsync._progress import ProgressFn, progress_reporter
 from asyncsync._round import (
     InitCalls,
@@ -33,6 +33,16 @@ from asyncsync._round import (
     PublishReport,
     PublishRound,
     ServerOutcome,
+    run_to_the_end,
+)
+from asyncsync._verify import (
+    DigestTap,
+    TrainerDigests,
+    Verification,
+    Verify,
+    VerifyLike,
+    as_verify,
+    verify_servers,
 )
 from asyncsync._weights import (
     FiniteChecked,
@@ -54,7 +64,14 @@ from asyncsync.backends import (
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
 
-__all__ = ["AsyncWeightPublisher", "PublishReport", "ServerOutcome", "WeightsLike"]
+__all__ = [
+    "AsyncWeightPublisher",
+    "PublishReport",
+    "ServerOutcome",
+    "Verification",
+    "Verify",
+    "WeightsLike",
+]
 
 
 class AsyncWeightPublisher:
@@ -178,8 +195,12 @@ class AsyncWeightPublisher:
             assert self.fleet is not None
             calls = InitCalls(self.fleet, self._targets(targets))
             client = SyncFleetClient.on_running_loop(calls, cancel=threading.Event())
-            await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._backend.init, client
+            # A cancel meanwhile is re-raised once the thread's init has returned: no
+            # thread is left talking to the servers.
+            await run_to_the_end(
+                asyncio.get_running_loop().run_in_executor(
+                    self._executor, self._backend.init, client
+                )
             )
         self._initialized = True
 
@@ -194,6 +215,7 @@ class AsyncWeightPublisher:
         progress: bool | ProgressFn | None = None,
         targets: Sequence[str] | None = None,
         check_finite: bool = False,
+        verify: VerifyLike | None = None,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
@@ -204,6 +226,14 @@ class AsyncWeightPublisher:
         (off the event loop) and refuses NaN/Inf; weights from a factory or a one-shot
         stream are checked as they are packed (a bad tensor after the first chunk then
         fails the round like any other error).
+
+        ``verify`` (opt-in) checks every server against the trainer once it finished:
+        ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
+        it sent), ``"probe"`` (greedy generations scored by the published module's own
+        forward pass) or a :class:`Verify` with both or other settings. A server that
+        does not match fails the round there (``phase="verify"``, a
+        :class:`~asyncsync.WeightMismatch` naming what differed), is marked dirty, and
+        the version stays unchanged. ``PublishReport.verified`` says what was checked.
 
         Returns a :class:`PublishReport`; raises :class:`~asyncsync.PublishError` with
         per-server outcomes when any server failed (the published version is then
@@ -217,6 +247,7 @@ class AsyncWeightPublisher:
             )
         if pause not in (None, "keep", "wait", "abort"):
             raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
+        checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
         async with self._lock:
@@ -226,9 +257,65 @@ class AsyncWeightPublisher:
                 return await self._publish_non_sender(weights, version)
             if check_finite:
                 weights = await self._finite(weights)
+            targets = self._targets(targets)
+            if checks is not None and checks.checksum:
+                await self._check_checksum_route(targets)
             return await self._publish(
-                weights, version, pause, reset_prefix_cache, progress, self._targets(targets)
+                weights, version, pause, reset_prefix_cache, progress, targets, checks
             )
+
+    async def _check_checksum_route(self, targets: Sequence[str]) -> None:
+        """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
+        sent: :class:`~asyncsync.UnsupportedVLLM` otherwise."""
+        assert self.fleet is not None
+        for url in targets:
+            client = self.fleet.client(url)
+            protocol = await client.protocol()
+            if protocol != "0.32":
+                raise UnsupportedVLLM(
+                    client.server_state.vllm_version or protocol,
+                    "/weight_checker (verify='checksum')",
+                    server=url,
+                )
+
+    async def verify(
+        self,
+        weights: WeightsLike,
+        *,
+        how: VerifyLike = "checksum",
+        targets: Sequence[str] | None = None,
+    ) -> dict[str, Verification]:
+        """Check what the (targeted) servers hold now against ``weights``, without
+        publishing: ``how`` takes what ``publish(..., verify=...)`` takes. The trainer's
+        digests are taken in the worker thread (the weights are read once). A server
+        that does not match is marked dirty in the fleet (generation avoids it until a
+        round succeeds there) and its :class:`Verification` lists what differed; a
+        server that could not be checked raises its error. Runs between rounds (it
+        waits for a running ``publish``)."""
+        checks = as_verify(how, weights)
+        assert checks is not None
+        if not self.is_sender or self.fleet is None:
+            raise RuntimeError("only rank 0 (the rank with the fleet) verifies")
+        async with self._lock:
+            urls = self._targets(targets)
+            if checks.checksum:
+                await self._check_checksum_route(urls)
+            expected: dict[str, str] = {}
+            if checks.checksum:
+                digests = TrainerDigests(checks.dtype)
+                tap = DigestTap(resolve(weights), digests)
+                await asyncio.get_running_loop().run_in_executor(
+                    self._executor, lambda: [None for _ in tap]
+                )
+                expected = digests.expected()
+            found = await verify_servers(self.fleet, urls, checks, expected, self._executor)
+        out: dict[str, Verification] = {}
+        for url, result in found.items():
+            if isinstance(result, Exception):
+                raise result
+            out[url] = result
+        self.fleet.mark_dirty([url for url, result in out.items() if not result.ok])
+        return out
 
     async def _finite(self, weights: WeightsLike) -> WeightsLike:
         """Weights whose NaN/Inf are refused: read now (off the loop) when they can be
@@ -250,6 +337,7 @@ class AsyncWeightPublisher:
         reset_prefix_cache: bool,
         progress: bool | ProgressFn | None,
         targets: list[str],
+        verify: Verify | None,
     ) -> PublishReport:
         assert self.fleet is not None
         seconds: dict[str, float] = {}
@@ -266,6 +354,8 @@ class AsyncWeightPublisher:
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
+        # The trainer's digests are taken as the tensors are packed (streams included).
+        digests = TrainerDigests(verify.dtype) if verify is not None and verify.checksum else None
         round_ = PublishRound(
             self.fleet,
             targets,
@@ -275,10 +365,12 @@ class AsyncWeightPublisher:
             abort_info=self._backend.abort_info(),
             published_version=self.version,
             seconds=seconds,
+            verify=verify,
+            digests=digests,
         )
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter), self._executor
+                _SendJob(self._backend, weights, source, reporter, digests), self._executor
             )
         except PublishError as exc:
             _hooks.publish_failed(version, exc)
@@ -312,7 +404,7 @@ class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "on_chunk", "source", "weights")
+    __slots__ = ("backend", "digests", "on_chunk", "source", "weights")
 
     def __init__(
         self,
@@ -320,17 +412,21 @@ class _SendJob:
         weights: WeightsLike,
         source: WeightSource | None,
         on_chunk: ProgressFn | None,
+        digests: TrainerDigests | None = None,
     ) -> None:
         self.backend = backend
         self.weights = weights
         self.source = source
         self.on_chunk = on_chunk
+        self.digests = digests
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
         if source is None:  # a factory: called here, checked before anything is sent
             source = resolve(self.weights)
             check_weights(source)
+        if self.digests is not None:
+            source = DigestTap(source, self.digests)
         try:
             return self.backend.send(source, client, SendControl(cancel, self.on_chunk))
         finally:

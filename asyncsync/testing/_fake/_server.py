@@ -44,6 +44,12 @@ class FakeVLLMServer(FakeState):
             failure (default: ``packed`` on 0.32, like the IPC engine).
         update_hook: called with each accepted ``update_info``; raising fails the update
             like a worker error (and vLLM then drops its active update).
+        on_request: called (on the server's event loop) with each request as it
+            arrives, before any fault or handler: a test acts at the k-th request (for
+            example, cancels a publish there) without reading a clock.
+        checksum_hook: what ``/weight_checker`` reports, as ``{parameter name: sha256
+            hex of its bytes}`` (a test's engine hashes what it loaded); by default,
+            digests of nothing real that change with every finished update.
         scale_out: like ``--enable-scale-out``: vLLM 0.32 serves ``/inference/v1/generate``
             only then (or with ``tokens_only``), else 403.
         tokenizer: False behaves like ``--skip-tokenizer-init`` (empty text; legacy

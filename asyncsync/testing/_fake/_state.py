@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from asyncsync import _json
@@ -53,6 +53,8 @@ class FakeState:
         port: int = 0,
         reject_update_keys: Sequence[str] | None = None,
         update_hook: Callable[[Any], None] | None = None,
+        on_request: Callable[[RecordedRequest], None] | None = None,
+        checksum_hook: Callable[[], Mapping[str, str]] | None = None,
         scale_out: bool = True,
         tokenizer: bool = True,
         return_token_ids: bool = True,
@@ -77,6 +79,8 @@ class FakeState:
             reject_update_keys = ("packed",) if self.protocol == "0.32" else ()
         self.reject_update_keys = frozenset(reject_update_keys)
         self.update_hook = update_hook
+        self.on_request = on_request
+        self.checksum_hook = checksum_hook
         # Generation.
         self.tokens_only = tokens_only
         self.scale_out = scale_out
@@ -145,8 +149,11 @@ class FakeState:
         return self._recorded.maxlen
 
     def _record(self, request: RecordedRequest) -> None:
-        """Keeps ``request``, dropping the oldest beyond ``max_recorded``."""
+        """Keeps ``request``, dropping the oldest beyond ``max_recorded``, and tells
+        ``on_request``."""
         self._recorded.append(request)
+        if self.on_request is not None:
+            self.on_request(request)
 
     @property
     def requests(self) -> list[RecordedRequest]:
@@ -183,7 +190,10 @@ class FakeState:
         self._zeroed = True
 
     def checksums(self) -> dict[str, str]:
-        """What ``/weight_checker`` reports now (changes with every finished update)."""
+        """What ``/weight_checker`` reports now: ``checksum_hook``'s digests when given
+        (by parameter name), else digests that change with every finished update."""
+        if self.checksum_hook is not None:
+            return {f"dp0:pp0:pcp0:tp0:{n}": d for n, d in self.checksum_hook().items()}
         seed = "zero" if self._zeroed else f"gen{self._generation}"
         return {f"dp0:pp0:pcp0:tp0:{p}": _checksum(f"{seed}:{p}") for p in self._params}
 
