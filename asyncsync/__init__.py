@@ -25,6 +25,7 @@ from asyncsync._errors import (
     ServerTimeout,
     ServerUnavailable,
     UnsupportedVLLM,
+    WeightsModifiedError,
 )
 from asyncsync._generate import CompletionStream
 from asyncsync._genwire import (
@@ -40,6 +41,7 @@ from asyncsync._routing import StalenessStats
 from asyncsync._state import ServerState
 from asyncsync._timeouts import Timeouts
 from asyncsync._types import FleetResult, Outcome
+from asyncsync.backends._shm_zerocopy import share_weights
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
 from asyncsync.publisher import AsyncWeightPublisher, PublishReport, ServerOutcome
@@ -85,5 +87,7 @@ __all__ = [
     "UnsupportedVLLM",
     "WeightComparison",
     "WeightVersionSpan",
+    "WeightsModifiedError",
     "__version__",
+    "share_weights",
 ]
