@@ -44,7 +44,9 @@ EXPECTED_PUBLIC = {
     "UnsupportedVLLM",
     "WeightComparison",
     "WeightVersionSpan",
+    "WeightsModifiedError",
     "__version__",
+    "share_weights",
 }
 
 
