@@ -342,3 +342,25 @@ def test_update_fields_round_trip_with_segments() -> None:
     assert not ShmUpdateFields.parse({"names": []}).zero_copy
     with pytest.raises(ShmFormatError, match="malformed segment entry"):
         ShmUpdateFields.parse({"segments": [{"segment": "x"}]})
+
+
+@pytest.mark.server_deps
+def test_vllm_builds_the_zero_copy_info_and_gloo_refuses_it() -> None:
+    """vLLM builds the engine's info with ``cls(**update_info)``: the zero-copy keys are
+    fields of asyncsync's info class; a gloo worker (whose bytes come from its own
+    broadcast) refuses a chunk that points at the trainer's memory."""
+    from asyncsync.vllm_plugin._infos import ShmUpdateInfo
+    from asyncsync.vllm_plugin.gloo_engine import GlooReceiver
+
+    layer = torch.nn.Linear(4, 4, bias=False)
+    az.share_weights(layer)
+    infos: list[dict[str, Any]] = []
+    send_round([("w", layer.weight)], None, ShmBuffers(4096), infos.append, zero_copy=True)
+    worker = _Worker([("w", layer.weight)])
+    worker.receiver.begin_round()
+    worker.receiver.receive(ShmUpdateInfo(**infos[0]), worker.load, None)
+    worker.receiver.end_round()
+    assert torch.equal(worker.loaded["w"], layer.weight)
+    gloo = GlooReceiver(torch.nn.Module(), None)
+    with pytest.raises(RuntimeError, match="zero-copy chunk"):
+        gloo.receive(infos[0], worker.load, None)
