@@ -251,10 +251,13 @@ async def test_zero_copy_allocates_nothing_and_its_memory_goes_with_the_paramete
     model = torch.nn.Linear(64, 64)
     az.share_weights(model)
     (segment,) = open_segments()
-    async with shm_fakes() as fakes, az.Fleet([f.url for f in fakes]) as fleet:
-        async with az.AsyncWeightPublisher(fleet, zero_copy=True) as publisher:
-            await publisher.publish(model, version="v1")
-            assert open_segments() == [segment]  # no buffers
+    async with (
+        shm_fakes() as fakes,
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, zero_copy=True) as publisher,
+    ):
+        await publisher.publish(model, version="v1")
+        assert open_segments() == [segment]  # no buffers
     assert open_segments() == [segment]  # the parameters still use it
 
     def hook(info: dict[str, Any]) -> None:
