@@ -14,9 +14,9 @@ One run measures, side by side on the same machine:
   trainer's extra memory;
 - the zero-copy publish (``share_weights`` then ``zero_copy=True``: the servers read the
   trainer's parameters in place, nothing is packed) to one and two servers;
-- on a third server whose threads are not bound to a core (vLLM's default binding),
-  vLLM's reload, the packed publish and the zero-copy publish, round after round in
-  turn.
+- vLLM's reload, the packed publish and the zero-copy publish one round of each in turn
+  (so that the machine's drift hits all three alike), on a server bound to a core and on
+  a third server whose threads are not (vLLM's default binding).
 
 Usage::
 
@@ -240,15 +240,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     f"{key}, {n_servers} server(s): {median_report}; lag {all_lag.summary()}",
                     flush=True,
                 )
-        results["unpinned"] = await _unpinned(args, model, unpinned.url, ckpt)
+        results["in_turn_pinned"] = await _in_turn(args, model, servers[0].url, ckpt)
+        results["unpinned"] = await _in_turn(args, model, unpinned.url, ckpt)
     finally:
         await asyncio.gather(*(s.astop() for s in servers))
     return results
 
 
-async def _unpinned(args: argparse.Namespace, model: Any, url: str, ckpt: Path) -> dict[str, Any]:
-    """On the server not bound to a core: vLLM's reload, the packed publish and the
-    zero-copy publish, one round of each in turn (so that drift hits all three alike)."""
+async def _in_turn(args: argparse.Namespace, model: Any, url: str, ckpt: Path) -> dict[str, Any]:
+    """On one server: vLLM's reload, the packed publish and the zero-copy publish, one
+    round of each in turn (so that drift hits all three alike)."""
     times: dict[str, list[float]] = {"reload": [], "packed": [], "zero_copy": []}
     timeout = aiohttp.ClientTimeout(total=600)
     async with (
@@ -266,7 +267,7 @@ async def _unpinned(args: argparse.Namespace, model: Any, url: str, ckpt: Path) 
             times["packed"].append((await packed.publish(model, version=f"p{i}")).total_seconds)
             times["zero_copy"].append((await zc.publish(model, version=f"z{i}")).total_seconds)
     medians = {k: statistics.median(v) for k, v in times.items()}
-    print(f"unpinned server: {medians}", flush=True)
+    print(f"in turn on {url}: {medians}", flush=True)
     return medians
 
 
@@ -280,7 +281,8 @@ def _overlap_ms(p: dict[str, Any]) -> float:
 
 def render(r: dict[str, Any], repeats: int, note: str = "") -> str:
     p1, p2, ps = r["publish1"], r["publish2"], r["publish1_small"]
-    z1, z2, free = r["zero_copy1"], r["zero_copy2"], r["unpinned"]
+    z1, z2 = r["zero_copy1"], r["zero_copy2"]
+    bound, free = r["in_turn_pinned"], r["unpinned"]
     s1 = p1["seconds"]
     reload_s, save_reload_s = r["reload_s"], r["save_reload_s"]
     rows = [
@@ -329,16 +331,16 @@ def render(r: dict[str, Any], repeats: int, note: str = "") -> str:
             f"{z2['total_s'] / r['reload_both_s']:.2f}x the 2-server reload",
         ),
     ]
-    free_rows = [
-        ("vLLM `reload_weights` from a page-cached checkpoint", free["reload"], "1.00x"),
-        ("asyncsync publish (packed)", free["packed"], f"{free['packed'] / free['reload']:.2f}x"),
-        (
-            "**asyncsync zero-copy publish**",
-            free["zero_copy"],
-            f"**{free['zero_copy'] / free['reload']:.2f}x**",
-        ),
+    turn_rows = [
+        ("vLLM `reload_weights` from a page-cached checkpoint", "reload"),
+        (f"asyncsync publish (packed, {p1['buffer_mb']} MiB buffers)", "packed"),
+        ("**asyncsync zero-copy publish**", "zero_copy"),
     ]
-    free_table = "\n".join(f"| {a} | {b * 1000:.0f} ms | {c} |" for a, b, c in free_rows)
+    turn_table = "\n".join(
+        f"| {label} | {bound[key] * 1000:.0f} ms | {bound[key] / bound['reload']:.2f}x | "
+        f"{free[key] * 1000:.0f} ms | {free[key] / free['reload']:.2f}x |"
+        for label, key in turn_rows
+    )
     z_phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in z1["seconds"].items() if k != "total")
     table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s1.items() if k != "total")
@@ -355,13 +357,14 @@ started): {r["load_before"]:.1f}.{f" {note}" if note else ""}
 |---|---:|---:|
 {table}
 
-One server whose threads are not bound to a core (vLLM's default binding; the trainer \
-and the servers share both cores as the scheduler sees fit), one round of each in turn, \
-median of {repeats}:
+One round of each in turn (reload, packed publish, zero-copy publish, then again), median \
+of {repeats}, on the server bound to a core and on a server whose threads are not \
+(vLLM's default binding; the trainer and the server share both cores as the scheduler \
+sees fit):
 
-| path (unpinned server) | time | ratio |
-|---|---:|---:|
-{free_table}
+| path, 1 server, in turn | bound to a core | ratio | not bound | ratio |
+|---|---:|---:|---:|---:|
+{turn_table}
 
 - 1-server phases (median round): {phases}. Zero-copy: {z_phases} (`pack` is finding \
 the parameters in this process's shared memory).
