@@ -41,9 +41,11 @@ def tests(session: nox.Session) -> None:
 
 
 #: Test files run by ``tests027``: publishing, versions, prefix-cache hygiene, failed
-#: rounds, token-in-token-out on both routes, the plugin and the server's flags.
+#: rounds, zero-copy rounds, token-in-token-out on both routes, the plugin and the
+#: server's flags.
 TESTS027 = (
     "tests/test_publish_vllm.py",
+    "tests/test_publish_zerocopy_vllm.py",
     "tests/test_generation_vllm.py",
     "tests/test_testbed.py",
     "tests/test_vllm_caps.py",
