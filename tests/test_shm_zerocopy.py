@@ -6,6 +6,7 @@ tests/test_publish_zerocopy_vllm.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -13,7 +14,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +28,19 @@ from asyncsync.backends.shm import ShmBuffers, send_round
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, _Mapping
 from tests.publish_fakes import aborts_received, round_calls, shm_fakes
+
+
+@pytest.fixture(autouse=True)
+def _no_segment_outlives_the_test() -> Iterator[None]:
+    """Every segment a test's models made goes with them (later tests count segments)."""
+    with contextlib.suppress(ImportError):
+        # What the receiver imports, imported outside a round: importing vLLM keeps an
+        # exception whose traceback would hold the round's frames (and the parameters).
+        import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401
+    held = set(open_segments())
+    yield
+    gc.collect()
+    assert set(open_segments()) <= held
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
