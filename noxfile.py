@@ -41,10 +41,11 @@ def tests(session: nox.Session) -> None:
 
 
 #: Test files run by ``tests027``: publishing, versions, prefix-cache hygiene, failed
-#: rounds, token-in-token-out on both routes, the plugin and the server's flags, vLLM's
-#: own NCCL and IPC engines (no server: 0.27.1's real classes on CPU).
+#: rounds, zero-copy rounds, token-in-token-out on both routes, the plugin and the
+#: server's flags, vLLM's own NCCL and IPC engines (no server: 0.27.1's real classes on CPU).
 TESTS027 = (
     "tests/test_publish_vllm.py",
+    "tests/test_publish_zerocopy_vllm.py",
     "tests/test_generation_vllm.py",
     "tests/test_testbed.py",
     "tests/test_vllm_caps.py",

@@ -26,6 +26,7 @@ from asyncsync._errors import (
     ServerUnavailable,
     UnsupportedVLLM,
     WeightMismatch,
+    WeightsModifiedError,
 )
 from asyncsync._generate import CompletionStream
 from asyncsync._genwire import (
@@ -42,6 +43,7 @@ from asyncsync._routing import StalenessStats
 from asyncsync._state import ServerState
 from asyncsync._timeouts import Timeouts
 from asyncsync._types import FleetResult, Outcome
+from asyncsync.backends._shm_zerocopy import share_weights
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
 from asyncsync.publisher import (
@@ -96,6 +98,8 @@ __all__ = [
     "WeightComparison",
     "WeightMismatch",
     "WeightVersionSpan",
+    "WeightsModifiedError",
     "__version__",
     "run",
+    "share_weights",
 ]

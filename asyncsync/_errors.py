@@ -22,6 +22,7 @@ __all__ = [
     "ServerUnavailable",
     "UnsupportedVLLM",
     "WeightMismatch",
+    "WeightsModifiedError",
 ]
 
 _BODY_EXCERPT_CHARS = 500
@@ -274,6 +275,51 @@ def _rebuild_mismatch(
     message: str, server: str | None, mismatched: tuple[str, ...]
 ) -> WeightMismatch:
     return WeightMismatch(message, server=server, mismatched=mismatched)
+
+
+class WeightsModifiedError(PublishError):
+    """A zero-copy round read the trainer's own tensors while the trainer modified them
+    in place (their version counters moved during the round): the servers may have
+    loaded a mix of old and new values, so the round failed and the published version
+    is unchanged. Publish again once the trainer holds the weights still.
+
+    Attributes:
+        parameters: the names of the tensors that changed during the round.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        parameters: Sequence[str] = (),
+        version: str | None = None,
+        outcomes: Mapping[str, Any] | None = None,
+        needs_resync: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message, version=version, outcomes=outcomes, needs_resync=needs_resync)
+        self.parameters: tuple[str, ...] = tuple(parameters)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_modified,
+            (self.message, self.parameters, self.version, self.outcomes, self.needs_resync),
+        )
+
+
+def _rebuild_modified(
+    message: str,
+    parameters: tuple[str, ...],
+    version: str | None,
+    outcomes: dict[str, Any],
+    needs_resync: tuple[str, ...],
+) -> WeightsModifiedError:
+    return WeightsModifiedError(
+        message,
+        parameters=parameters,
+        version=version,
+        outcomes=outcomes,
+        needs_resync=needs_resync,
+    )
 
 
 class FleetError(ExceptionGroup[Exception], AsyncSyncError):  # type: ignore[override]

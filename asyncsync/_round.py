@@ -25,7 +25,13 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
-from asyncsync._errors import AsyncSyncError, FleetError, PublishError, ServerTimeout
+from asyncsync._errors import (
+    AsyncSyncError,
+    FleetError,
+    PublishError,
+    ServerTimeout,
+    WeightsModifiedError,
+)
 from asyncsync._types import Outcome
 from asyncsync._verify import TrainerDigests, Verification, Verify, verify_servers
 from asyncsync.backends._base import RoundCancelled, SendStats
@@ -482,12 +488,20 @@ class PublishRound(InitCalls):
         failed = [o for o in self.outcomes.values() if not o.ok]
         dirty = [o.url for o in self.outcomes.values() if o.dirty]
         lines = "; ".join(f"{o.url} failed at {o.phase}: {o.error}" for o in failed) or str(exc)
-        return PublishError(
+        message = (
             f"publishing version {self.version!r} failed ({lines}); published version "
-            f"stays {self.published_version!r}",
-            version=self.version,
-            outcomes=self.outcomes,
-            needs_resync=dirty,
+            f"stays {self.published_version!r}"
+        )
+        if isinstance(exc, WeightsModifiedError):  # the trainer's fault, typed as such
+            return WeightsModifiedError(
+                message,
+                parameters=exc.parameters,
+                version=self.version,
+                outcomes=self.outcomes,
+                needs_resync=dirty,
+            )
+        return PublishError(
+            message, version=self.version, outcomes=self.outcomes, needs_resync=dirty
         )
 
 

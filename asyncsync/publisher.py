@@ -95,7 +95,11 @@ class AsyncWeightPublisher:
         if_busy: a second ``publish`` while one runs ``"wait"``s or ``"raise"``s.
         backend_options: the backend's own options, checked by the backend. ``shm``:
             ``buffer_bytes``, the size of each of its two shared-memory buffers; it
-            bounds the trainer's extra memory whatever the model size.
+            bounds the trainer's extra memory whatever the model size. ``zero_copy``
+            (``True``/``"auto"``): the servers read the trainer's tensors in place when
+            they live in shared memory (:func:`asyncsync.share_weights`); the weights
+            must then not change until ``publish`` returns
+            (:class:`~asyncsync.WeightsModifiedError` otherwise).
 
     Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for each
     chunk's fan-out, ``control`` for start, finish, pause and resume). A hung server

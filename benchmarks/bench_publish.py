@@ -11,7 +11,12 @@ One run measures, side by side on the same machine:
   finish included) to one server and to two servers, with the trainer-side packing rate,
   how much of it overlapped the servers' loading, the event-loop lag during the publish
   (beside the lag of a loop that only awaits vLLM's own reload on both servers) and the
-  trainer's extra memory.
+  trainer's extra memory;
+- the zero-copy publish (``share_weights`` then ``zero_copy=True``: the servers read the
+  trainer's parameters in place, nothing is packed) to one and two servers;
+- vLLM's reload, the packed publish and the zero-copy publish one round of each in turn
+  (so that the machine's drift hits all three alike), on a server bound to a core and on
+  a third server whose threads are not (vLLM's default binding).
 
 Usage::
 
@@ -130,7 +135,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = make_tiny_model(work / "model", seed=0, tokenizer=False, **BIG)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    results: dict[str, Any] = {"model_mb": model_bytes / 1e6}
+    results: dict[str, Any] = {"model_mb": model_bytes / 1e6, "load_before": os.getloadavg()[0]}
 
     results["memcpy_gbps"] = memcpy_gbps(model_bytes)
     print(f"memcpy (1 thread, touched): {results['memcpy_gbps']:.2f} GB/s", flush=True)
@@ -141,7 +146,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         LocalVLLMServer(model_dir, backend="shm", tokenizer=False, cpu_cores=str(i % 2))
         for i in range(2)
     ]
-    print("starting 2 vLLM-CPU servers ...", flush=True)
+    unpinned = LocalVLLMServer(model_dir, backend="shm", tokenizer=False)
+    servers.append(unpinned)
+    print("starting 3 vLLM-CPU servers (2 bound to a core each, 1 not) ...", flush=True)
     await asyncio.gather(*(s.astart() for s in servers))
     try:
         gc.collect()
@@ -186,15 +193,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
 
         configs = [
-            ("publish1", 1, args.buffer_mb),
-            ("publish2", 2, args.buffer_mb),
-            ("publish1_small", 1, args.small_buffer_mb),
+            ("publish1", 1, args.buffer_mb, False),
+            ("publish2", 2, args.buffer_mb, False),
+            ("publish1_small", 1, args.small_buffer_mb, False),
+            ("zero_copy1", 1, args.buffer_mb, True),
+            ("zero_copy2", 2, args.buffer_mb, True),
         ]
-        for key, n_servers, buffer_mb in configs:
+        shared = False
+        for key, n_servers, buffer_mb, zero_copy in configs:
             urls = [s.url for s in servers[:n_servers]]
+            if zero_copy and not shared:
+                az.share_weights(model)  # once: the parameters move into shared memory
+                shared = True
             async with (
                 az.Fleet(urls) as fleet,
-                az.AsyncWeightPublisher(fleet, buffer_bytes=buffer_mb << 20) as pub,
+                az.AsyncWeightPublisher(
+                    fleet, buffer_bytes=buffer_mb << 20, zero_copy=zero_copy
+                ) as pub,
             ):
                 await pub.init()
                 await pub.publish(model, version="warmup")
@@ -222,11 +237,41 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     "rss_growth_mb": max(0, rss_after - rss_before) / 1e6,
                 }
                 print(
-                    f"{n_servers} server(s): {median_report}; lag {all_lag.summary()}", flush=True
+                    f"{key}, {n_servers} server(s): {median_report}; lag {all_lag.summary()}",
+                    flush=True,
                 )
+        results["in_turn_pinned"] = await _in_turn(args, model, servers[0].url, ckpt)
+        results["unpinned"] = await _in_turn(args, model, unpinned.url, ckpt)
     finally:
         await asyncio.gather(*(s.astop() for s in servers))
     return results
+
+
+async def _in_turn(args: argparse.Namespace, model: Any, url: str, ckpt: Path) -> dict[str, Any]:
+    """On one server: vLLM's reload and a publish, one round of each in turn (so that
+    the machine's drift hits both alike), first with the packed publish, then with the
+    zero-copy one. The paths are not interleaved with each other: a worker drops the
+    mappings a round did not use, so alternating them would remap (and fault in) 199 MB
+    every round, which no trainer using one of them pays."""
+    out: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session, az.Fleet([url]) as fleet:
+        for key, zero_copy in (("packed", False), ("zero_copy", True)):
+            reloads, publishes = [], []
+            async with az.AsyncWeightPublisher(
+                fleet, buffer_bytes=args.buffer_mb << 20, zero_copy=zero_copy
+            ) as pub:
+                await vllm_reload(session, url, ckpt)
+                await pub.publish(model, version=f"warmup-{key}")
+                for i in range(args.repeats):
+                    _perturb(model, 200 + i)
+                    reloads.append(await vllm_reload(session, url, ckpt))
+                    report = await pub.publish(model, version=f"{key}-{i}")
+                    publishes.append(report.total_seconds)
+            out[f"reload_{key}"] = statistics.median(reloads)
+            out[key] = statistics.median(publishes)
+    print(f"in turn on {url}: {out}", flush=True)
+    return out
 
 
 def _overlap_ms(p: dict[str, Any]) -> float:
@@ -237,8 +282,10 @@ def _overlap_ms(p: dict[str, Any]) -> float:
     return max(0.0, busy - wall) * 1000
 
 
-def render(r: dict[str, Any], repeats: int) -> str:
+def render(r: dict[str, Any], repeats: int, note: str = "") -> str:
     p1, p2, ps = r["publish1"], r["publish2"], r["publish1_small"]
+    z1, z2 = r["zero_copy1"], r["zero_copy2"]
+    bound, free = r["in_turn_pinned"], r["unpinned"]
     s1 = p1["seconds"]
     reload_s, save_reload_s = r["reload_s"], r["save_reload_s"]
     rows = [
@@ -266,6 +313,12 @@ def render(r: dict[str, Any], repeats: int) -> str:
             f"{ps['total_s'] / reload_s:.2f}x reload",
         ),
         (
+            "**asyncsync zero-copy publish, 1 server** (`share_weights`, `zero_copy=True`: "
+            f"nothing packed, {z1['chunks']} chunk)",
+            f"**{z1['total_s'] * 1000:.0f} ms**",
+            f"**{z1['total_s'] / reload_s:.2f}x** reload",
+        ),
+        (
             "vLLM `reload_weights` on 2 servers at once",
             f"{r['reload_both_s'] * 1000:.0f} ms",
             f"{r['reload_both_s'] / reload_s:.2f}x the 1-server reload",
@@ -275,7 +328,26 @@ def render(r: dict[str, Any], repeats: int) -> str:
             f"**{p2['total_s'] * 1000:.0f} ms**",
             f"**{p2['total_s'] / p1['total_s']:.2f}x** the 1-server publish",
         ),
+        (
+            "asyncsync zero-copy publish, 2 servers",
+            f"{z2['total_s'] * 1000:.0f} ms",
+            f"{z2['total_s'] / r['reload_both_s']:.2f}x the 2-server reload",
+        ),
     ]
+    turn_rows = [
+        (f"asyncsync publish (packed, {p1['buffer_mb']} MiB buffers)", "packed"),
+        ("**asyncsync zero-copy publish**", "zero_copy"),
+    ]
+
+    def in_turn(t: dict[str, float]) -> str:
+        return "\n".join(
+            f"| {label} | {t[key] * 1000:.0f} ms vs {t[f'reload_{key}'] * 1000:.0f} ms | "
+            f"**{t[key] / t[f'reload_{key}']:.2f}x** |"
+            for label, key in turn_rows
+        )
+
+    turn_table, free_table = in_turn(bound), in_turn(free)
+    z_phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in z1["seconds"].items() if k != "total")
     table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s1.items() if k != "total")
     lag1, lag2, idle = p1["lag"], p2["lag"], r["idle_lag_reload_both"]
@@ -284,13 +356,31 @@ def render(r: dict[str, Any], repeats: int) -> str:
 Python {platform.python_version()}, {"uvloop" if uvloop_enabled() else "asyncio"} loop, \
 torch {torch.__version__}, vLLM-CPU servers each bound to one core. Model: Qwen2, \
 {r["model_mb"]:.0f} MB fp32 (hidden 512, 6 layers, vocab 32000). Median of {repeats} \
-rounds after a warm-up round.
+rounds after a warm-up round. Load average when the run began (before its servers \
+started): {r["load_before"]:.1f}.{f" {note}" if note else ""}
 
 | path | time | ratio |
 |---|---:|---:|
 {table}
 
-- 1-server phases (median round): {phases}.
+Each publish beside vLLM's `reload_weights` from a page-cached checkpoint, one round of \
+each in turn (reload, publish, reload, publish...), median of {repeats}: the packed \
+publish first, then the zero-copy one (not alternated with each other: each would make \
+the worker remap the other's memory every round). On the server bound to a core:
+
+| path, 1 server | publish vs reload, in turn | ratio |
+|---|---:|---:|
+{turn_table}
+
+On a server whose threads are not bound to a core (vLLM's default binding; the trainer \
+and the server share both cores as the scheduler sees fit):
+
+| path, 1 server, not bound | publish vs reload, in turn | ratio |
+|---|---:|---:|
+{free_table}
+
+- 1-server phases (median round): {phases}. Zero-copy: {z_phases} (`pack` is finding \
+the parameters in this process's shared memory).
 - Trainer-side packing: {p1["pack_gbps"]:.2f} GB/s ({p1["pack_gbps"] / r["memcpy_gbps"]:.2f}x \
 the single-thread copy above; one plain memcpy per tensor). With {ps["buffer_mb"]} MiB \
 buffers, {_overlap_ms(ps):.0f} ms of the {ps["seconds"]["pack"] * 1000:.0f} ms of packing \
@@ -318,9 +408,10 @@ def main() -> None:
     )
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     parser.add_argument("--json", type=Path, help="also dump raw results here")
+    parser.add_argument("--note", default="", help="a sentence on the machine, printed with it")
     args = parser.parse_args()
     results = run(bench(args))
-    text = render(results, args.repeats)
+    text = render(results, args.repeats, args.note)
     print(text)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))

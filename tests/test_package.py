@@ -48,7 +48,9 @@ EXPECTED_PUBLIC = {
     "WeightMismatch",
     "WeightVersionSpan",
     "run",
+    "WeightsModifiedError",
     "__version__",
+    "share_weights",
 }
 
 

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from asyncsync.backends._segments import Segment, leaked_segments, open_segments
-from asyncsync.backends._wire import Manifest, ShmFormatError, validate_chunk_layout
+from asyncsync.backends._wire import (
+    PROTOCOL_VERSION,
+    Manifest,
+    ShmFormatError,
+    validate_chunk_layout,
+)
 from asyncsync.backends.shm import (
     RoundCancelled,
     ShmBuffers,
@@ -371,7 +376,7 @@ def test_trainer_engine_drives_the_round_through_a_sync_client() -> None:
         engine.send_weights()
     finally:
         engine.shutdown()
-    assert calls[0] == "init:2"
+    assert calls[0] == f"init:{PROTOCOL_VERSION}"
     assert calls[1] == "start"
     assert calls[-1] == "finish"
     assert calls.count("update") == engine.last_stats.chunks > 1  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ worker side is asyncsync's real receiver mapping the segments in this process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -18,6 +19,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -227,3 +229,52 @@ def test_another_process_maps_the_segment_through_the_trainers_descriptor() -> N
         )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == tensor.tolist()
+
+
+@pytest.mark.asyncio
+async def test_zero_copy_allocates_nothing_and_its_memory_goes_with_the_parameters() -> None:
+    """A zero-copy publisher creates no segments of its own; the one ``share_weights``
+    made lives as long as the parameters, and a worker that mapped it lets go at the end
+    of its next round that no longer reads it."""
+    from asyncsync.backends.shm import send_round
+    from asyncsync.vllm_plugin.shm_engine import ShmReceiver
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+        for _, view in weights:
+            view.clone()
+
+    with contextlib.suppress(ImportError):
+        # What the receiver imports, imported before the round: importing vLLM keeps an
+        # exception whose traceback would hold the round's frames (and the parameters).
+        import vllm.model_executor.model_loader.reload.layerwise  # noqa: F401
+    receiver = ShmReceiver(torch.nn.Module(), None)
+    model = torch.nn.Linear(64, 64)
+    az.share_weights(model)
+    (segment,) = open_segments()
+    async with (
+        shm_fakes() as fakes,
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, zero_copy=True) as publisher,
+    ):
+        await publisher.publish(model, version="v1")
+        assert open_segments() == [segment]  # no buffers
+    assert open_segments() == [segment]  # the parameters still use it
+
+    def hook(info: dict[str, Any]) -> None:
+        receiver.receive(info, load, None)
+
+    receiver.begin_round()  # a worker reads the model in place
+    send_round(list(model.named_parameters()), None, ShmBuffers(8192), hook, zero_copy=True)
+    receiver.end_round()
+    assert mapped_anywhere(segment)
+    del model
+    gc.collect()
+    assert mapped_anywhere(segment)  # the parameters are gone; the worker maps them still
+    receiver.begin_round()  # its next round reads other weights
+    with ShmBuffers(buffer_bytes=BUFFER) as buffers:
+        send_round(iter(WEIGHTS.items()), None, buffers, hook)
+        receiver.end_round()
+        assert segment not in open_segments()
+        assert mapped_anywhere(segment) == []  # dropped at the end of that round
+        receiver.close()
+    assert open_segments() == []

@@ -107,12 +107,15 @@ def _layer_groups(names: Sequence[str]) -> list[int]:
     return groups
 
 
-def plan_chunks(manifest: Manifest, buffer_bytes: int) -> list[PlannedChunk]:
+def plan_chunks(
+    manifest: Manifest, buffer_bytes: int, *, oversized_alone: bool = False
+) -> list[PlannedChunk]:
     """Cut the manifest (in its order) into chunks that fit ``buffer_bytes``.
 
     Chunks end at layer-group boundaries (``model.layers.N``) when a group fits, so that
     each vLLM layer usually completes within one chunk; a group larger than the buffer
-    is split between tensors. A single tensor larger than the buffer is an error.
+    is split between tensors. A single tensor larger than the buffer is an error, or
+    (``oversized_alone``, when nothing is copied into a buffer) a chunk of its own.
     """
     sizes = [nbytes(d, s) for d, s in zip(manifest.dtype_names, manifest.shapes, strict=True)]
     groups = _layer_groups(manifest.names)
@@ -124,7 +127,7 @@ def plan_chunks(manifest: Manifest, buffer_bytes: int) -> list[PlannedChunk]:
     offsets: list[int] = []
     used, previous = 0, -1
     for name, size, group in zip(manifest.names, sizes, groups, strict=True):
-        if size > buffer_bytes:
+        if size > buffer_bytes and not oversized_alone:
             raise ValueError(
                 f"parameter {name!r} needs {size} bytes but the shm buffer holds "
                 f"{buffer_bytes}; raise buffer_bytes"

@@ -20,6 +20,15 @@ Each update_info is a JSON object (:class:`ShmUpdateFields`):
   at byte ``offsets[i]`` with ``dtype_names[i]`` and ``shapes[i]``, C-contiguous.
 - Chunk 0 carries the ``manifest`` of the whole round (every name with its dtype and
   shape), so that a worker validates the round *before it loads anything*.
+- Zero-copy chunks (the trainer's own tensors, already in shared memory) leave the single
+  ``segment`` fields empty and list ``segments`` instead: ``[{"segment": str,
+  "segment_size": int, "owner_pid": int, "fd": int}, ...]``, one per shared-memory file
+  the chunk's tensors live in, with ``segment_of[i]`` the index of the file that holds
+  ``names[i]`` at byte ``offsets[i]`` (aligned to its element size; tensors may share
+  bytes, as tied weights do). A segment is then either an asyncsync memfd
+  (``asyncsync.share_weights``) or a deleted ``/dev/shm/torch_<pid>_<n>_<n>`` file that
+  torch's ``share_memory_()`` keeps open; either is owner-only and opened through
+  ``/proc/<owner_pid>/fd/<fd>`` like a packed chunk's segment.
 - ``{"abort": true, "round": "abort"}`` ends a round that the trainer gave up on: the
   worker restores what it can and fails the call, which makes vLLM clear its
   active-update flag.
@@ -43,17 +52,20 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SEGMENT_NAME",
     "Manifest",
+    "SegmentRef",
     "ShmFormatError",
     "ShmInitFields",
     "ShmUpdateFields",
     "align",
+    "segment_links",
     "segment_path",
     "validate_chunk_layout",
+    "validate_segments_layout",
 ]
 
 #: Version of the trainer <-> plugin protocol, sent in every init_info; both sides of a
-#: publish must run the same asyncsync protocol.
-PROTOCOL_VERSION = 2
+#: publish must run the same asyncsync protocol (3: zero-copy chunks, ``segments``).
+PROTOCOL_VERSION = 3
 
 #: vLLM ``--weight-transfer-config`` backend name under which the plugin registers.
 BACKEND_NAME = "asyncsync_shm"
@@ -78,8 +90,9 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 
-#: What a segment name looks like; a worker maps nothing else.
-SEGMENT_NAME = re.compile(r"asyncsync-[0-9]+-[0-9a-f]{16}")
+#: What a segment name looks like; a worker maps nothing else: asyncsync's memfds, and
+#: (zero-copy only) the deleted /dev/shm files of torch's ``share_memory_()``.
+SEGMENT_NAME = re.compile(r"asyncsync-[0-9]+-[0-9a-f]{16}|torch_[0-9]+_[0-9]+_[0-9]+")
 
 
 class ShmFormatError(ValueError):
@@ -96,6 +109,14 @@ def segment_path(segment: str, owner_pid: int, fd: int) -> str:
             f"segment {segment!r}: owner_pid {owner_pid} and fd {fd} do not name a descriptor"
         )
     return f"/proc/{owner_pid}/fd/{fd}"
+
+
+def segment_links(segment: str) -> tuple[str, ...]:
+    """What ``/proc/<pid>/fd/<fd>`` may link to for segment ``segment``: an asyncsync
+    memfd, or (torch's) a /dev/shm file already unlinked, so that no name is left."""
+    if segment.startswith("torch_"):
+        return (f"/dev/shm/{segment} (deleted)",)
+    return (f"/memfd:{segment} (deleted)", f"/memfd:{segment}")
 
 
 def align(n: int, alignment: int = ALIGNMENT) -> int:
@@ -200,6 +221,43 @@ class ShmInitFields:
             )
 
 
+@dataclass(frozen=True)
+class SegmentRef:
+    """One shared-memory file a zero-copy chunk reads: its name, size in bytes, and the
+    descriptor ``fd`` through which its owner ``owner_pid`` holds it."""
+
+    segment: str
+    segment_size: int
+    owner_pid: int
+    fd: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "segment": self.segment,
+            "segment_size": self.segment_size,
+            "owner_pid": self.owner_pid,
+            "fd": self.fd,
+        }
+
+    @classmethod
+    def parse(cls, data: Any) -> SegmentRef:
+        if isinstance(data, SegmentRef):
+            return data
+        try:
+            return cls(
+                segment=str(data["segment"]),
+                segment_size=int(data["segment_size"]),
+                owner_pid=int(data["owner_pid"]),
+                fd=int(data["fd"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ShmFormatError(f"malformed segment entry {data!r:.200}: {exc!r}") from exc
+
+    @property
+    def path(self) -> str:
+        return segment_path(self.segment, self.owner_pid, self.fd)
+
+
 @dataclass
 class ShmUpdateFields:
     """One ``asyncsync_shm`` update_info: a chunk of tensors in a segment (or an abort)."""
@@ -218,6 +276,9 @@ class ShmUpdateFields:
     offsets: list[int] = field(default_factory=list)
     manifest: dict[str, Any] | None = None
     abort: bool = False
+    #: zero-copy chunks: the files the tensors live in, and which one holds each tensor
+    segments: list[SegmentRef] | None = None
+    segment_of: list[int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object sent as ``update_info`` (lists are shared, not copied)."""
@@ -236,6 +297,8 @@ class ShmUpdateFields:
             "offsets": self.offsets,
             "manifest": self.manifest,
             "abort": self.abort,
+            "segments": None if self.segments is None else [s.to_json() for s in self.segments],
+            "segment_of": self.segment_of,
         }
 
     @staticmethod
@@ -265,6 +328,8 @@ class ShmUpdateFields:
                 offsets=[int(o) for o in get("offsets", [])],
                 manifest=get("manifest", None),
                 abort=bool(get("abort", False)),
+                segments=_segments(get("segments", None)),
+                segment_of=_optional_ints(get("segment_of", None)),
             )
         except (TypeError, ValueError) as exc:
             raise ShmFormatError(f"malformed update_info: {exc!r}") from exc
@@ -272,6 +337,19 @@ class ShmUpdateFields:
     def round_manifest(self) -> Manifest | None:
         """The round's manifest carried by chunk 0, if any."""
         return Manifest.from_json(self.manifest) if self.manifest else None
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the chunk's tensors are read in place from the trainer's own memory."""
+        return self.segments is not None
+
+
+def _segments(raw: Any) -> list[SegmentRef] | None:
+    return None if raw is None else [SegmentRef.parse(s) for s in raw]
+
+
+def _optional_ints(raw: Any) -> list[int] | None:
+    return None if raw is None else [int(i) for i in raw]
 
 
 def validate_chunk_layout(
@@ -306,3 +384,46 @@ def validate_chunk_layout(
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise ShmFormatError(f"parameters {first!r} and {second!r} overlap in the segment")
+
+
+def validate_segments_layout(
+    names: Sequence[str],
+    dtype_names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    segments: Sequence[SegmentRef],
+    segment_of: Sequence[int] | None,
+) -> None:
+    """A zero-copy chunk's layout: every tensor inside the file that holds it, at an
+    offset aligned to its element size. Tensors may share bytes (tied weights): they are
+    only read. Raises :class:`ShmFormatError` naming the offending parameter."""
+    n = len(names)
+    if segment_of is None or not (
+        len(dtype_names) == len(shapes) == len(offsets) == len(segment_of) == n
+    ):
+        raise ShmFormatError(
+            f"zero-copy chunk lists differ in length: {n} names, {len(dtype_names)} "
+            f"dtype_names, {len(shapes)} shapes, {len(offsets)} offsets, "
+            f"{None if segment_of is None else len(segment_of)} segment_of"
+        )
+    for name, dtype_name, shape, offset, index in zip(
+        names, dtype_names, shapes, offsets, segment_of, strict=True
+    ):
+        if not 0 <= index < len(segments):
+            raise ShmFormatError(
+                f"parameter {name!r}: segment index {index} outside the chunk's "
+                f"{len(segments)} segment(s)"
+            )
+        if any(int(d) < 0 for d in shape):
+            raise ShmFormatError(f"parameter {name!r}: negative dimension in shape {list(shape)}")
+        size = nbytes(dtype_name, shape)
+        if offset < 0 or offset % DTYPE_SIZES[dtype_name]:
+            raise ShmFormatError(
+                f"parameter {name!r}: offset {offset} is not aligned to its {dtype_name} elements"
+            )
+        segment = segments[index]
+        if offset + size > segment.segment_size:
+            raise ShmFormatError(
+                f"parameter {name!r}: bytes [{offset}, {offset + size}) exceed the size "
+                f"{segment.segment_size} of segment {segment.segment!r}"
+            )

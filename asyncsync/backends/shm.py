@@ -10,12 +10,18 @@ vLLM's own engines, and registers it as the ``"shm"`` backend of the publisher:
 - vLLM 0.23 style: :func:`trainer_send_weights` ``(iterator, ShmTrainerSendWeightsArgs)``
   calls ``args.send_mode(update_info)`` once per chunk on rank 0; the caller drives
   start/finish.
+
+Either shape packs (copies every byte into the double buffers), or with ``zero_copy``
+announces the trainer's own tensors where they already live in shared memory
+(:mod:`asyncsync.backends._shm_zerocopy`): ``True`` requires it of every tensor,
+``"auto"`` packs when one is not.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -29,10 +35,17 @@ from asyncsync.backends._base import (
 )
 from asyncsync.backends._shm_pack import (
     DEFAULT_BUFFER_BYTES,
+    SendChunk,
     ShmBuffers,
     manifest_of,
     plan_chunks,
     stream_chunks,
+)
+from asyncsync.backends._shm_zerocopy import (
+    InPlaceRound,
+    ZeroCopyMode,
+    check_zero_copy_mode,
+    place,
 )
 from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields, ShmUpdateFields
 
@@ -55,6 +68,7 @@ __all__ = [
     "SyncWeightClient",
     "manifest_of",
     "plan_chunks",
+    "send_round",
     "stream_chunks",
     "trainer_send_weights",
 ]
@@ -96,6 +110,31 @@ class StartOnFirstChunk:
         self.send(info)
 
 
+def send_round(
+    items: Iterable[tuple[str, torch.Tensor]],
+    manifest: Manifest | None,
+    buffers: ShmBuffers,
+    send: SendChunk | None,
+    *,
+    zero_copy: ZeroCopyMode = False,
+    cancel: threading.Event | None = None,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> SendStats:
+    """One round's chunks: in place when ``zero_copy`` allows (every tensor in shared
+    memory; chunks bounded by the buffer size, nothing copied), else packed into
+    ``buffers`` (:func:`stream_chunks`). ``send=None``: a non-sender rank."""
+    if zero_copy and send is not None:
+        began = time.perf_counter()
+        placed, rest = place(items, fallback=zero_copy == "auto")
+        if placed is not None:
+            round_ = InPlaceRound(
+                placed, manifest, buffers.buffer_bytes, send, cancel=cancel, on_chunk=on_chunk
+            )
+            return round_.run(SendStats(), began)
+        items = rest
+    return stream_chunks(items, manifest, buffers, send, cancel=cancel, on_chunk=on_chunk)
+
+
 # --------------------------------------------------------------------------- 0.3x style
 @dataclass
 class ShmTrainerInitInfo:
@@ -104,6 +143,11 @@ class ShmTrainerInitInfo:
     backend: ClassVar[str] = BACKEND_NAME
     rank: int = 0
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    #: read the trainer's tensors in place (see :func:`send_round`)
+    zero_copy: ZeroCopyMode = False
+
+    def __post_init__(self) -> None:
+        check_zero_copy_mode(self.zero_copy)
 
     @property
     def is_sender(self) -> bool:
@@ -127,6 +171,7 @@ class ShmTrainerEngine:
     #: the source's manifest when the caller already knows it (else read at send)
     manifest: Manifest | None = None
     on_chunk: Callable[[int, int], None] | None = None
+    zero_copy: ZeroCopyMode = False
     last_stats: SendStats | None = field(default=None, init=False)
 
     @classmethod
@@ -145,6 +190,7 @@ class ShmTrainerEngine:
             is_sender=init_info.is_sender,
             buffers=buffers or ShmBuffers(init_info.buffer_bytes),
             cancel=cancel,
+            zero_copy=init_info.zero_copy,
         )
         if engine.is_sender:
             client.init_weight_transfer_engine(ShmInitFields(trainer_pid=os.getpid()).to_json())
@@ -159,11 +205,12 @@ class ShmTrainerEngine:
         if not self.is_sender:
             self.last_stats = stream_chunks(items, manifest, self.buffers, None)
             return
-        self.last_stats = stream_chunks(  # plans first: bad input is refused before start
+        self.last_stats = send_round(  # plans first: bad input is refused before start
             items,
             manifest,
             self.buffers,
             StartOnFirstChunk(self.client.start_weight_update, self.client.update_weights),
+            zero_copy=self.zero_copy,
             cancel=self.cancel,
             on_chunk=self.on_chunk,
         )
@@ -186,6 +233,7 @@ class ShmTrainerSendWeightsArgs:
     cancel: threading.Event | None = None
     stats: SendStats | None = None
     on_chunk: Callable[[int, int], None] | None = None
+    zero_copy: ZeroCopyMode = False
 
 
 def trainer_send_weights(
@@ -194,11 +242,12 @@ def trainer_send_weights(
 ) -> None:
     """0.23-style static send: every rank iterates, rank 0 packs and calls send_mode."""
     send = trainer_args.send_mode if trainer_args.rank == 0 else None
-    stats = stream_chunks(
+    stats = send_round(
         iterator,
         trainer_args.manifest,
         trainer_args.buffers,
         send,
+        zero_copy=trainer_args.zero_copy,
         cancel=trainer_args.cancel,
         on_chunk=trainer_args.on_chunk,
     )
@@ -210,10 +259,16 @@ def trainer_send_weights(
 class ShmBackend(TrainerBackend):
     """``"shm"``: the publisher's shared-memory backend (servers run ``asyncsync_shm``).
 
-    Option: ``buffer_bytes``, the size of each of the two shared-memory buffers (they
+    Options: ``buffer_bytes``, the size of each of the two shared-memory buffers (they
     bound the trainer's extra memory whatever the model size; a buffer must hold the
-    largest single tensor). ``api`` picks which of the two trainer-engine styles above
-    drives the round.
+    largest single tensor). ``zero_copy`` (default False): ``True`` reads the trainer's
+    tensors in place, every one of which must live in shared memory
+    (:func:`asyncsync.share_weights` or ``module.share_memory()``), and refuses a
+    round where one does not before any server is touched; ``"auto"`` does so when every
+    tensor does and packs otherwise. In place, the weights must not change until
+    ``publish`` returns (a tensor modified in place meanwhile fails the round with
+    :class:`~asyncsync.WeightsModifiedError`). ``api`` picks which of the two
+    trainer-engine styles above drives the round.
     """
 
     name = "shm"
@@ -226,16 +281,21 @@ class ShmBackend(TrainerBackend):
         world_size: int = 1,
         api: TrainerApi = "engine",
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        zero_copy: ZeroCopyMode = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, api=api)
+        check_zero_copy_mode(zero_copy)
         self.buffers = ShmBuffers(buffer_bytes)
+        self.zero_copy = zero_copy
 
     def init_info(self) -> Mapping[str, Any]:
         return ShmInitFields(trainer_pid=os.getpid()).to_json()
 
     def check(self, source: WeightSource) -> None:
         manifest = manifest_of(source)  # TypeError for a dtype the wire cannot carry
-        if manifest is not None:
+        if self.zero_copy is True and source.reiterable and self.is_sender:
+            place(source)  # every tensor in shared memory, or NotInSharedMemory now
+        elif manifest is not None:
             plan_chunks(manifest, self.buffers.buffer_bytes)  # a tensor over the buffer
 
     def send(
@@ -251,7 +311,9 @@ class ShmBackend(TrainerBackend):
         self, source: WeightSource, client: SyncFleetClient, control: SendControl
     ) -> SendStats:
         """vLLM 0.3x style: the engine drives start, update(s) and finish."""
-        engine = ShmTrainerEngine(client=client, source=source, buffers=self.buffers)
+        engine = ShmTrainerEngine(
+            client=client, source=source, buffers=self.buffers, zero_copy=self.zero_copy
+        )
         engine.cancel, engine.on_chunk = control.cancel, control.on_chunk
         engine.send_weights()
         assert engine.last_stats is not None
@@ -269,6 +331,7 @@ class ShmBackend(TrainerBackend):
             cancel=control.cancel,
             stats=SendStats(),
             on_chunk=control.on_chunk,
+            zero_copy=self.zero_copy,
         )
         trainer_send_weights(iter(source), args)
         client.finish_weight_update()

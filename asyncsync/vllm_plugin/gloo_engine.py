@@ -42,6 +42,7 @@ class GlooReceiver(ShmReceiver):
 
     fields_cls = GlooUpdateFields
     backend_name = GLOO_BACKEND_NAME
+    accepts_zero_copy = False
 
     def __init__(self, model: torch.nn.Module, table: CheckpointTable | None) -> None:
         super().__init__(model, table)

@@ -15,6 +15,10 @@ Guarantees:
   never reported as a success.
 - Tensors that vLLM's layerwise loader keeps pending across chunks are copied out of the
   segment, so the trainer may reuse its buffers as soon as a chunk was acknowledged.
+- Zero-copy chunks (``segments``) are read in place from the trainer's own tensors (its
+  ``asyncsync.share_weights`` memfd or torch ``share_memory_()`` files); their mappings
+  are kept across rounds (the trainer's parameters stay where they are) and dropped at
+  the end of a round that no longer uses them, or when their owner is gone.
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ import torch
 from asyncsync.backends._wire import (
     BACKEND_NAME,
     Manifest,
+    SegmentRef,
     ShmFormatError,
     ShmUpdateFields,
     nbytes,
-    segment_path,
+    segment_links,
     validate_chunk_layout,
+    validate_segments_layout,
 )
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
@@ -176,11 +182,18 @@ class BufferViews:
 class _Mapping(BufferViews):
     """A private mapping of a trainer-owned shm segment (never written here; the trainer
     owns its lifetime). The segment is opened through the trainer's descriptor
-    (``/proc/<owner_pid>/fd/<fd>``), which must link to ``memfd:<segment>``."""
+    (``/proc/<owner_pid>/fd/<fd>``), which must link to ``memfd:<segment>`` (or, for a
+    zero-copy segment of torch's, to the deleted ``/dev/shm/<segment>``) and be
+    owner-only."""
 
-    def __init__(self, update: ShmUpdateFields) -> None:
-        segment, size = update.segment, update.segment_size
-        path = segment_path(segment, update.owner_pid, update.fd)
+    def __init__(self, where: ShmUpdateFields | SegmentRef) -> None:
+        ref = (
+            where
+            if isinstance(where, SegmentRef)
+            else SegmentRef(where.segment, where.segment_size, where.owner_pid, where.fd)
+        )
+        segment, size = ref.segment, ref.segment_size
+        path = ref.path
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -190,9 +203,15 @@ class _Mapping(BufferViews):
             ) from exc
         try:
             target = os.readlink(path)
-            if target not in (f"/memfd:{segment} (deleted)", f"/memfd:{segment}"):
+            if target not in segment_links(segment):
                 raise ShmFormatError(f"{path} is {target!r}, not segment {segment!r}")
-            actual = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            if stat.st_mode & 0o077:
+                raise ShmFormatError(
+                    f"segment {segment!r} has mode {stat.st_mode & 0o777:o}: shared memory "
+                    "the trainer hands over must be owner-only (0600)"
+                )
+            actual = stat.st_size
             if actual < size:
                 raise ShmFormatError(
                     f"segment {segment!r} has {actual} bytes, update_info says {size}"
@@ -202,7 +221,7 @@ class _Mapping(BufferViews):
             )
         finally:
             os.close(fd)
-        self.owner_pid = update.owner_pid
+        self.owner_pid = ref.owner_pid
         super().__init__(torch.frombuffer(self.mm, dtype=torch.uint8, count=size))
 
     def close(self) -> None:
@@ -231,6 +250,8 @@ class ShmReceiver:
     #: the update_info fields this receiver parses, and the backend named in errors
     fields_cls: type[ShmUpdateFields] = ShmUpdateFields
     backend_name = BACKEND_NAME
+    #: whether chunks may point at the trainer's own shared memory (``segments``)
+    accepts_zero_copy = True
 
     def __init__(self, model: torch.nn.Module, table: CheckpointTable | None) -> None:
         self.model = model
@@ -312,11 +333,30 @@ class ShmReceiver:
         return rnd
 
     def _validate(self, rnd: _Round, update: ShmUpdateFields) -> None:
-        """The chunk's layout in its segment, then each parameter against the round's
+        """The chunk's layout in its segment(s), then each parameter against the round's
         manifest (or, without one, the served checkpoint)."""
-        validate_chunk_layout(
-            update.names, update.dtype_names, update.shapes, update.offsets, update.segment_size
-        )
+        if update.segments is not None:
+            if not self.accepts_zero_copy:
+                raise ShmFormatError(
+                    f"{self.backend_name} carries its own bytes: a zero-copy chunk "
+                    "(segments) is not accepted"
+                )
+            validate_segments_layout(
+                update.names,
+                update.dtype_names,
+                update.shapes,
+                update.offsets,
+                update.segments,
+                update.segment_of,
+            )
+        else:
+            validate_chunk_layout(
+                update.names,
+                update.dtype_names,
+                update.shapes,
+                update.offsets,
+                update.segment_size,
+            )
         for name, dtype_name, shape in zip(
             update.names, update.dtype_names, update.shapes, strict=True
         ):
@@ -352,21 +392,35 @@ class ShmReceiver:
         layerwise loader keeps pending are copied out (the trainer reuses segments)."""
         if not update.names:
             return
-        mapping = self._chunk_bytes(update)
+        if update.segments is not None:
+            assert update.segment_of is not None  # validated
+            mappings: list[BufferViews] = [self._mapping(ref) for ref in update.segments]
+            where = [mappings[i] for i in update.segment_of]
+        else:
+            mappings = [self._chunk_bytes(update)]
+            where = mappings * len(update.names)
         views = [
             (name, mapping.view(offset, dtype_name, tuple(shape)))
-            for name, dtype_name, shape, offset in zip(
-                update.names, update.dtype_names, update.shapes, update.offsets, strict=True
+            for name, dtype_name, shape, offset, mapping in zip(
+                update.names,
+                update.dtype_names,
+                update.shapes,
+                update.offsets,
+                where,
+                strict=True,
             )
         ]
         rnd.loaded_any = True
         load_weights(views)
-        del views
-        self._pin_pending(mapping)
+        del views, where
+        for mapping in mappings:
+            self._pin_pending(mapping)
 
     def _chunk_bytes(self, update: ShmUpdateFields) -> BufferViews:
         """The chunk's bytes: the trainer's segment, mapped."""
-        return self._mapping(update)
+        return self._mapping(
+            SegmentRef(update.segment, update.segment_size, update.owner_pid, update.fd)
+        )
 
     def end_round(self) -> None:
         """Called at finish: the round must be complete."""
@@ -395,21 +449,28 @@ class ShmReceiver:
         if missing:
             raise ShmFormatError(f"the round does not update {_some(missing)}")
 
-    def _mapping(self, update: ShmUpdateFields) -> _Mapping:
-        key = (update.segment, update.segment_size)
+    def _mapping(self, ref: SegmentRef) -> _Mapping:
+        """The mapping of ``ref``, cached: a segment is mapped once and reused by later
+        chunks and rounds; the cache holds at most :attr:`max_cached_mappings` beyond the
+        ones this round uses (a zero-copy round may read many files)."""
+        key = (ref.segment, ref.segment_size)
         mapping = self._mappings.get(key)
         if mapping is None:
             if len(self._mappings) >= self.max_cached_mappings:
-                self._drop_unused_mappings()
-            mapping = _Mapping(update)
+                self._close_unused_mappings()
+            mapping = _Mapping(ref)
             self._mappings[key] = mapping
         self._used_this_round.add(key)
         return mapping
 
-    def _drop_unused_mappings(self) -> None:
+    def _close_unused_mappings(self) -> None:
         for key in list(self._mappings):
             if key not in self._used_this_round:
                 self._mappings.pop(key).close()
+
+    def _drop_unused_mappings(self) -> None:
+        """At a round's end: close what it did not use, and start counting afresh."""
+        self._close_unused_mappings()
         self._used_this_round.clear()
 
     def _pin_pending(self, mapping: BufferViews) -> None:
