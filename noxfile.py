@@ -1,9 +1,11 @@
-"""Sessions: tests, tests027, unit, lint, typecheck, docs, demo, examples, bench.
+"""Sessions: tests, tests027, unit, lint, typecheck, docs, demo, examples, bench, soak.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
 
 from __future__ import annotations
+
+import os
 
 import nox
 
@@ -73,6 +75,32 @@ def tests027(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-m", selection, "--deselect", skip, *TESTS027,
         *session.posargs, env={"PYTHONFAULTHANDLER": "1"},
+    )  # fmt: skip
+
+
+#: The soak's size (generations at concurrency 256 on two local servers, a publish per
+#: 1,000); ``nox -s soak -- ...`` passes more pytest arguments.
+SOAK_GENERATIONS = "100000"
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """The long load run (``-m soak``), not a default session.
+
+    ``tests/test_load_vllm.py``'s soak: 100,000 generations on the two session servers
+    with a publish per 1,000; nothing lost, versions right, no resource growth
+    (``ASYNCSYNC_SOAK_GENERATIONS`` sets the size). ``nox -s tests`` runs the same test
+    at CI size."""
+    install_with_server(session, "test")
+    env = {
+        "PYTHONFAULTHANDLER": "1",
+        "ASYNCSYNC_SOAK_GENERATIONS": os.environ.get(
+            "ASYNCSYNC_SOAK_GENERATIONS", SOAK_GENERATIONS
+        ),
+    }
+    session.run(
+        "python", "-m", "pytest", "-m", "soak", "-s", "tests/test_load_vllm.py",
+        *session.posargs, env=env,
     )  # fmt: skip
 
 

@@ -47,13 +47,22 @@ E = TypeVar("E", bound=AsyncSyncError)
 
 logger = logging.getLogger(__name__)
 
-#: Seconds an idle pooled connection is kept. Below uvicorn's 5 s keep-alive timeout, so
-#: the client closes idle connections before vLLM does: otherwise a request written just
-#: as the server closes an idle connection fails with "Server disconnected", and a
-#: generation (not idempotent) cannot be resent blindly.
-KEEPALIVE_TIMEOUT = 4.0
+#: Seconds an idle pooled connection is kept. Well below uvicorn's 5 s keep-alive
+#: timeout, so the client closes idle connections before vLLM does: otherwise a request
+#: written just as the server closes an idle connection fails with "Server disconnected".
+#: The margin covers stalls: vLLM's server runs uvloop, whose loop fires due timers
+#: before it reads sockets, so a server loop busy for longer than the margin closes a
+#: connection whose next request is already waiting unread. With 4 s (a 1 s margin), 256
+#: generations in flight on two vLLM-CPU servers sharing 2 cores lost 51 in one burst
+#: (tests/test_load_vllm.py), with 2 s a few; what remains, :meth:`Endpoint.request`
+#: sends once more for generations. Reconnecting on loopback costs well under a
+#: millisecond.
+KEEPALIVE_TIMEOUT = 2.0
 
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
+#: Calls sent once more when their connection was closed before any answer (see
+#: :meth:`Endpoint.request`): plain generations and scoring.
+_RESENT_ON_CLOSED = frozenset({"generate", "score"})
 _LOST_ERRNOS = _STALE_ERRNOS | {errno.ECONNABORTED}
 _JSON_CONTENT = {"Content-Type": "application/json"}
 
@@ -202,12 +211,23 @@ class Endpoint:
     ) -> T:
         """Send ``call`` with ``body`` (already encoded) and return the parsed answer.
 
-        Idempotent calls are retried under the retry policy; nothing else is, with one
-        exception: after a 5xx from this server, a request that failed because its pooled
-        connection turned out to be closed is sent once more. (When vLLM fails with an
-        exception its handlers do not catch, e.g. every worker failure, uvicorn sends
-        the 500 and then closes the connection; aiohttp has already put it back in its
-        pool, and the next request written on it fails at once, unread by the server.)
+        Idempotent calls are retried under the retry policy; nothing else is, with two
+        exceptions, each sent once more when its connection turned out to be closed
+        before any answer came:
+
+        - any request after a 5xx from this server. (When vLLM fails with an exception
+          its handlers do not catch, e.g. every worker failure, uvicorn sends the 500 and
+          then closes the connection; aiohttp has already put it back in its pool, and
+          the next request written on it fails at once, unread by the server.)
+        - a generation or a scoring request (plain, not streamed). uvicorn closes a
+          keep-alive connection idle for 5 s; a server loop busy for longer than the client's margin
+          (``KEEPALIVE_TIMEOUT``) closes one whose next request is already waiting
+          unread (vLLM's uvloop fires due timers before it reads sockets). At 256
+          generations in flight on two vLLM-CPU servers sharing 2 cores that lost
+          dozens of generations per 10,000 with "Server disconnected"; none with the
+          servers' keep-alive raised to 60 s (tests/test_load_vllm.py). A server that
+          read the request and then went away refuses the second send: the first
+          failure is raised, so the request is not sent elsewhere (it may have run).
 
         Every failure is an :class:`~asyncsync.AsyncSyncError` naming the server and
         route, raised ``from`` the underlying error; the outcome is recorded in the
@@ -216,7 +236,8 @@ class Endpoint:
         timeouts = timeouts or self.timeouts
         policy = self.retry if call.idempotent else NO_RETRY
         attempt = 1
-        resend = self._after_server_error
+        resend = self._after_server_error or call.op in _RESENT_ON_CLOSED
+        unanswered: AsyncSyncError | None = None
         while True:
             try:
                 value = await self._send_once(call, body, timeouts)
@@ -224,10 +245,16 @@ class Endpoint:
                 if resend and _stale_connection(err.__cause__):
                     logger.debug("%s %s: resent once on a fresh connection", self.url, call.route)
                     resend = False
+                    unanswered = err if call.op in _RESENT_ON_CLOSED else None
                     continue
+                if unanswered is not None and never_sent(err):
+                    # Refused now: the server went away, perhaps after it read the first
+                    # send. Report the first failure, so that nobody sends the request
+                    # to another server as if it had never arrived (it may have run).
+                    err = unanswered
                 self._failed(call, err)
                 if attempt >= policy.attempts or not is_retryable(err, policy):
-                    raise
+                    raise err
                 delay = retry_delay(attempt, err, policy)
                 logger.info(
                     "%s %s failed (attempt %d of %d), retrying in %.2f s: %s",

@@ -404,8 +404,10 @@ class Fleet(FleetControl):
         request waits for it. With no eligible server the request waits up to
         ``admission_timeout`` (default :attr:`admission_timeout`), then raises
         :class:`~asyncsync.GenerationError` naming each server's reason. A request that
-        never reached its server (connection refused) is sent to another one; nothing
-        else is resent.
+        never reached its server (connection refused) is sent to another one; one whose
+        connection the server closed before any answer is sent once more to the same
+        server (uvicorn closing an idle keep-alive connection as the request arrived;
+        docs/client.md); nothing else is resent.
 
         Returns one :class:`~asyncsync.Completion` (``n == 1``) or a list of ``n``. The
         other options are those of :meth:`AsyncVLLMClient.generate` (see

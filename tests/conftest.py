@@ -25,6 +25,17 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``soak`` (the long load run, ``nox -s soak``) run only when the ``-m``
+    expression names them; every other run deselects them."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    soak = [item for item in items if item.get_closest_marker("soak") is not None]
+    if soak:
+        config.hook.pytest_deselected(items=soak)
+        items[:] = [item for item in items if item.get_closest_marker("soak") is None]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind() -> Iterator[None]:
     """After the whole suite, no asyncsync segment of this process or of any process it

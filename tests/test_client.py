@@ -475,3 +475,25 @@ async def test_cancelled_call_closes_its_connection(fake32: FakeVLLMServer) -> N
             await asyncio.sleep(0.01)
         assert fake32.cancelled == ["/pause"]
         await client.resume()  # the client is still usable
+
+
+async def test_a_generation_whose_connection_closed_unanswered_is_sent_once_more(
+    fake32: FakeVLLMServer,
+) -> None:
+    """uvicorn may close a pooled keep-alive connection with the next request already
+    written on it (tests/test_load_vllm.py found it under load): a plain generation that
+    got no answer at all is sent once more; a second close is the caller's error."""
+    fake32.inject("/inference/v1/generate", Fault.drop(), times=1)
+    async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
+        done = await client.generate([1, 2, 3], max_tokens=2, request_id="once")
+        assert done.request_id == "generate-tokens-once"
+        assert len(done.token_ids) == 2
+        sent = [r for r in fake32.requests if r.path == "/inference/v1/generate"]
+        assert len(sent) == 2
+        fake32.inject("/inference/v1/generate", Fault.drop(), times=2)
+        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+            await client.generate([1, 2, 3], max_tokens=2)
+        # Control calls keep their rule: no answer, no resend (the call may have run).
+        fake32.inject("/pause", Fault.drop(), times=1)
+        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+            await client.pause()

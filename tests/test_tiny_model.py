@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncsync.testing import TINY_MODEL_CONFIG, make_tiny_model, reference_greedy
+from asyncsync.testing import TINY_MODEL_CONFIG, TINY_MOE_CONFIG, make_tiny_model, reference_greedy
 
 
 def _digest(path: Path) -> str:
@@ -71,3 +71,50 @@ def test_reference_greedy_is_deterministic(tiny_model_dir: Path) -> None:
     assert first == reference_greedy(tiny_model_dir, [1, 5, 9], 6)
     assert len(first) == 6
     assert all(0 <= t < TINY_MODEL_CONFIG["vocab_size"] for t in first)
+
+
+@pytest.mark.server_deps
+def test_moe_model_has_per_expert_checkpoint_tensors(tmp_path: Path) -> None:
+    """``arch="qwen3_moe"``: every expert's projections are their own checkpoint tensors
+    (the form vLLM fuses as it loads), deterministic like the dense model."""
+    from safetensors.torch import load_file
+
+    a = make_tiny_model(tmp_path / "a", seed=1, tokenizer=False, arch="qwen3_moe")
+    b = make_tiny_model(tmp_path / "b", seed=1, tokenizer=False, arch="qwen3_moe")
+    assert _digest(a / "model.safetensors") == _digest(b / "model.safetensors")
+    config = json.loads((a / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"
+    experts, layers = TINY_MOE_CONFIG["num_experts"], TINY_MODEL_CONFIG["num_hidden_layers"]
+    tensors = load_file(a / "model.safetensors")
+    expert_names = {n for n in tensors if ".mlp.experts." in n}
+    assert len(expert_names) == layers * experts * 3  # gate, up, down
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in expert_names
+    assert tuple(tensors["model.layers.0.mlp.experts.0.gate_proj.weight"].shape) == (
+        TINY_MOE_CONFIG["moe_intermediate_size"],
+        TINY_MODEL_CONFIG["hidden_size"],
+    )
+    assert len(reference_greedy(a, [1, 5, 9], 4)) == 4
+
+
+@pytest.mark.server_deps
+def test_bfloat16_model_is_the_float32_model_rounded(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    full = load_file(make_tiny_model(tmp_path / "f", tokenizer=False) / "model.safetensors")
+    half_dir = make_tiny_model(tmp_path / "h", tokenizer=False, dtype="bfloat16")
+    half = load_file(half_dir / "model.safetensors")
+    assert json.loads((half_dir / "config.json").read_text())["dtype"] == "bfloat16"
+    assert set(half) == set(full)
+    for name, tensor in half.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, full[name].to(torch.bfloat16)), name
+
+
+def test_unknown_arch_or_dtype_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="arch must be 'qwen2' or 'qwen3_moe', got 'llama'"):
+        make_tiny_model(tmp_path / "m", arch="llama")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype must be 'float32' or 'bfloat16', got 'float16'"):
+        make_tiny_model(tmp_path / "m", dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unknown qwen2 config overrides \\['num_experts'\\]"):
+        make_tiny_model(tmp_path / "m", num_experts=4)

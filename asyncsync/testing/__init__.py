@@ -1,6 +1,7 @@
 """Test helpers for asyncsync users and for asyncsync's own suite.
 
-- :func:`make_tiny_model` writes a tiny deterministic Qwen2 model (no downloads).
+- :func:`make_tiny_model` writes a tiny deterministic Qwen2 model, or a Qwen3-MoE, in
+  float32 or bfloat16 (no downloads).
 - :class:`LocalVLLMServer` runs a real vLLM server as a subprocess.
 - :class:`FakeVLLMServer` fakes vLLM's RL routes (0.23 or 0.32) and injects faults.
 - :func:`reference_greedy` / :func:`reference_logprobs` compute transformers' ground truth.
@@ -12,6 +13,7 @@ from asyncsync.testing._fake import FakeVLLMServer, Fault, RecordedRequest
 from asyncsync.testing._lag import LoopLagMonitor
 from asyncsync.testing._model import (
     TINY_MODEL_CONFIG,
+    TINY_MOE_CONFIG,
     make_tiny_model,
     reference_greedy,
     reference_logprobs,
@@ -27,6 +29,7 @@ from asyncsync.testing._server import (
 __all__ = [
     "BACKEND_NAMES",
     "TINY_MODEL_CONFIG",
+    "TINY_MOE_CONFIG",
     "FakeVLLMServer",
     "Fault",
     "LocalVLLMServer",

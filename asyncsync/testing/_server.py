@@ -111,6 +111,8 @@ class LocalVLLMServer:
         env: extra environment variables for the server process.
         startup_timeout: seconds to wait for ``/health``.
         max_model_len: passed as ``--max-model-len``.
+        dtype: passed as ``--dtype``: the dtype the server computes in (``"float32"``,
+            ``"bfloat16"``...).
         cpu_cores: CPU cores for vLLM's OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``,
             e.g. ``"1"`` or ``"0-3"``). Give servers sharing a small machine different
             cores: two servers bound to the same core slow each other down many times.
@@ -130,6 +132,7 @@ class LocalVLLMServer:
         startup_timeout: float = 600.0,
         stop_timeout: float = 30.0,
         max_model_len: int = 256,
+        dtype: str = "float32",
         cpu_cores: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -148,6 +151,7 @@ class LocalVLLMServer:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.max_model_len = max_model_len
+        self.dtype = dtype
         self.cpu_cores = cpu_cores
         self._log_path = Path(log_path) if log_path is not None else None
         self._log_file: Any = None
@@ -196,7 +200,7 @@ class LocalVLLMServer:
             "--max-model-len",
             str(self.max_model_len),
             "--dtype",
-            "float32",
+            self.dtype,
             "--disable-log-stats",
         ]
         cmd += server_flags(

@@ -20,6 +20,7 @@ __all__ = [
     "BACKEND_NAME",
     "GLOO_BACKEND_NAME",
     "engine_for_this_vllm",
+    "log_through_vllm",
     "register",
     "register_trainer_engines",
 ]
@@ -47,6 +48,21 @@ def engine_for_this_vllm() -> tuple[str, str]:
     return ADAPTERS[installed_engine_contract()]
 
 
+def log_through_vllm() -> None:
+    """Send the plugin's log records to vLLM's own handlers at vLLM's level
+    (``VLLM_LOGGING_LEVEL``, INFO by default), so they appear in the server's log beside
+    vLLM's lines. Without it they would reach Python's last-resort handler, which drops
+    everything below WARNING. A no-op when the plugin's logger has handlers already (the
+    application configured it) or vLLM's logger has none."""
+    vllm_logger = logging.getLogger("vllm")
+    if logger.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        logger.addHandler(handler)
+    logger.setLevel(vllm_logger.level)
+    logger.propagate = False
+
+
 def register() -> None:
     """Register ``asyncsync_shm`` (and, where engines own the round, ``asyncsync_gloo``) with vLLM's
     weight-transfer engine factory, and the trainer engines where vLLM has them."""
@@ -55,6 +71,7 @@ def register() -> None:
     except ImportError:  # vLLM without pluggable weight transfer: nothing to register
         logger.debug("asyncsync: this vLLM has no weight-transfer factory")
         return
+    log_through_vllm()
     registry = WeightTransferEngineFactory._registry
     module, cls = engine_for_this_vllm()
     if BACKEND_NAME not in registry:

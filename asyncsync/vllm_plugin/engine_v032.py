@@ -3,6 +3,7 @@ the round; tested for real on 0.27.1 and 0.32.0)."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -10,6 +11,8 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, send_from_trainer
+
+logger = logging.getLogger("asyncsync.vllm_plugin")
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,6 +42,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         table = CheckpointTable.from_model_path(str(self.model_config.model), served)
         self.receiver = self.receiver_cls(model, table)
         self.initialized = False
+        #: calls of vLLM's initialize/finalize_layerwise_reload made by this engine; each
+        #: is also logged (INFO, in the server's log), so a test can count them from the
+        #: server side: one of each per round, never one per chunk.
+        self.reloads_initialized = 0
+        self.reloads_finalized = 0
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         init_info.check_protocol()
@@ -49,11 +57,21 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
         self.receiver.begin_round()
         initialize_layerwise_reload(self.model)
+        self.reloads_initialized += 1
+        logger.info(
+            "%s: layerwise reload initialized (#%d)", self.receiver.backend_name,
+            self.reloads_initialized,
+        )  # fmt: skip
 
-    def _restore(self) -> None:
+    def _restore(self, why: str = "an update was refused; previous weights restored") -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self.reloads_finalized += 1
+        logger.info(
+            "%s: layerwise reload finalized (#%d): %s", self.receiver.backend_name,
+            self.reloads_finalized, why,
+        )  # fmt: skip
 
     def parse_update_info(self, update_dict: Any) -> ShmUpdateInfo:
         # vLLM's base update_weights parses after start_weight_update began layerwise
@@ -72,10 +90,11 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.receiver.receive(update_info, self.model.load_weights, self._restore)
 
     def finish_weight_update(self) -> None:
+        summary = self.receiver.round_summary()
         try:
             self.receiver.end_round()
         finally:
-            self._restore()
+            self._restore(f"finish after {summary}")
 
     def shutdown(self) -> None:
         self.receiver.close()

@@ -422,6 +422,14 @@ class ShmReceiver:
             SegmentRef(update.segment, update.segment_size, update.owner_pid, update.fd)
         )
 
+    def round_summary(self) -> str:
+        """The active round as the server's log names it: ``round 'R': N chunk(s), T
+        tensor(s)`` (how many arrived so far), or ``no update``."""
+        rnd = self.round
+        if rnd is None:
+            return "no update"
+        return f"round {rnd.round_id!r}: {rnd.next_chunk} chunk(s), {len(rnd.received)} tensor(s)"
+
     def end_round(self) -> None:
         """Called at finish: the round must be complete."""
         rnd = self.round
