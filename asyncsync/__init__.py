@@ -1,8 +1,8 @@
 """asyncsync: publish trainer weights into a vLLM fleet and generate token-in-token-out.
 
 Everything users import lives in this namespace; see ``__all__``. Two modules stand
-apart: :mod:`asyncsync.blocking` (the same API without ``await``, for scripts and
-notebooks) and :mod:`asyncsync.metrics` (metrics hooks).
+apart: `asyncsync.blocking` (the same API without ``await``, for scripts and
+notebooks) and `asyncsync.metrics` (metrics hooks).
 """
 
 import logging

@@ -4,7 +4,7 @@ A backend's trainer-side send is synchronous (vLLM's ``trainer_send_weights`` an
 ``TrainerWeightTransferEngine.send_weights`` alike), so it runs in a worker thread. Its
 rank-0 callback (0.23 style) or its ``VLLMWeightSyncClient`` (0.3x style) must not return
 before every server answered, so each call schedules the fleet's fan-out on the event
-loop with :func:`asyncio.run_coroutine_threadsafe` and blocks the *worker* thread on the
+loop with `asyncio.run_coroutine_threadsafe` and blocks the *worker* thread on the
 result. The event loop keeps running other work meanwhile. A transport that must act
 while the HTTP call is in flight (a rendezvous, a broadcast) starts the fan-out with a
 ``begin_*`` method instead and waits on the returned future when it is done.
@@ -62,7 +62,7 @@ class LoopBridge:
 
 
 class FleetCalls(Protocol):
-    """The loop-side fan-outs behind a :class:`SyncFleetClient` (a publish round)."""
+    """The loop-side fan-outs behind a `SyncFleetClient` (a publish round)."""
 
     async def init(self, init_info: InitInfo) -> None: ...
 
@@ -81,7 +81,7 @@ class SyncFleetClient:
     Each method fans out to the targeted servers on the event loop and blocks the
     calling worker thread until all of them answered; ``begin_init`` and
     ``begin_update`` start the fan-out and return its future at once. The fan-outs are
-    :class:`FleetCalls` of the current round, which records outcomes and timings.
+    `FleetCalls` of the current round, which records outcomes and timings.
     ``finish_weight_update`` carries the round's version even when the backend's engine
     calls it without one (vLLM's built-in engines do), so that the version travels with
     the data.

@@ -1,6 +1,6 @@
 """What a generation returns: exact token ids, aligned logprobs, weight versions.
 
-Plain data, no I/O; built by :mod:`asyncsync._genwire` from vLLM's responses.
+Plain data, no I/O; built by `asyncsync._genwire` from vLLM's responses.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Completion:
             strings (ids cannot be recovered from those): ``{text: logprob}``.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``...
         stop_reason: the stop token id or string that ended generation, if any.
-        weight_versions: spans over output tokens (see :class:`WeightVersionSpan`).
+        weight_versions: spans over output tokens (see `WeightVersionSpan`).
         server: base URL of the server that generated it.
         route: ``/inference/v1/generate`` or ``/v1/completions``.
         latency: seconds from sending the request to the parsed response.
@@ -95,7 +95,7 @@ class Completion:
 
     @property
     def versions_source(self) -> Literal["server", "client"]:
-        """Where :attr:`weight_versions` come from (``"client"`` when no tokens)."""
+        """Where `weight_versions` come from (``"client"`` when no tokens)."""
         if self.weight_versions and all(s.source == "server" for s in self.weight_versions):
             return "server"
         return "client"
@@ -112,7 +112,7 @@ class Completion:
     @property
     def version(self) -> str | None:
         """The single weight version of every token, or None when there are several or
-        it is unknown (see :attr:`weight_versions`)."""
+        it is unknown (see `weight_versions`)."""
         versions = {s.version for s in self.weight_versions if s.end > s.start}
         if len(versions) == 1:
             return versions.pop()

@@ -1,8 +1,8 @@
 """The fleet's control routes: each one call fanned out to the targeted servers.
 
-:class:`FleetControl` is the part of :class:`~asyncsync.Fleet` that wraps vLLM's RL,
-cache and health routes; every method plans its call (:mod:`asyncsync._protocol`), sends
-it to every target at once (:func:`~asyncsync._fanout.fan_out`) and applies the
+`FleetControl` is the part of `Fleet` that wraps vLLM's RL,
+cache and health routes; every method plans its call (`asyncsync._protocol`), sends
+it to every target at once (`fan_out`) and applies the
 partial-failure policy.
 """
 
@@ -27,7 +27,7 @@ _Targets = Iterable[str] | None
 
 
 class FleetControl:
-    """Control routes of a fleet (mixed into :class:`~asyncsync.Fleet`)."""
+    """Control routes of a fleet (mixed into `Fleet`)."""
 
     require: Require
     _members: Members

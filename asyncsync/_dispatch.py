@@ -1,6 +1,6 @@
 """Generations across a fleet: admission to an eligible server, failover, staleness.
 
-:class:`Dispatcher` waits for a server that :func:`~asyncsync._routing.choose` accepts
+`Dispatcher` waits for a server that `choose` accepts
 (probing unhealthy ones in the background while it waits), counts the request on it,
 runs the generation there, resends elsewhere only a request that never reached its
 server, and tags each completion with its staleness.
@@ -128,7 +128,7 @@ class Dispatcher:
         self.members.notify()
 
     def tag(self, completions: Sequence[Completion]) -> None:
-        """Set each completion's staleness and record it in :attr:`staleness`."""
+        """Set each completion's staleness and record it in `staleness`."""
         history, record = self.history, self.staleness.record
         for c in completions:
             c.staleness = staleness_of(history, c)

@@ -1,6 +1,6 @@
 """The one exception tree of asyncsync.
 
-Every error raised by the SDK derives from :class:`AsyncSyncError` and carries, where
+Every error raised by the SDK derives from `AsyncSyncError` and carries, where
 known, the server URL, the route, the HTTP status and an excerpt of the response body,
 so that a failure in a fleet of many servers can be traced to one of them.
 """
@@ -158,7 +158,7 @@ class GenerationAborted(GenerationError):
     ``prompt + completion.token_ids``.
 
     Attributes:
-        completions: one partial :class:`~asyncsync.Completion` per sample (``n``), in
+        completions: one partial `Completion` per sample (``n``), in
             order; each has ``finish_reason == "abort"`` or its real reason.
         retryable: always True.
     """
@@ -325,9 +325,9 @@ def _rebuild_modified(
 class FleetError(ExceptionGroup[Exception], AsyncSyncError):  # type: ignore[override]
     """A fleet call failed on at least one server.
 
-    An :class:`ExceptionGroup` of the per-server errors (each an
-    :class:`AsyncSyncError` naming its server), so ``except* ServerTimeout:`` works, and
-    an :class:`AsyncSyncError`, so ``except AsyncSyncError:`` does too.
+    An `ExceptionGroup` of the per-server errors (each an
+    `AsyncSyncError` naming its server), so ``except* ServerTimeout:`` works, and
+    an `AsyncSyncError`, so ``except AsyncSyncError:`` does too.
 
     Attributes:
         operation: the fleet method that failed (e.g. ``"update_weights"``).

@@ -59,7 +59,7 @@ async def fan_out(
 ) -> FleetResult[T]:
     """Send ``op`` to every server in ``urls`` concurrently and wait for all of them.
 
-    Each server's failure is its :class:`~asyncsync.Outcome`; nothing is raised for it
+    Each server's failure is its `Outcome`; nothing is raised for it
     here. Each server's state is updated by its endpoint as its answer arrives; a call
     cancelled in flight leaves a server that was mid-update dirty.
     """

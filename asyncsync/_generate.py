@@ -1,15 +1,15 @@
 """The generation engine: token-in-token-out on one server, plain and streamed.
 
-A :class:`GenerationEngine` sends over the server's
-:class:`~asyncsync._transport.Endpoint`; it picks the route (``"auto"`` prefers
+A `GenerationEngine` sends over the server's
+`Endpoint`; it picks the route (``"auto"`` prefers
 ``/inference/v1/generate`` and falls back to ``/v1/completions`` once, remembered, when
 the server does not serve it), reads the server's weight version at admission and at
-completion from the one :class:`~asyncsync._state.ServerState`, and never re-tokenizes
+completion from the one `ServerState`, and never re-tokenizes
 unless the caller gave a tokenizer and the server returned no ids (then loudly: a
-:class:`~asyncsync.RetokenizedWarning` once per server, and ``Completion.retokenized``).
+`RetokenizedWarning` once per server, and ``Completion.retokenized``).
 
-:class:`CompletionStream` streams one generation; where it is sent is decided by a
-:class:`StreamLease` (one server for a client, routing for a fleet).
+`CompletionStream` streams one generation; where it is sent is decided by a
+`StreamLease` (one server for a client, routing for a fleet).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ class GenerationEngine:
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> list[Completion]:
         """``req.n`` samples for ``prompt``. Raises
-        :class:`~asyncsync.GenerationAborted` (with the partial completions) when the
+        `GenerationAborted` (with the partial completions) when the
         server aborted any sample."""
         state = self.state
         admitted = state.weight_version
@@ -259,7 +259,7 @@ def _generation_error(err: ServerError) -> GenerationError:
 
 
 def check_aborted(completions: Sequence[Completion], server: str) -> None:
-    """Raise :class:`~asyncsync.GenerationAborted` when the server aborted a sample."""
+    """Raise `GenerationAborted` when the server aborted a sample."""
     aborted = [c for c in completions if c.finish_reason == "abort"]
     if not aborted:
         return
@@ -321,10 +321,10 @@ class OneServer:
 
 class CompletionStream:
     """Token deltas of one generation as they are produced: ``async for`` over
-    :class:`~asyncsync.TokenDelta` objects, inside ``async with`` so the response is
-    always released. After the last delta, :attr:`completions` holds the assembled
-    :class:`~asyncsync.Completion` objects (one per sample); an aborted generation
-    raises :class:`~asyncsync.GenerationAborted` at the end of the iteration, after every
+    `TokenDelta` objects, inside ``async with`` so the response is
+    always released. After the last delta, `completions` holds the assembled
+    `Completion` objects (one per sample); an aborted generation
+    raises `GenerationAborted` at the end of the iteration, after every
     delta it produced was delivered.
 
     Opened lazily: the request is sent on ``__aenter__`` (or the first ``__anext__``).

@@ -12,9 +12,9 @@ Pure functions and small records, no I/O. Two vLLM routes are spoken:
   strings on servers that ignore the flag). No versions.
 
 A response choice, whole or streamed in pieces, is read by one parser
-(:func:`parse_choice`) into a :class:`~asyncsync.Completion`; a plain answer is one per
-sample, a stream is many pieces per sample, accumulated by :class:`StreamAssembler`.
-:func:`completions_from` completes both.
+(`parse_choice`) into a `Completion`; a plain answer is one per
+sample, a stream is many pieces per sample, accumulated by `StreamAssembler`.
+`completions_from` completes both.
 """
 
 from __future__ import annotations
@@ -115,13 +115,13 @@ class RequestOptions(SamplingOptions, total=False):
 
 
 class GenerateOptions(RequestOptions, total=False):
-    """:class:`RequestOptions` plus the server-side ``request_id`` of one request."""
+    """`RequestOptions` plus the server-side ``request_id`` of one request."""
 
     request_id: str | None
 
 
 class RoutedOptions(RequestOptions, total=False):
-    """:class:`RequestOptions` plus routing across a fleet: only servers holding
+    """`RequestOptions` plus routing across a fleet: only servers holding
     ``min_version`` or newer, and how long to wait for an eligible server
     (``admission_timeout``)."""
 
@@ -130,14 +130,14 @@ class RoutedOptions(RequestOptions, total=False):
 
 
 class RoutedGenerateOptions(RoutedOptions, total=False):
-    """:class:`RoutedOptions` plus ``request_id`` and ``session_id`` (session affinity:
+    """`RoutedOptions` plus ``request_id`` and ``session_id`` (session affinity:
     every turn of a session on one server, for its prefix cache)."""
 
     request_id: str | None
     session_id: str | None
 
 
-#: Fields of :class:`GenerationRequest` taken from the options by name.
+#: Fields of `GenerationRequest` taken from the options by name.
 _REQUEST_FIELDS = frozenset(
     {"max_tokens", "temperature", "top_p", "top_k", "logprobs", "stop_token_ids", "seed",
      "cache_salt", "request_id", "model"}
@@ -152,7 +152,7 @@ _NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
 
 class GenerationRequest(NamedTuple):
     """What to generate, independent of the prompt and the route. Immutable; built and
-    validated by :func:`split_options` (a named tuple: built on every call, and a
+    validated by `split_options` (a named tuple: built on every call, and a
     tuple is the cheapest immutable record to build)."""
 
     n: int = 1
@@ -192,7 +192,7 @@ class GenerationRequest(NamedTuple):
 
 
 class SendOptions(NamedTuple):
-    """How a generation is sent and routed (see :class:`RoutedGenerateOptions`)."""
+    """How a generation is sent and routed (see `RoutedGenerateOptions`)."""
 
     timeout: float | None = None
     route: Route = "auto"
@@ -307,7 +307,7 @@ def check_prompts(
     vocab_size: int | None = None,
     max_model_len: int | None = None,
 ) -> list[list[int]]:
-    """:func:`check_prompt` for each prompt of a batch; errors name the prompt."""
+    """`check_prompt` for each prompt of a batch; errors name the prompt."""
     raw: object = prompts
     if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
         raise TypeError("prompts must be a sequence of token-id sequences")
@@ -367,7 +367,7 @@ def request_body(
 
 
 # ------------------------------------------------------------------------ parsing
-#: Marks token ids a response did not carry, until :func:`completions_from` fills them
+#: Marks token ids a response did not carry, until `completions_from` fills them
 #: in (the prompt we sent; ids re-tokenized from text). Identity-checked, never mutated,
 #: never left in a returned completion.
 ABSENT: list[int] = []
@@ -510,10 +510,10 @@ def parse_choice(
     raw: Any, want_logprobs: bool, ids_rule: IdsRule, path: str, tokens_before: int = 0
 ) -> Completion:
     """One choice of either route, whole or a streamed piece, as a completion that
-    :func:`completions_from` completes (server, latency, prompt, client-side versions).
+    `completions_from` completes (server, latency, prompt, client-side versions).
 
     ``ids_rule``: ``"required"`` (token ids must be there), ``"fallback"`` (missing ids
-    become :data:`ABSENT`, recovered from ``"token_id:N"`` logprob keys or re-tokenized
+    become `ABSENT`, recovered from ``"token_id:N"`` logprob keys or re-tokenized
     later), ``"delta"`` (a streamed piece: missing ids mean none, unless it has text).
     ``tokens_before``: tokens earlier pieces delivered (weight-version spans cover all).
     """
@@ -579,7 +579,7 @@ def _read_logprobs(c: Completion, raw: Any) -> None:
 
 def parse_answer(data: Any, path: str, n: int, logprobs: int | None) -> list[Completion]:
     """A plain (not streamed) generation answer on ``path``, as completions that
-    :func:`completions_from` completes (server, latency, prompt, versions)."""
+    `completions_from` completes (server, latency, prompt, versions)."""
     if not isinstance(data, dict):
         raise Malformed("not a JSON object")
     choices = data.get("choices")
@@ -609,7 +609,7 @@ def parse_answer(data: Any, path: str, n: int, logprobs: int | None) -> list[Com
 
 def parse_scored(data: Any, path: str) -> Any:
     """The raw ``prompt_logprobs`` of a one-token scoring request on ``path`` (for
-    :func:`parse_prompt_logprobs`): top-level on the generate route, per choice on
+    `parse_prompt_logprobs`): top-level on the generate route, per choice on
     ``/v1/completions``."""
     if not isinstance(data, dict):
         raise Malformed("not a JSON object")
@@ -674,7 +674,7 @@ def _prompt_position(entry: Any, pos: int) -> tuple[dict[int, float], dict[int, 
 
 # ------------------------------------------------------------------------ streams
 class StreamAssembler:
-    """Server-sent events of a streamed generation -> :class:`~asyncsync.TokenDelta`
+    """Server-sent events of a streamed generation -> `TokenDelta`
     objects as they arrive, and the whole completions at the end.
 
     Any split of the tokens across events is accepted (vLLM coalesces tokens into fewer
@@ -691,8 +691,8 @@ class StreamAssembler:
 
     def feed(self, line: bytes) -> list[TokenDelta]:
         """The deltas carried by one SSE line (none for separators, comments, other
-        fields); ``data: [DONE]`` ends the stream. Raises :class:`Malformed`, or
-        :class:`StreamFailed` for an error event."""
+        fields); ``data: [DONE]`` ends the stream. Raises `Malformed`, or
+        `StreamFailed` for an error event."""
         if not line.startswith(b"data:"):
             return []
         data = line[5:].strip()
@@ -799,7 +799,7 @@ def completions_from(
 ) -> list[Completion]:
     """Fill in what a parser cannot know: server, latency, the prompt we sent, and the
     caller's version record where the server reported none. Token ids still
-    :data:`ABSENT` are left for the caller's re-tokenize fallback."""
+    `ABSENT` are left for the caller's re-tokenize fallback."""
     for c in completions:
         c.server = server
         c.latency = latency

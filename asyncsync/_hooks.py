@@ -1,7 +1,7 @@
-"""The registry behind :mod:`asyncsync.metrics`: which hooks are registered, and the
+"""The registry behind `asyncsync.metrics`: which hooks are registered, and the
 calls that report events to them (made by the publisher, clients and fleets).
 
-Kept apart from :mod:`asyncsync.metrics` (the public protocol and the adapters) so that
+Kept apart from `asyncsync.metrics` (the public protocol and the adapters) so that
 the low layers that report events import nothing above them.
 """
 

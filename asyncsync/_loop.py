@@ -16,7 +16,7 @@ NO_UVLOOP_ENV = "ASYNCSYNC_NO_UVLOOP"
 
 
 def uvloop_enabled(use_uvloop: bool | None = None) -> bool:
-    """Whether :func:`run` will use uvloop: ``use_uvloop`` if given, else installed and
+    """Whether `run` will use uvloop: ``use_uvloop`` if given, else installed and
     not disabled by ``ASYNCSYNC_NO_UVLOOP``."""
     if use_uvloop is None:
         use_uvloop = os.environ.get(NO_UVLOOP_ENV, "").strip().lower() not in {"1", "true", "yes"}

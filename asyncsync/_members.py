@@ -16,9 +16,9 @@ __all__ = ["Members"]
 class Members:
     """The servers of a fleet, in the order they were added.
 
-    Each server has one client (whose :class:`~asyncsync.ServerState` is the server's
+    Each server has one client (whose `ServerState` is the server's
     one record) and is either owned (built and closed by the fleet) or borrowed.
-    :meth:`notify` wakes everything waiting in :meth:`changed` (routing waits for an
+    `notify` wakes everything waiting in `changed` (routing waits for an
     eligible server this way).
     """
 
@@ -92,7 +92,7 @@ class Members:
 
     # --------------------------------------------------------------- change signal
     def notify(self) -> None:
-        """Wake everything waiting in :meth:`changed` (a server's state changed)."""
+        """Wake everything waiting in `changed` (a server's state changed)."""
         if not self._waiters:
             return
         waiters, self._waiters = self._waiters, set()
@@ -101,7 +101,7 @@ class Members:
                 fut.set_result(None)
 
     async def changed(self, within: float) -> None:
-        """Return at the next :meth:`notify`, or after ``within`` seconds."""
+        """Return at the next `notify`, or after ``within`` seconds."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.add(fut)
         try:

@@ -1,15 +1,15 @@
-"""The portal thread behind :mod:`asyncsync.blocking`: one event loop of its own, on a
+"""The portal thread behind `asyncsync.blocking`: one event loop of its own, on a
 daemon thread, that runs the async objects while the calling thread blocks.
 
 The calling thread may itself be running an event loop (a Jupyter cell): it blocks on
 a future while the portal's loop, on another thread, does the work, so nothing nests.
-anyio's :class:`~anyio.from_thread.BlockingPortal` does the thread-to-loop hand-off;
+anyio's `BlockingPortal` does the thread-to-loop hand-off;
 the thread is a daemon and is stopped at interpreter exit, so an unclosed facade never
 keeps the process alive.
 
-:func:`blocking_method` turns an async (or loop-bound) method of the async class into
+`blocking_method` turns an async (or loop-bound) method of the async class into
 a blocking method of a facade class, keeping its signature, overloads and docstring for
-mypy, IDEs and :func:`help`.
+mypy, IDEs and `help`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ _STOP_TIMEOUT = 5.0
 
 
 class PortalThread:
-    """A :class:`BlockingPortal` served by a daemon thread, started on first use."""
+    """A `BlockingPortal` served by a daemon thread, started on first use."""
 
     def __init__(self, name: str = "asyncsync-portal") -> None:
         self._name = name
@@ -187,7 +187,7 @@ def loop_method(
 def wrapping_method(
     method: Callable[Concatenate[A_co, P], Any], wrap: Callable[[Any], W]
 ) -> Callable[Concatenate[Facade[A_co], P], W]:
-    """Like :func:`blocking_method`, for a method whose result is itself an async
+    """Like `blocking_method`, for a method whose result is itself an async
     object: ``wrap`` turns it into its facade (a stream, a client)."""
 
     def call(self: Facade[A_co], /, *args: P.args, **kwargs: P.kwargs) -> W:

@@ -1,10 +1,10 @@
 """vLLM's RL control routes as data: planned calls, payloads and response parsers.
 
 Pure wire knowledge, no I/O: each ``plan_*`` function turns a route's arguments (and the
-protocol generation the server speaks) into a :class:`Call`, which carries the method,
+protocol generation the server speaks) into a `Call`, which carries the method,
 route, deadline phase, JSON payload and the parser of the 2xx answer. A fleet plans and
 encodes a call once per protocol generation and sends the same bytes to every server;
-:mod:`asyncsync._transport` sends it.
+`asyncsync._transport` sends it.
 
 The two generations of vLLM's RL protocol:
 
@@ -126,7 +126,7 @@ def protocol_for_version(version: str) -> ProtocolGeneration:
     """The protocol generation of a server reporting ``version`` (``GET /version``).
 
     vLLM >= 0.32 speaks the current protocol; 0.23 up to 0.32 the 0.23 one. Older servers
-    have no weight-transfer routes: :class:`~asyncsync.UnsupportedVLLM` (docs/versions.md).
+    have no weight-transfer routes: `UnsupportedVLLM` (docs/versions.md).
     """
     match = _VERSION_RE.match(version)
     if match is None:

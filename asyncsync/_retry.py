@@ -123,7 +123,7 @@ def retry_delay(
     rand: Callable[[], float] = random.random,
 ) -> float:
     """The delay before retry ``retry`` after ``error``: the server's ``Retry-After``
-    (capped by ``policy.max_retry_after``) when it sent one, else :func:`backoff_delay`."""
+    (capped by ``policy.max_retry_after``) when it sent one, else `backoff_delay`."""
     retry_after = getattr(error, "retry_after", None)
     if isinstance(retry_after, (int, float)) and not isinstance(retry_after, bool):
         return min(float(retry_after), policy.max_retry_after)

@@ -4,9 +4,9 @@ The phases, in order: ``pause``? -> ``start`` -> ``update`` (once per payload) -
 ``finish`` -> ``reset_prefix_cache``? -> ``verify``? -> ``resume``? (resume also after a
 failure; before ``verify`` when a probe must generate).
 Start, update and finish are driven by the backend's blocking send in a worker thread
-(vLLM's trainer engines do so), through a :class:`~asyncsync._bridge.SyncFleetClient`
+(vLLM's trainer engines do so), through a `SyncFleetClient`
 whose calls land on this round's phase methods; the round runs the other phases around
-the send. :class:`PublishRound` holds everything a round knows: per-server outcomes
+the send. `PublishRound` holds everything a round knows: per-server outcomes
 (the phase a server failed in), each phase's seconds, which servers hold an open update
 (for the rollback) and which were paused. Rollback and commit each happen in one place.
 """
@@ -190,7 +190,7 @@ class PublishRound(InitCalls):
 
     ``abort_info`` is the backend's update that ends an open update on a server (see
     ``TrainerBackend.abort_info``). ``published_version`` is the version every target
-    holds; :meth:`commit` advances it, and only when every target finished.
+    holds; `commit` advances it, and only when every target finished.
     """
 
     def __init__(

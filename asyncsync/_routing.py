@@ -1,14 +1,14 @@
 """Routing of generations across a fleet, as small pure functions and records.
 
-- :class:`VersionHistory`: the order in which weight versions were published through a
+- `VersionHistory`: the order in which weight versions were published through a
   fleet, so "how many versions behind" has a meaning.
-- :func:`ineligibility`: why a server cannot take a generation now (or None).
-- :func:`choose`: least outstanding requests among eligible servers, with session
+- `ineligibility`: why a server cannot take a generation now (or None).
+- `choose`: least outstanding requests among eligible servers, with session
   affinity.
-- :class:`StalenessStats` and :func:`staleness_of`: how many versions behind
+- `StalenessStats` and `staleness_of`: how many versions behind
   completions were, fleet-wide.
 
-Nothing here touches the network; :class:`asyncsync.Fleet` applies these decisions.
+Nothing here touches the network; `asyncsync.Fleet` applies these decisions.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def ineligibility(
 ) -> Reason | None:
     """Why ``state``'s server cannot take a generation now, or None if it can.
 
-    Checks, in order: fit to serve (:meth:`ServerState.unfit`: healthy, not dirty, not
+    Checks, in order: fit to serve (`ServerState.unfit`: healthy, not dirty, not
     updating, not paused), version (at most ``max_staleness`` versions behind the
     newest, when anything was published; ``None`` disables the check), at least
     ``min_version``, and below its concurrency limit.

@@ -1,13 +1,13 @@
 """What asyncsync knows about one server, and the rules that change it.
 
-:class:`ServerState` is the one record per server: the client writes it for its own
-calls and a :class:`~asyncsync.Fleet` shares the same object, so a server's weight
+`ServerState` is the one record per server: the client writes it for its own
+calls and a `Fleet` shares the same object, so a server's weight
 version has one source of truth. The rules live here and nowhere else:
 
-- *fit to serve* (:meth:`ServerState.unfit`): healthy, not dirty, not mid-update, not
+- *fit to serve* (`ServerState.unfit`): healthy, not dirty, not mid-update, not
   paused;
-- *unreachable* (:func:`unreachable`): what makes a server unhealthy;
-- the transition after each call's outcome (:func:`observe`), including *dirty*: a
+- *unreachable* (`unreachable`): what makes a server unhealthy;
+- the transition after each call's outcome (`observe`), including *dirty*: a
   weight-sync call that failed, was cancelled or got no answer leaves the server's
   weights in an unknown state until a later round finishes there (a frozen server runs
   its queued requests when it thaws).
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 
 #: Why a server is skipped by routing; the first four are the server's own state
-#: (:meth:`ServerState.unfit`), the others depend on the fleet and the request.
+#: (`ServerState.unfit`), the others depend on the fleet and the request.
 Reason = Literal[
     "unhealthy", "dirty", "updating", "paused", "stale", "unknown_version", "below_min", "busy"
 ]

@@ -26,7 +26,7 @@ class Timeouts:
         generate: generation requests (prefill plus decode of a whole completion).
 
     Each deadline covers the whole call: connecting, sending, waiting, reading the body.
-    A call that passes its deadline raises :class:`asyncsync.ServerTimeout`.
+    A call that passes its deadline raises `asyncsync.ServerTimeout`.
     """
 
     connect: float | None = 10.0

@@ -1,13 +1,13 @@
 """The HTTP boundary: every aiohttp call asyncsync makes, plain and streamed.
 
-- :class:`Transport` owns (or borrows) one aiohttp session, created lazily inside the
+- `Transport` owns (or borrows) one aiohttp session, created lazily inside the
   running loop and closed on exit; the clients of a fleet borrow the fleet's.
-- :class:`Endpoint` is one server on a transport: base URL, credentials, deadlines and
-  retry policy. It sends a planned :class:`~asyncsync._protocol.Call` with the phase's
+- `Endpoint` is one server on a transport: base URL, credentials, deadlines and
+  retry policy. It sends a planned `Call` with the phase's
   deadline, retries idempotent calls, and records each outcome in the server's
-  :class:`~asyncsync._state.ServerState`.
-- :func:`map_error` is the one place where aiohttp and socket errors become asyncsync
-  errors, and :func:`status_error` the one place where a non-2xx answer does.
+  `ServerState`.
+- `map_error` is the one place where aiohttp and socket errors become asyncsync
+  errors, and `status_error` the one place where a non-2xx answer does.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ logger = logging.getLogger(__name__)
 #: before it reads sockets, so a server loop busy for longer than the margin closes a
 #: connection whose next request is already waiting unread. With 4 s (a 1 s margin), 256
 #: generations in flight on two vLLM-CPU servers sharing 2 cores lost 51 in one burst
-#: (tests/test_load_vllm.py), with 2 s a few; what remains, :meth:`Endpoint.request`
+#: (tests/test_load_vllm.py), with 2 s a few; what remains, `Endpoint.request`
 #: sends once more for generations. Reconnecting on loopback costs well under a
 #: millisecond.
 KEEPALIVE_TIMEOUT = 2.0
 
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 #: Calls sent once more when their connection was closed before any answer (see
-#: :meth:`Endpoint.request`): plain generations and scoring.
+#: `Endpoint.request`): plain generations and scoring.
 _RESENT_ON_CLOSED = frozenset({"generate", "score"})
 _LOST_ERRNOS = _STALE_ERRNOS | {errno.ECONNABORTED}
 _JSON_CONTENT = {"Content-Type": "application/json"}
@@ -72,7 +72,7 @@ class Transport:
 
     The session is created on first use, inside the running loop (never at import or
     construction time); a ``session`` passed in is borrowed and never closed. After
-    :meth:`aclose`, using the transport raises :class:`~asyncsync.ServerUnavailable`.
+    `aclose`, using the transport raises `ServerUnavailable`.
 
     Args:
         session: an aiohttp session to borrow, or a function of the server URL
@@ -154,10 +154,10 @@ class Transport:
 
 
 class Endpoint:
-    """One server reached through a :class:`Transport`.
+    """One server reached through a `Transport`.
 
     Holds what every request to the server needs (URL, headers, deadlines, retry
-    policy) and the server's :class:`~asyncsync._state.ServerState`, which every
+    policy) and the server's `ServerState`, which every
     outcome updates.
     """
 
@@ -229,7 +229,7 @@ class Endpoint:
           read the request and then went away refuses the second send: the first
           failure is raised, so the request is not sent elsewhere (it may have run).
 
-        Every failure is an :class:`~asyncsync.AsyncSyncError` naming the server and
+        Every failure is an `AsyncSyncError` naming the server and
         route, raised ``from`` the underlying error; the outcome is recorded in the
         server's state either way. ``timeouts`` overrides the deadlines.
         """
@@ -299,7 +299,7 @@ class Endpoint:
     ) -> aiohttp.ClientResponse:
         """Send a streamed request and return the open 200 response (headers read, the
         body not). ``deadline``: absolute loop time for the headers (None: no limit).
-        A non-2xx answer raises the same errors as :meth:`request`; the caller
+        A non-2xx answer raises the same errors as `request`; the caller
         releases the returned response."""
         try:
             resp = await self._open_stream(call, body, deadline)
@@ -348,7 +348,7 @@ def _deadlines(timeouts: Timeouts) -> dict[str, aiohttp.ClientTimeout]:
 
 def parse_answer(call: Call[T], server: str, status: int, payload: bytes) -> T:
     """The parsed 2xx ``payload``; a body the route does not promise is a
-    :class:`~asyncsync.ServerError`, never a success."""
+    `ServerError`, never a success."""
     try:
         data: Any = _json.loads(payload) if call.json_response else payload
         return call.parse(data)
@@ -364,9 +364,9 @@ def parse_answer(call: Call[T], server: str, status: int, payload: bytes) -> T:
 def status_error(
     call: Call[Any], server: str, resp: aiohttp.ClientResponse, body: bytes
 ) -> AsyncSyncError:
-    """The error for a non-2xx answer: :class:`~asyncsync.ProtocolError` for 404 (a
+    """The error for a non-2xx answer: `ProtocolError` for 404 (a
     route this server does not serve, with the call's hint), else
-    :class:`~asyncsync.ServerError` carrying vLLM's message and any ``Retry-After``."""
+    `ServerError` carrying vLLM's message and any ``Retry-After``."""
     message = describe_error_body(body)
     status = resp.status
     if status == 404:

@@ -33,7 +33,7 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 #: The RL protocol generation a server speaks: ``"0.23"`` (vLLM 0.23 up to 0.32) or
-#: ``"0.32"`` (vLLM >= 0.32). See :mod:`asyncsync._protocol`.
+#: ``"0.32"`` (vLLM >= 0.32). See `asyncsync._protocol`.
 ProtocolGeneration = Literal["0.23", "0.32"]
 
 #: The phase a route belongs to; each phase has its own deadline (see ``Timeouts``).
@@ -44,7 +44,7 @@ Phase = Literal["control", "update", "generate"]
 Route = Literal["auto", "generate", "completions"]
 
 #: Partial-failure policy of a fleet call: ``"all"`` targets must succeed (else
-#: :class:`~asyncsync.FleetError`), ``"any"`` one success is enough (the call raises only
+#: `FleetError`), ``"any"`` one success is enough (the call raises only
 #: when every target failed), ``"none"`` never raises (inspect the result).
 Require = Literal["all", "any", "none"]
 REQUIRE: tuple[Require, ...] = ("all", "any", "none")
@@ -117,7 +117,7 @@ class FleetResult(Mapping[str, Outcome[T]]):
         return tuple(u for u, o in self.outcomes.items() if not o.ok)
 
     def raise_on_failure(self, require: Require = "all") -> None:
-        """Raise :class:`~asyncsync.FleetError` if ``require`` is not met."""
+        """Raise `FleetError` if ``require`` is not met."""
         failed = self.failed
         if not failed or require == "none":
             return
@@ -126,7 +126,7 @@ class FleetResult(Mapping[str, Outcome[T]]):
         raise self.error()
 
     def error(self) -> FleetError:
-        """A :class:`~asyncsync.FleetError` of the failed servers' errors."""
+        """A `FleetError` of the failed servers' errors."""
         errors = self.errors
         parts = "; ".join(f"{url} ({_reason(err)})" for url, err in errors.items())
         message = f"{self.operation} failed on {len(errors)} of {len(self)} servers: {parts}"

@@ -124,7 +124,7 @@ VerifyLike = Literal["checksum", "probe"] | Verify
 
 
 def as_verify(verify: VerifyLike | None, weights: WeightsLike) -> Verify | None:
-    """``publish(verify=...)`` as a :class:`Verify`: ``"checksum"``, ``"probe"`` (the
+    """``publish(verify=...)`` as a `Verify`: ``"checksum"``, ``"probe"`` (the
     published module scores the probe) or a ``Verify``; ValueError/TypeError before
     anything is sent."""
     if verify is None or isinstance(verify, Verify):
@@ -388,7 +388,7 @@ async def verify_servers(
     expected: Mapping[str, str],
     executor: Executor,
 ) -> dict[str, Verification | Exception]:
-    """Check every target at once: a :class:`Verification` per server, or the error
+    """Check every target at once: a `Verification` per server, or the error
     that kept it from being checked (no ``/weight_checker``, no answer...)."""
     from asyncsync._errors import AsyncSyncError
 

@@ -1,23 +1,23 @@
 """What the installed vLLM can do, probed from vLLM itself rather than read from its
 version number: the one place that knows how vLLM generations differ (docs/versions.md).
 
-- :func:`engine_contract`: which worker-engine contract vLLM's ``WeightTransferEngine``
+- `engine_contract`: which worker-engine contract vLLM's ``WeightTransferEngine``
   base class expects (its constructor and ``receive_weights`` signatures); the plugin
   registers the matching adapter.
-- :func:`probe_server_options`: the command-line options the installed vLLM's OpenAI
+- `probe_server_options`: the command-line options the installed vLLM's OpenAI
   server accepts, read from vLLM's own parser builder in a subprocess, once per
-  interpreter and vLLM install (cached on disk); :func:`server_flags` turns them into the
-  flags :class:`~asyncsync.testing.LocalVLLMServer` passes.
-- :func:`installed_trainer_api`: which trainer-side API vLLM's own NCCL and IPC
+  interpreter and vLLM install (cached on disk); `server_flags` turns them into the
+  flags `LocalVLLMServer` passes.
+- `installed_trainer_api`: which trainer-side API vLLM's own NCCL and IPC
   engines offer (registered in ``WeightTransferTrainerFactory``: IPC from 0.27, NCCL
   from 0.28; before that the static ``trainer_send_weights``); the ``"nccl"`` and
   ``"ipc"`` backends drive it.
-- :class:`ServerFeatures`: what a running server serves (its routes from
+- `ServerFeatures`: what a running server serves (its routes from
   ``/openapi.json``, the fields of a ``/inference/v1/generate`` answer), for code and
   tests that must not rely on what one generation lacks.
 
 Whatever asyncsync needs and the probe does not find raises
-:class:`~asyncsync.UnsupportedVLLM` naming the version and what is missing.
+`UnsupportedVLLM` naming the version and what is missing.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def engine_contract(base: type, version: str) -> EngineContract:
 
 
 def installed_engine_contract() -> EngineContract:
-    """:func:`engine_contract` of the vLLM installed in this interpreter."""
+    """`engine_contract` of the vLLM installed in this interpreter."""
     import vllm
 
     version = str(getattr(vllm, "__version__", "unknown"))
@@ -152,7 +152,7 @@ def trainer_api(in_factory: bool, engine: type | None, version: str) -> VLLMTrai
 
 
 def installed_trainer_api(backend: str) -> VLLMTrainerApi:
-    """:func:`trainer_api` of the vLLM installed in this interpreter, for vLLM's built-in
+    """`trainer_api` of the vLLM installed in this interpreter, for vLLM's built-in
     ``backend`` (``"nccl"`` or ``"ipc"``).
 
     Raises:
@@ -213,7 +213,7 @@ class ServerOptions:
         return flag in self.options
 
     def require(self, flag: str, purpose: str) -> str:
-        """``flag``, or :class:`~asyncsync.UnsupportedVLLM` if the server lacks it."""
+        """``flag``, or `UnsupportedVLLM` if the server lacks it."""
         if flag not in self.options:
             raise UnsupportedVLLM(
                 self.version, f"its server has no {flag} option (needed for {purpose})"
@@ -349,7 +349,7 @@ def _print_server_options() -> None:
 
 
 # ------------------------------------------------------------------ server features
-#: The generate request whose answer :meth:`ServerFeatures.from_answers` reads.
+#: The generate request whose answer `ServerFeatures.from_answers` reads.
 GENERATE_PROBE: dict[str, Any] = {
     "token_ids": [1, 2],
     # not greedy: vLLM refuses n > 1 with temperature 0 (400 "n must be 1 when using
@@ -387,7 +387,7 @@ class ServerFeatures:
     def from_answers(
         cls, version: str, openapi: Mapping[str, Any], generate: Mapping[str, Any]
     ) -> ServerFeatures:
-        """From the answers to ``GET /openapi.json`` and :data:`GENERATE_PROBE`."""
+        """From the answers to ``GET /openapi.json`` and `GENERATE_PROBE`."""
         choices = generate.get("choices")
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
             raise ValueError(f"a generate answer without choices: {generate!r:.200}")
@@ -400,7 +400,7 @@ class ServerFeatures:
 
     def lacks(self, feature: str) -> str | None:
         """Why this server lacks ``feature`` (``"route:/weight_checker"`` or a key of
-        :data:`FEATURES`), or None when it has it."""
+        `FEATURES`), or None when it has it."""
         kind, _, name = feature.partition(":")
         if kind == "route":
             has = name in self.routes

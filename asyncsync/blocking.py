@@ -9,9 +9,9 @@
         with blocking.WeightPublisher(fleet, backend="shm") as publisher:
             publisher.publish(model.named_parameters(), version="step-1")
 
-:class:`Fleet`, :class:`VLLMClient`, :class:`WeightPublisher` and :class:`Trajectory`
-take the same arguments as :class:`asyncsync.Fleet`, :class:`asyncsync.AsyncVLLMClient`,
-:class:`asyncsync.AsyncWeightPublisher` and :class:`asyncsync.Trajectory`; every method
+`Fleet`, `VLLMClient`, `WeightPublisher` and `Trajectory`
+take the same arguments as `asyncsync.Fleet`, `asyncsync.AsyncVLLMClient`,
+`asyncsync.AsyncWeightPublisher` and `asyncsync.Trajectory`; every method
 has the async method's name, arguments and result, and raises the same typed errors.
 ``aclose()`` is ``close()``, ``async with`` is ``with``, and a stream is a plain iterator.
 
@@ -95,7 +95,7 @@ class _Closing(Facade[C]):
 
 
 class CompletionStream(_Closing[az.CompletionStream]):
-    """A streamed generation as a plain iterator of :class:`~asyncsync.TokenDelta`:
+    """A streamed generation as a plain iterator of `TokenDelta`:
     ``with fleet.stream(ids, ...) as s: for delta in s: ...``; then ``s.completion``.
     The request is sent on entering (or on the first ``next``)."""
 
@@ -125,7 +125,7 @@ class CompletionStream(_Closing[az.CompletionStream]):
 
 
 class VLLMClient(_Closing[az.AsyncVLLMClient]):
-    """One vLLM server, blocking: :class:`asyncsync.AsyncVLLMClient`'s methods and
+    """One vLLM server, blocking: `asyncsync.AsyncVLLMClient`'s methods and
     arguments (an aiohttp ``session`` cannot be lent: it belongs to the portal's loop)."""
 
     def __init__(
@@ -211,8 +211,8 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
 
 
 class Fleet(_Closing[az.Fleet]):
-    """Many vLLM servers, blocking: :class:`asyncsync.Fleet`'s methods and arguments.
-    ``servers`` may hold :class:`VLLMClient` objects besides URLs."""
+    """Many vLLM servers, blocking: `asyncsync.Fleet`'s methods and arguments.
+    ``servers`` may hold `VLLMClient` objects besides URLs."""
 
     def __init__(
         self,
@@ -248,7 +248,7 @@ class Fleet(_Closing[az.Fleet]):
 
     # ------------------------------------------------------------------ servers
     def add_server(self, server: str | VLLMClient, *, check: bool = False) -> ServerState:
-        """Add a server at runtime (see :meth:`asyncsync.Fleet.add_server`)."""
+        """Add a server at runtime (see `asyncsync.Fleet.add_server`)."""
         return self._call(functools.partial(self._async.add_server, _unwrap(server), check=check))
 
     def client(self, url: str) -> VLLMClient:
@@ -291,7 +291,7 @@ class Fleet(_Closing[az.Fleet]):
 
     @property
     def staleness(self) -> StalenessStats:
-        """Fleet-wide staleness of completions (see :class:`~asyncsync.StalenessStats`)."""
+        """Fleet-wide staleness of completions (see `StalenessStats`)."""
         return self._async.staleness
 
     @property
@@ -345,8 +345,8 @@ class Fleet(_Closing[az.Fleet]):
 
 
 class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
-    """Publishes trainer weights into every server of a blocking :class:`Fleet`:
-    :class:`asyncsync.AsyncWeightPublisher`'s methods and arguments. The backend's send
+    """Publishes trainer weights into every server of a blocking `Fleet`:
+    `asyncsync.AsyncWeightPublisher`'s methods and arguments. The backend's send
     runs in the publisher's worker thread, the fan-outs on the portal's loop."""
 
     def __init__(
@@ -411,15 +411,15 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
 
 class Trajectory(az.Trajectory):
-    """:class:`asyncsync.Trajectory` whose :meth:`generate` takes a blocking
-    :class:`Fleet` or :class:`VLLMClient` and returns the completion (no ``await``).
-    Everything else is the async API's :class:`~asyncsync.Trajectory` unchanged."""
+    """`asyncsync.Trajectory` whose `generate` takes a blocking
+    `Fleet` or `VLLMClient` and returns the completion (no ``await``).
+    Everything else is the async API's `Trajectory` unchanged."""
 
     def generate(  # type: ignore[override]  # the blocking form of an async method
         self, fleet_or_client: Fleet | VLLMClient, **kwargs: Any
     ) -> Completion:
-        """Generate the next turn from :meth:`next_prompt` and append it; on a fleet
-        :attr:`session_id` keeps every turn on one server. ``kwargs`` go to
+        """Generate the next turn from `next_prompt` and append it; on a fleet
+        `session_id` keeps every turn on one server. ``kwargs`` go to
         ``generate`` (``n`` must be 1)."""
         turn = functools.partial(super().generate, fleet_or_client._async, **kwargs)
         return fleet_or_client._call(turn)

@@ -1,9 +1,9 @@
 """``AsyncVLLMClient``: one vLLM server, every RL route, version-aware.
 
-A facade: the routes' wire format is :mod:`asyncsync._protocol`, sending is
-:mod:`asyncsync._transport`, generation is :mod:`asyncsync._generate`, and what is known
-about the server lives in its :class:`~asyncsync.ServerState`. ``GET /version`` is read
-once per client (:meth:`AsyncVLLMClient.server_version`) and decides which generation of
+A facade: the routes' wire format is `asyncsync._protocol`, sending is
+`asyncsync._transport`, generation is `asyncsync._generate`, and what is known
+about the server lives in its `ServerState`. ``GET /version`` is read
+once per client (`AsyncVLLMClient.server_version`) and decides which generation of
 vLLM's RL protocol is spoken (0.23 or 0.32 payloads).
 """
 
@@ -50,21 +50,21 @@ class AsyncVLLMClient:
     Use it as an async context manager. The aiohttp session is created inside the
     running loop on first use and closed on exit (also when the block is cancelled);
     a ``session`` passed in is borrowed and left open. After exit the client is closed
-    and every call raises :class:`~asyncsync.ServerUnavailable`.
+    and every call raises `ServerUnavailable`.
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:8000"``.
         api_key: sent as ``Authorization: Bearer ...`` on every request. vLLM's
             ``--api-key`` does not protect the RL routes: keep them off networks.
-        timeouts: per-phase deadlines (:class:`~asyncsync.Timeouts`); defaults when None.
+        timeouts: per-phase deadlines (`Timeouts`); defaults when None.
         session: an aiohttp session to borrow, or a function of the server URL returning
-            one (called on each use, inside the loop: how a :class:`~asyncsync.Fleet`
+            one (called on each use, inside the loop: how a `Fleet`
             lends its own).
         retry: policy for idempotent calls (health, version, weight_info, is_paused,
             get_world_size); ``None`` or ``RetryPolicy.off()`` disables retries.
         vllm_version: skip ``GET /version`` and assume this vLLM version.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``): every
-            prompt is checked against it before it is sent (see :attr:`vocab_size`).
+            prompt is checked against it before it is sent (see `vocab_size`).
         max_model_len: the server's context length (its ``--max-model-len``, or the
             model's): a prompt that fills it is refused before it is sent.
     """
@@ -100,7 +100,7 @@ class AsyncVLLMClient:
         )
         """The server's HTTP endpoint (advanced: sends planned calls)."""
         self.generator = GenerationEngine(self.endpoint)
-        """Token-in-token-out on this server (advanced; use :meth:`generate`)."""
+        """Token-in-token-out on this server (advanced; use `generate`)."""
         self.vocab_size: int | None = check_vocab_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before anything is sent (vLLM's engine fails
@@ -186,12 +186,12 @@ class AsyncVLLMClient:
         await self._run(wire.plan_health())
 
     async def version(self) -> str:
-        """``GET /version``, read now (not cached; see :meth:`server_version`)."""
+        """``GET /version``, read now (not cached; see `server_version`)."""
         return await self._run(wire.plan_version())
 
     async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool | None = None) -> None:
         """``POST /pause?mode=...``: stop scheduling. ``abort`` drops in-flight requests,
-        ``wait`` drains them, ``keep`` freezes them until :meth:`resume`. ``clear_cache``
+        ``wait`` drains them, ``keep`` freezes them until `resume`. ``clear_cache``
         is deprecated upstream and only sent when given."""
         await self._run(wire.plan_pause(mode, clear_cache))
 
@@ -210,7 +210,7 @@ class AsyncVLLMClient:
 
     async def weight_info(self) -> str:
         """``GET /weight_info``: the server's weight version (vLLM >= 0.32; starts as
-        ``"default"``). On 0.23 servers use :attr:`weight_version`."""
+        ``"default"``). On 0.23 servers use `weight_version`."""
         return await self._run(wire.plan_weight_info(await self.protocol(), self.base_url))
 
     async def update_weight_version(self, new_version: str) -> None:
@@ -275,7 +275,7 @@ class AsyncVLLMClient:
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         """``POST /finish_weight_update``. On vLLM >= 0.32 ``weight_version`` is sent and
-        stored by the server; on 0.23 the client records it (:attr:`weight_version`)."""
+        stored by the server; on 0.23 the client records it (`weight_version`)."""
         await self._run(wire.plan_finish_weight_update(await self.protocol(), weight_version))
 
     async def shutdown_weight_transfer_engine(self) -> None:
@@ -300,15 +300,15 @@ class AsyncVLLMClient:
     ) -> Completion | list[Completion]:
         """Generate from token ids on this server; the exact sampled ids come back.
 
-        Returns one :class:`~asyncsync.Completion` (``n == 1``) or a list of ``n``.
+        Returns one `Completion` (``n == 1``) or a list of ``n``.
         ``options``: the sampling parameters (``max_tokens=16``, ``temperature=1.0``,
         ``logprobs``, ``seed``..., any vLLM sampling parameter), ``timeout`` (the
         generate deadline of this call), ``route`` (``"auto"`` uses
         ``/inference/v1/generate`` where served, with weight-version spans on vLLM >=
         0.32, else ``/v1/completions``), ``tokenizer`` (re-tokenize fallback) and
-        ``request_id`` (see :class:`~asyncsync.GenerateOptions`). Weight versions not
-        reported by the server come from :attr:`weight_version` at admission and
-        completion (``source="client"``). Raises :class:`~asyncsync.GenerationAborted`
+        ``request_id`` (see `GenerateOptions`). Weight versions not
+        reported by the server come from `weight_version` at admission and
+        completion (``source="client"``). Raises `GenerationAborted`
         (with the partial tokens) when the server aborted the request.
         """
         req, send = split_options(options, n=n)

@@ -1,9 +1,9 @@
 """``Fleet``: many vLLM servers driven as one, concurrently, with per-server outcomes.
 
-A facade over small parts: :mod:`asyncsync._members` (the servers and their states),
-:mod:`asyncsync._fanout` (control calls to many servers at once),
-:mod:`asyncsync._dispatch` (routing and admission of generations) and
-:mod:`asyncsync._routing` (the pure routing decisions and version history).
+A facade over small parts: `asyncsync._members` (the servers and their states),
+`asyncsync._fanout` (control calls to many servers at once),
+`asyncsync._dispatch` (routing and admission of generations) and
+`asyncsync._routing` (the pure routing decisions and version history).
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ class Fleet(FleetControl):
     """Many vLLM servers driven concurrently; an async context manager.
 
     Every control method fans out to the targeted servers at once, waits until each
-    answered or failed, and returns a :class:`FleetResult` of per-server
-    :class:`Outcome` objects. Whether a failure raises is the partial-failure policy
+    answered or failed, and returns a `FleetResult` of per-server
+    `Outcome` objects. Whether a failure raises is the partial-failure policy
     ``require`` (per fleet, overridable per call): ``"all"`` (default) raises
-    :class:`~asyncsync.FleetError` when any server failed, ``"any"`` only when all did,
-    ``"none"`` never. Either way every outcome is kept, and :attr:`servers` is updated.
+    `FleetError` when any server failed, ``"any"`` only when all did,
+    ``"none"`` never. Either way every outcome is kept, and `servers` is updated.
 
     One aiohttp session, created inside the running loop, is shared by the clients the
     fleet builds from URLs; each payload is JSON-encoded once per call (once per vLLM
@@ -64,7 +64,7 @@ class Fleet(FleetControl):
     in keep their own session and settings and are not closed by the fleet.
 
     Args:
-        servers: base URLs and/or :class:`AsyncVLLMClient` objects.
+        servers: base URLs and/or `AsyncVLLMClient` objects.
         api_key: bearer token of the clients built from URLs (never logged).
         timeouts: deadlines per phase of the clients built from URLs.
         retry: retry policy of the clients built from URLs.
@@ -110,7 +110,7 @@ class Fleet(FleetControl):
             raise TypeError("servers must be an iterable of URLs or clients, not one string")
         self.require: Require = check_require(require)
         self.tokenizer: Tokenizer | None = tokenizer
-        """Default tokenizer for the re-tokenize fallback (see :meth:`generate`)."""
+        """Default tokenizer for the re-tokenize fallback (see `generate`)."""
         self.vocab_size: int | None = check_vocab_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before routing (vLLM's engine fails on such
@@ -131,7 +131,7 @@ class Fleet(FleetControl):
         self._policy = RoutingPolicy(max_staleness, admission_timeout)
         self._dispatch = Dispatcher(self._members, self._history, self._policy, self._probe)
         self.staleness: StalenessStats = self._dispatch.staleness
-        """Fleet-wide staleness of completions (see :class:`StalenessStats`)."""
+        """Fleet-wide staleness of completions (see `StalenessStats`)."""
         self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         for server in servers:
             self._add(server)
@@ -271,7 +271,7 @@ class Fleet(FleetControl):
 
     def set_weight_version(self, version: str | None, urls: _Targets = None) -> None:
         """Record ``version`` as the weight version of servers (all when None); a new
-        version becomes the fleet's newest (see :attr:`current_version`)."""
+        version becomes the fleet's newest (see `current_version`)."""
         for url in self._members.resolve(urls):
             self._members.state(url).record_version(version)
         self._history.record(version)
@@ -293,7 +293,7 @@ class Fleet(FleetControl):
         return self._history.versions
 
     def versions_behind(self, version: str | None) -> int | None:
-        """How many published versions ``version`` is behind :attr:`current_version`
+        """How many published versions ``version`` is behind `current_version`
         (None when unknown)."""
         return self._history.behind(version)
 
@@ -351,7 +351,7 @@ class Fleet(FleetControl):
         """Wait until ``count`` of ``targets`` (default: all of them) hold ``version``
         or a newer published one, and are fit to serve (healthy, clean, not mid-update,
         not paused). Returns those servers' URLs. Raises
-        :class:`~asyncsync.GenerationError` after ``timeout`` seconds. A version gate
+        `GenerationError` after ``timeout`` seconds. A version gate
         for async RL: e.g. generate the next batch only once the servers run weights at
         most k steps old."""
         urls = self._members.resolve(targets)
@@ -396,24 +396,24 @@ class Fleet(FleetControl):
         """Generate from token ids on one server of the fleet, chosen by routing.
 
         Routing: among servers that are fit to serve (healthy, not paused, not
-        updating, not dirty), at most :attr:`max_staleness` published versions behind,
+        updating, not dirty), at most `max_staleness` published versions behind,
         at least ``min_version`` (when given) and below their concurrency limit, the
         one with the fewest outstanding requests. ``session_id`` pins a session to one
         server (prefix-cache reuse across turns) for as long as that server stays
         healthy, clean and current; while it is only paused, updating or busy, the
         request waits for it. With no eligible server the request waits up to
-        ``admission_timeout`` (default :attr:`admission_timeout`), then raises
-        :class:`~asyncsync.GenerationError` naming each server's reason. A request that
+        ``admission_timeout`` (default `admission_timeout`), then raises
+        `GenerationError` naming each server's reason. A request that
         never reached its server (connection refused) is sent to another one; one whose
         connection the server closed before any answer is sent once more to the same
         server (uvicorn closing an idle keep-alive connection as the request arrived;
         docs/client.md); nothing else is resent.
 
-        Returns one :class:`~asyncsync.Completion` (``n == 1``) or a list of ``n``. The
-        other options are those of :meth:`AsyncVLLMClient.generate` (see
-        :class:`~asyncsync.RoutedGenerateOptions`); ``tokenizer`` defaults to the
-        fleet's. Each completion's :attr:`~Completion.staleness` is set and recorded in
-        :attr:`staleness`. Aborted requests raise :class:`~asyncsync.GenerationAborted`
+        Returns one `Completion` (``n == 1``) or a list of ``n``. The
+        other options are those of `AsyncVLLMClient.generate` (see
+        `RoutedGenerateOptions`); ``tokenizer`` defaults to the
+        fleet's. Each completion's `staleness` is set and recorded in
+        `staleness`. Aborted requests raise `GenerationAborted`
         with the partial tokens (retryable).
         """
         req, send = self._options(options, n, "generate")
@@ -446,7 +446,7 @@ class Fleet(FleetControl):
         self, prompt_token_ids: Sequence[int], *, n: int = 1,
         **options: Unpack[RoutedGenerateOptions],
     ) -> CompletionStream:  # fmt: skip
-        """Stream a generation routed like :meth:`generate`: ``async with
+        """Stream a generation routed like `generate`: ``async with
         fleet.stream(ids, ...) as s: async for delta in s: ...``; then
         ``s.completion``. The server is chosen when the stream opens and holds the
         request until the stream is closed."""
@@ -467,8 +467,8 @@ class Fleet(FleetControl):
         admission_timeout: float | None = None,
     ) -> PromptScores:
         """Per-position logprob of each given token (``prompt_logprobs``) on a server
-        chosen like :meth:`generate`: position 0 is None; a position whose answer
-        lacks the given token raises :class:`~asyncsync.GenerationError`."""
+        chosen like `generate`: position 0 is None; a position whose answer
+        lacks the given token raises `GenerationError`."""
         ids = check_prompt(token_ids, self.vocab_size, self.max_model_len)
         _, send = split_options(
             {"session_id": session_id, "timeout": timeout, "route": route,

@@ -7,19 +7,19 @@
     metrics.add_hook(metrics.PrometheusMetrics())      # prometheus_client, if installed
     metrics.add_hook(metrics.OpenTelemetryMetrics())   # opentelemetry-api, if installed
 
-A hook is any object with the three methods of :class:`MetricsHook` (subclass it to
+A hook is any object with the three methods of `MetricsHook` (subclass it to
 override only some). Hooks are called on the event loop's thread, right after the event;
 they must be quick and must not block. A hook that raises is logged (logger
 ``asyncsync.metrics``) and does not disturb the round or the generation.
 
 What is reported:
 
-- :meth:`MetricsHook.on_publish`: a successful round's :class:`~asyncsync.PublishReport`
+- `MetricsHook.on_publish`: a successful round's `PublishReport`
   (version, seconds per phase, bytes, servers).
-- :meth:`MetricsHook.on_publish_failed`: the version and the
-  :class:`~asyncsync.PublishError` of a failed round.
-- :meth:`MetricsHook.on_generation`: each :class:`~asyncsync.Completion` (server, latency,
-  tokens, weight versions; ``staleness`` when it came through a :class:`~asyncsync.Fleet`).
+- `MetricsHook.on_publish_failed`: the version and the
+  `PublishError` of a failed round.
+- `MetricsHook.on_generation`: each `Completion` (server, latency,
+  tokens, weight versions; ``staleness`` when it came through a `Fleet`).
 """
 
 from __future__ import annotations

@@ -2,13 +2,13 @@
 caller's view.
 
 A round is: optional pause -> start -> update(s) -> finish with the version ->
-prefix-cache reset -> resume (resume also on failure); :mod:`asyncsync._round` runs it.
-The backend (:mod:`asyncsync.backends`, looked up by name) sends in a bounded worker
+prefix-cache reset -> resume (resume also on failure); `asyncsync._round` runs it.
+The backend (`asyncsync.backends`, looked up by name) sends in a bounded worker
 thread; every payload it produces is fanned out to all targeted servers concurrently on
-the event loop (see :mod:`asyncsync._bridge`).
+the event loop (see `asyncsync._bridge`).
 
 ``publisher.version`` advances only when every targeted server finished the round.
-Otherwise :class:`~asyncsync.PublishError` carries each server's outcome, and servers
+Otherwise `PublishError` carries each server's outcome, and servers
 left mid-update are marked dirty in the fleet (generation avoids them) until a later
 round succeeds on them. A cancelled round stops at the next chunk boundary and leaves no
 server with an active update.
@@ -75,11 +75,11 @@ __all__ = [
 
 
 class AsyncWeightPublisher:
-    """Publishes trainer weights into every server of a :class:`~asyncsync.Fleet`.
+    """Publishes trainer weights into every server of a `Fleet`.
 
     Args:
         fleet: the servers (rank 0 only; other ranks may pass ``None``).
-        backend: a registered trainer-side backend (:mod:`asyncsync.backends`):
+        backend: a registered trainer-side backend (`asyncsync.backends`):
             ``"shm"`` (CPU shared memory, this package's vLLM plugin), ``"gloo"`` (CPU,
             across hosts, this package's plugin), ``"nccl"`` and ``"ipc"`` (vLLM's own
             GPU engines; ``"ipc"`` needs ``allow_insecure_serialization=True``).
@@ -97,13 +97,13 @@ class AsyncWeightPublisher:
             ``buffer_bytes``, the size of each of its two shared-memory buffers; it
             bounds the trainer's extra memory whatever the model size. ``zero_copy``
             (``True``/``"auto"``): the servers read the trainer's tensors in place when
-            they live in shared memory (:func:`asyncsync.share_weights`); the weights
+            they live in shared memory (`asyncsync.share_weights`); the weights
             must then not change until ``publish`` returns
-            (:class:`~asyncsync.WeightsModifiedError` otherwise).
+            (`WeightsModifiedError` otherwise).
 
     Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for each
     chunk's fan-out, ``control`` for start, finish, pause and resume). A hung server
-    fails the round with :class:`~asyncsync.ServerTimeout` inside the ``PublishError``.
+    fails the round with `ServerTimeout` inside the ``PublishError``.
     """
 
     def __init__(
@@ -234,12 +234,12 @@ class AsyncWeightPublisher:
         ``verify`` (opt-in) checks every server against the trainer once it finished:
         ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
         it sent), ``"probe"`` (greedy generations scored by the published module's own
-        forward pass) or a :class:`Verify` with both or other settings. A server that
+        forward pass) or a `Verify` with both or other settings. A server that
         does not match fails the round there (``phase="verify"``, a
-        :class:`~asyncsync.WeightMismatch` naming what differed), is marked dirty, and
+        `WeightMismatch` naming what differed), is marked dirty, and
         the version stays unchanged. ``PublishReport.verified`` says what was checked.
 
-        Returns a :class:`PublishReport`; raises :class:`~asyncsync.PublishError` with
+        Returns a `PublishReport`; raises `PublishError` with
         per-server outcomes when any server failed (the published version is then
         unchanged) and re-raises cancellation after ending the round everywhere.
         """
@@ -270,7 +270,7 @@ class AsyncWeightPublisher:
 
     async def _check_checksum_route(self, targets: Sequence[str]) -> None:
         """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
-        sent: :class:`~asyncsync.UnsupportedVLLM` otherwise."""
+        sent: `UnsupportedVLLM` otherwise."""
         assert self.fleet is not None
         for url in targets:
             client = self.fleet.client(url)
@@ -293,7 +293,7 @@ class AsyncWeightPublisher:
         publishing: ``how`` takes what ``publish(..., verify=...)`` takes. The trainer's
         digests are taken in the worker thread (the weights are read once). A server
         that does not match is marked dirty in the fleet (generation avoids it until a
-        round succeeds there) and its :class:`Verification` lists what differed; a
+        round succeeds there) and its `Verification` lists what differed; a
         server that could not be checked raises its error. Runs between rounds (it
         waits for a running ``publish``)."""
         checks = as_verify(how, weights)

@@ -2,7 +2,7 @@
 
 An agentic rollout alternates text the environment supplies (system prompt, user turn,
 tool output, chat-template glue: token ids from the user's own renderer) with text the
-policy sampled (:class:`~asyncsync.Completion` objects). The trajectory keeps the exact
+policy sampled (`Completion` objects). The trajectory keeps the exact
 concatenation of all of them, so the next turn's prompt is built without re-tokenizing
 anything already generated, and exports what a trainer needs: ids, a loss mask (1 only on
 sampled tokens), logprobs aligned with the ids, and the weight version of every token.
@@ -34,8 +34,8 @@ class Segment:
     Attributes:
         kind: ``"prompt"`` (user/system/template text), ``"tool"`` (tool output) or
             ``"completion"`` (sampled by the policy).
-        start, end: positions in :attr:`Trajectory.token_ids`.
-        completion: the :class:`~asyncsync.Completion` for a completion segment.
+        start, end: positions in `Trajectory.token_ids`.
+        completion: the `Completion` for a completion segment.
         trainable: whether the segment's tokens are in the loss mask.
     """
 
@@ -63,8 +63,8 @@ class Trajectory:
 
     Args:
         prompt_token_ids: the first prompt segment (optional).
-        session_id: used for session affinity by :meth:`generate` (default: random).
-        check_prefix: :meth:`add_completion` refuses a completion whose prompt is not
+        session_id: used for session affinity by `generate` (default: random).
+        check_prefix: `add_completion` refuses a completion whose prompt is not
             exactly the trajectory so far (it was generated for another context).
     """
 
@@ -151,8 +151,8 @@ class Trajectory:
         return list(self._ids)
 
     async def generate(self, fleet_or_client: Fleet | AsyncVLLMClient, **kwargs: Any) -> Completion:
-        """Generate the next turn from :meth:`next_prompt` and append it. On a fleet
-        the trajectory's :attr:`session_id` keeps every turn on one server (prefix
+        """Generate the next turn from `next_prompt` and append it. On a fleet
+        the trajectory's `session_id` keeps every turn on one server (prefix
         cache). ``kwargs`` go to ``generate`` (``n`` must be 1)."""
         from asyncsync.fleet import Fleet
 
@@ -173,7 +173,7 @@ class Trajectory:
 
     @property
     def loss_mask(self) -> list[int]:
-        """1 on sampled (trainable) tokens, 0 elsewhere; aligned with :attr:`token_ids`."""
+        """1 on sampled (trainable) tokens, 0 elsewhere; aligned with `token_ids`."""
         return list(self._mask)
 
     @property

@@ -5,11 +5,11 @@ token-in-token-out at temperature 1, a plain torch trainer taking GRPO-style ste
 verifiable reward, and a publish of the new weights after every step while the next
 rollouts keep generating. Modules:
 
-- :mod:`._task` — the reward, the prompts, group advantages and the trainer (torch only);
-- :mod:`._loop` — the loop: batches generated while the trainer steps and publishes, a
+- `._task` — the reward, the prompts, group advantages and the trainer (torch only);
+- `._loop` — the loop: batches generated while the trainer steps and publishes, a
   staleness bound, the final greedy check;
-- :mod:`._report` — step records, the table, the JSON file;
-- :mod:`._run` — servers, the fleet and the publisher around the loop; what is printed.
+- `._report` — step records, the table, the JSON file;
+- `._run` — servers, the fleet and the publisher around the loop; what is printed.
 
 Needs the ``server`` extra (vLLM, transformers) and torch; imported only by the CLI.
 """

@@ -1,7 +1,7 @@
 """The demo's RL problem and its trainer: a verifiable reward and GRPO-style steps.
 
 The task: continue a prompt of random token ids with tokens from a target set (every
-token id that is a multiple of :data:`TARGET_EVERY`). The reward of a rollout is the
+token id that is a multiple of `TARGET_EVERY`). The reward of a rollout is the
 share of its generated tokens that are in the set, in [0, 1]; a freshly initialised
 tiny model scores about ``1 / TARGET_EVERY`` by chance. Nothing here does I/O.
 """

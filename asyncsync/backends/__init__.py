@@ -3,7 +3,7 @@
 ``AsyncWeightPublisher(fleet, backend="shm", **options)`` looks the name up here and
 creates the class with the publisher's rank, world size and API style plus the
 backend's own options. Adding a transport means adding a module with a
-:class:`TrainerBackend` subclass and one :func:`register_backend` line; the publish round
+`TrainerBackend` subclass and one `register_backend` line; the publish round
 does not change. Classes are registered by module path and imported on first use, so
 importing this package (the vLLM plugin does, inside every vLLM process) stays cheap.
 """

@@ -1,12 +1,12 @@
 """What a trainer-side transport implements to plug into ``AsyncWeightPublisher``.
 
-A backend is a class registered under a name (see :mod:`asyncsync.backends`). The
-publisher creates one per publisher, calls :meth:`TrainerBackend.init` once and
-:meth:`TrainerBackend.send` once per round, both in its worker thread, and
-:meth:`TrainerBackend.close` when it closes. A backend talks to the servers only through
-the :class:`~asyncsync._bridge.SyncFleetClient` it is handed: vLLM's four blocking
+A backend is a class registered under a name (see `asyncsync.backends`). The
+publisher creates one per publisher, calls `TrainerBackend.init` once and
+`TrainerBackend.send` once per round, both in its worker thread, and
+`TrainerBackend.close` when it closes. A backend talks to the servers only through
+the `SyncFleetClient` it is handed: vLLM's four blocking
 ``VLLMWeightSyncClient`` methods plus ``begin_init`` / ``begin_update``, which start a
-fan-out and return a :class:`concurrent.futures.Future` at once (for transports whose own
+fan-out and return a `concurrent.futures.Future` at once (for transports whose own
 handshake or broadcast must run while the HTTP call is in flight). The publish round
 behind that client does the bookkeeping: per-server outcomes, timings, rollback.
 """
@@ -57,10 +57,10 @@ class SendStats:
 class TrainerBackend(ABC):
     """The trainer side of one transport.
 
-    Subclasses set :attr:`name` and :attr:`server_backend`, implement :meth:`init_info`
-    and :meth:`send`, and take their own options as keyword-only ``__init__`` arguments
+    Subclasses set `name` and `server_backend`, implement `init_info`
+    and `send`, and take their own options as keyword-only ``__init__`` arguments
     after the common ones (``rank``, ``world_size``, ``api``); ``AsyncWeightPublisher``
-    passes its extra keyword arguments through and :meth:`option_names` tells users what
+    passes its extra keyword arguments through and `option_names` tells users what
     a backend accepts.
     """
 
@@ -116,7 +116,7 @@ class TrainerBackend(ABC):
         input is known good (once the first payload is ready), then
         ``client.update_weights(info)`` per payload (it returns when every server took
         it; or ``begin_update``), then ``client.finish_weight_update()``. Report each
-        payload to ``control.on_chunk``; stop with :class:`RoundCancelled` at the next
+        payload to ``control.on_chunk``; stop with `RoundCancelled` at the next
         payload boundary once ``control.cancel`` is set. Without a client (other ranks):
         iterate ``source`` in lockstep, send nothing.
         """

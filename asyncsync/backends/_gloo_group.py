@@ -1,7 +1,7 @@
 """One generation of a standalone gloo group: a TCPStore of its own plus a
 ``ProcessGroupGloo`` built directly on it, independent of any ``torch.distributed`` world
-(vLLM's included). Shared by the trainer side (:mod:`asyncsync.backends.gloo`) and the
-worker side (:mod:`asyncsync.vllm_plugin.gloo_engine`).
+(vLLM's included). Shared by the trainer side (`asyncsync.backends.gloo`) and the
+worker side (`asyncsync.vllm_plugin.gloo_engine`).
 
 gloo cannot abort a collective: ``abort()``/``shutdown()`` return at once while a pending
 ``wait()`` still runs to the op's own timeout, and dropping the last reference to a group
@@ -10,7 +10,7 @@ gloo or the store:
 
 - every wait polls ``work.wait(POLL)`` and gives up on a deadline, a cancel condition or
   the group's ``aborted`` flag, leaving the op to end by its own timeout in gloo's threads;
-- a group that failed is never reused: :meth:`GlooGroup.destroy` marks it aborted, shuts
+- a group that failed is never reused: `GlooGroup.destroy` marks it aborted, shuts
   it down and hands it (with the buffers its pending ops may still touch) to a graveyard
   that a daemon thread empties after the op timeout;
 - the trainer ends a generation by writing ``abort/<gen>`` into its own store (it is the
@@ -131,7 +131,7 @@ class GlooGroup:
     """One generation: ``rank`` of ``world_size`` over the store at ``host:port``.
 
     Rank 0 (the trainer) hosts the store: pass ``port=0`` to let the OS pick a free one
-    and read :attr:`port` before telling the other ranks. :meth:`connect` runs the
+    and read `port` before telling the other ranks. `connect` runs the
     rendezvous. ``broadcast(tensor, src, stream=None)`` and ``destroy()`` have the call
     shape of vLLM's ``PyNcclCommunicator``.
     """
@@ -273,7 +273,7 @@ class GlooGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> None:
         """PyNccl's shape: a blocking broadcast, bounded by the op timeout and
-        interrupted by :meth:`destroy` from another thread."""
+        interrupted by `destroy` from another thread."""
         del stream
         work = self.broadcast_async(tensor, src)
         self.wait(work, time.monotonic() + self.op_timeout_s)
@@ -298,7 +298,7 @@ class GlooGroup:
     # ------------------------------------------------------------------ teardown
     def abort_generation(self, keep: Any = None) -> None:
         """Trainer: tell every worker this generation is over (never blocks: rank 0
-        serves the store), then :meth:`destroy` (holding ``keep`` too)."""
+        serves the store), then `destroy` (holding ``keep`` too)."""
         if self.rank == 0:
             with contextlib.suppress(Exception):
                 self.store.set(self.abort_key, b"1")

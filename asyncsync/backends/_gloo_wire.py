@@ -1,12 +1,12 @@
 """Wire types of the ``asyncsync_gloo`` backend (plain JSON, no pickle, no torch).
 
-``/init_weight_transfer_engine`` gets :class:`GlooInitFields`: where the trainer's store
+``/init_weight_transfer_engine`` gets `GlooInitFields`: where the trainer's store
 listens, this server's first rank in the group (``rank_offset``: 1 + the world sizes of
 the servers before it), the group's size, its generation and its timeouts. Every init
 with a new generation makes the worker drop its old group and join the new one.
 
-Each ``/update_weights`` is one chunk, :class:`GlooUpdateFields`: the fields of
-:class:`~asyncsync.backends._wire.ShmUpdateFields` (round, chunk, names, dtype_names,
+Each ``/update_weights`` is one chunk, `GlooUpdateFields`: the fields of
+`ShmUpdateFields` (round, chunk, names, dtype_names,
 shapes, 64-byte aligned offsets, the round's manifest in chunk 0, ``last``) with
 ``segment_size`` = the bytes the trainer broadcasts for this chunk, and ``gen``, the
 generation whose group carries them. The worker validates everything, then joins the

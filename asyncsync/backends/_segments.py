@@ -6,7 +6,7 @@ Servers on the same machine map it through ``/proc/<trainer pid>/fd/<fd>`` (whic
 kernel allows only to processes of the same user that may inspect the trainer), and
 check that the link there names the segment they were told (``memfd:<name>``). The
 memory belongs to whoever maps it: when the trainer closes a segment (on
-:meth:`Segment.close`, garbage collection, interpreter exit) or dies, even by SIGKILL,
+`Segment.close`, garbage collection, interpreter exit) or dies, even by SIGKILL,
 the kernel frees the memory as soon as the last server dropped its mapping; nothing is
 ever left in /dev/shm to sweep.
 
@@ -53,8 +53,8 @@ _live_lock = threading.Lock()
 class Segment:
     """A shared-memory segment of ``size`` bytes, mapped read-write in this process.
 
-    Workers open :attr:`path` (``/proc/<pid>/fd/<fd>``) and verify that it links to
-    ``memfd:<name>``. :meth:`close`, garbage collection and interpreter exit close the
+    Workers open `path` (``/proc/<pid>/fd/<fd>``) and verify that it links to
+    ``memfd:<name>``. `close`, garbage collection and interpreter exit close the
     file descriptor; the memory is freed once no process maps it any more.
     """
 
@@ -101,7 +101,7 @@ class Segment:
     def close(self) -> None:
         """Close the file descriptor and drop this process's mapping (idempotent).
 
-        Views created from :meth:`buffer` must be gone; if one is still referenced the
+        Views created from `buffer` must be gone; if one is still referenced the
         mapping is left to the garbage collector, but the descriptor is closed
         regardless (no server can open the segment any more).
         """

@@ -2,7 +2,7 @@
 announce each chunk while the next one is packed.
 
 The trainer packs tensors into bounded, double-buffered POSIX shared-memory segments and
-sends plain-JSON update infos (:class:`~asyncsync.backends._wire.ShmUpdateFields`). Every
+sends plain-JSON update infos (`ShmUpdateFields`). Every
 local vLLM server maps the same segment, so the bytes are packed once however many
 servers there are. Packing chunk k+1 overlaps the servers loading chunk k.
 """
@@ -150,7 +150,7 @@ class ShmBuffers:
     """Two shared-memory segments of ``buffer_bytes`` each, reused across rounds.
 
     Reuse keeps the pages touched (packing then runs at memcpy speed); the segments
-    are unlinked by :meth:`close`, on garbage collection and at interpreter exit.
+    are unlinked by `close`, on garbage collection and at interpreter exit.
     """
 
     def __init__(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, count: int = 2) -> None:
@@ -243,14 +243,14 @@ class _OpenChunk:
 
 class ChunkStream:
     """Packs ``(name, tensor)`` pairs into the double buffers and sends one update per
-    chunk; use once, through :meth:`run`.
+    chunk; use once, through `run`.
 
     State: the chunk being packed (``_open``, index ``_index``), the planned chunk it
     follows when a manifest is known (``_plan_chunk``, ``_position`` in it), and the chunk
     in flight (``_in_flight``). ``send`` runs on a helper thread so that packing chunk k+1
     overlaps chunk k's delivery; buffer ``k % 2`` is reused only after chunk k-2 was
     acknowledged. A set ``cancel`` event stops the stream at the next chunk boundary with
-    :class:`RoundCancelled`.
+    `RoundCancelled`.
     """
 
     def __init__(
@@ -419,7 +419,7 @@ def stream_chunks(
     on_chunk: Callable[[int, int], None] | None = None,
 ) -> SendStats:
     """Pack ``items`` into the double buffers and call ``send(update_info)`` per chunk
-    (see :class:`ChunkStream`). ``send=None`` means a non-sender rank: tensors are still
+    (see `ChunkStream`). ``send=None`` means a non-sender rank: tensors are still
     materialized (collectives stay aligned), nothing is packed or sent."""
     if send is None:
         stats = SendStats()

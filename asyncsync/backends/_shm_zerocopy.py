@@ -3,23 +3,23 @@ shared memory, and the pack (a copy of every byte) disappears.
 
 Where the memory comes from:
 
-- :func:`share_weights` moves a module's parameters into one asyncsync memfd (mode 0600,
+- `share_weights` moves a module's parameters into one asyncsync memfd (mode 0600,
   named ``asyncsync-<pid>-<16 hex>``, never a name in /dev/shm), held by the tensors'
   own storage: the memory lives exactly as long as the parameters do.
 - ``module.share_memory()`` (torch's default ``file_descriptor`` strategy) puts each
   storage in a /dev/shm file that torch unlinks at once and keeps open (mode 0600).
 
-:class:`SharedMemoryIndex` finds, for a tensor, the file that holds it and the
+`SharedMemoryIndex` finds, for a tensor, the file that holds it and the
 descriptor through which this process holds that file (``/proc/self/maps`` and
 ``/proc/self/fd``, read once per round); servers open it as ``/proc/<pid>/fd/<fd>``,
 exactly as they open a packed chunk's segment (see docs/security.md).
 
 The safety rule: the servers read the trainer's live weights during the whole round,
-so they must not change until ``publish`` returns. :func:`send_in_place` checks what it
+so they must not change until ``publish`` returns. `send_in_place` checks what it
 can: each tensor's version counter (``tensor._version``, moved by every in-place torch
 operation that autograd tracks) is read when the round is announced and again after
 every chunk is loaded; a moved counter fails the round with
-:class:`~asyncsync.WeightsModifiedError` before ``finish``, so torn weights are never
+`WeightsModifiedError` before ``finish``, so torn weights are never
 published.
 """
 
@@ -367,7 +367,7 @@ def place(
 ) -> tuple[list[_Placed] | None, Iterator[tuple[str, torch.Tensor]]]:
     """Every tensor located in shared memory, with its version counter as of now, and
     an exhausted iterator. The first tensor that is not raises
-    :class:`NotInSharedMemory`, or (``fallback``) ends the search: then None and every
+    `NotInSharedMemory`, or (``fallback``) ends the search: then None and every
     item (those already seen first) for the packing path."""
     index = SharedMemoryIndex()
     seen: set[str] = set()
@@ -403,7 +403,7 @@ def send_in_place(
     called, so that a tensor outside shared memory touches no server), then announced in
     chunks of at most ``chunk_bytes`` (a tensor larger alone), each ``send`` returning
     once every server loaded it; a tensor modified in place meanwhile fails the round
-    with :class:`~asyncsync.WeightsModifiedError`."""
+    with `WeightsModifiedError`."""
     began = time.perf_counter()
     placed, _ = place(items)
     assert placed is not None

@@ -3,22 +3,22 @@ through asyncsync's thread-to-loop bridge.
 
 vLLM's trainer engines (0.28 and later) talk to the servers through a synchronous
 ``VLLMWeightSyncClient``; the 0.23-0.27 static ``trainer_send_weights`` leaves the HTTP
-calls to its caller. Either way the calls land here, on an :class:`EngineClient` over the
-round's :class:`~asyncsync._bridge.SyncFleetClient`, which adds what vLLM's engines do not
+calls to its caller. Either way the calls land here, on an `EngineClient` over the
+round's `SyncFleetClient`, which adds what vLLM's engines do not
 know about a fleet:
 
 - each server's own init info (NCCL rank offsets: vLLM sends ``rank_offset=1`` to
   every server; a fleet is one group, so each server needs 1 + the world sizes of the
   servers before it);
 - the round's version on finish (vLLM's engines call ``finish_weight_update()``
-  without one; the :class:`SyncFleetClient` adds it);
+  without one; the `SyncFleetClient` adds it);
 - cancellation at the boundaries where the transport can stop, progress per update;
 - the encoding of an update for HTTP (a hook: IPC handles are pickled by
-  :mod:`asyncsync.backends._ipc_handles`, the one module that pickles);
-- the first failed fan-out, signalled to :func:`run_guarded`, which stops waiting for an
+  `asyncsync.backends._ipc_handles`, the one module that pickles);
+- the first failed fan-out, signalled to `run_guarded`, which stops waiting for an
   engine call stuck in a collective whose peers will never come.
 
-:class:`VllmSource` gives asyncsync's normalized weights the shape of vLLM's
+`VllmSource` gives asyncsync's normalized weights the shape of vLLM's
 ``WeightSource``. Nothing here imports vLLM at module level.
 """
 
@@ -59,9 +59,9 @@ Explain = Callable[[BaseException], BaseException | None]
 
 
 class VllmEngineBackend(TrainerBackend):
-    """A backend that drives one of vLLM's built-in trainer engines (:attr:`name` is
+    """A backend that drives one of vLLM's built-in trainer engines (`name` is
     vLLM's backend name). Which of vLLM's trainer APIs runs is the installed vLLM's
-    (:func:`~asyncsync._vllm_caps.installed_trainer_api`), read on first use, in the
+    (`installed_trainer_api`), read on first use, in the
     publisher's worker thread: importing vLLM takes seconds, and constructing a
     publisher must not block the event loop. The ``api`` argument is not consulted."""
 
@@ -207,9 +207,9 @@ class EngineClient:
         self.explain = explain
         self.updates = 0
         self.bytes = 0
-        #: the first fan-out that failed (its future), for :func:`run_guarded`
+        #: the first fan-out that failed (its future), for `run_guarded`
         self.failed: Future[Any] | None = None
-        #: :func:`run_guarded` left a call blocked in a collective
+        #: `run_guarded` left a call blocked in a collective
         self.stuck = False
         self._wake: list[threading.Event] = []
         self._lock = threading.Lock()

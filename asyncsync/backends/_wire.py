@@ -1,12 +1,12 @@
 """Wire types shared by the trainer side and the vLLM plugin (plain JSON, no pickle).
 
-Imported by :mod:`asyncsync.backends` (trainer side) and :mod:`asyncsync.vllm_plugin`
+Imported by `asyncsync.backends` (trainer side) and `asyncsync.vllm_plugin`
 (worker side, inside vLLM): it imports neither torch nor vLLM. The plugin's vLLM-facing
 info classes subclass vLLM's bases *and* the dataclasses here, so both sides read and
 write the same fields.
 
 ``asyncsync_shm`` rounds are ``start -> update(chunk 0) ... update(chunk n-1) -> finish``.
-Each update_info is a JSON object (:class:`ShmUpdateFields`):
+Each update_info is a JSON object (`ShmUpdateFields`):
 
 ``{"round": str, "chunk": int, "last": bool, "num_chunks": int | None, "segment": str,
 "segment_size": int, "owner_pid": int, "fd": int, "names": [...], "dtype_names": [...],
@@ -33,7 +33,7 @@ Each update_info is a JSON object (:class:`ShmUpdateFields`):
   worker restores what it can and fails the call, which makes vLLM clear its
   active-update flag.
 
-The init_info (:class:`ShmInitFields`) carries :data:`PROTOCOL_VERSION`; a worker that
+The init_info (`ShmInitFields`) carries `PROTOCOL_VERSION`; a worker that
 speaks another version refuses it.
 """
 
@@ -360,7 +360,7 @@ def validate_chunk_layout(
     segment_size: int,
 ) -> None:
     """Check that a chunk's tensors are well-formed, aligned, inside the segment and
-    do not overlap. Raises :class:`ShmFormatError` naming the offending parameter."""
+    do not overlap. Raises `ShmFormatError` naming the offending parameter."""
     n = len(names)
     if not (len(dtype_names) == len(shapes) == len(offsets) == n):
         raise ShmFormatError(
@@ -396,7 +396,7 @@ def validate_segments_layout(
 ) -> None:
     """A zero-copy chunk's layout: every tensor inside the file that holds it, at an
     offset aligned to its element size. Tensors may share bytes (tied weights): they are
-    only read. Raises :class:`ShmFormatError` naming the offending parameter."""
+    only read. Raises `ShmFormatError` naming the offending parameter."""
     n = len(names)
     if segment_of is None or not (
         len(dtype_names) == len(shapes) == len(offsets) == len(segment_of) == n

@@ -11,7 +11,7 @@ broadcast runs while its ``/update_weights`` is in flight; packing chunk k+1 ove
 chunk k's broadcast and load.
 
 Failures never leave the trainer's thread in a collective (see
-:mod:`asyncsync.backends._gloo_group`): a failed or late chunk ends the generation (the
+`asyncsync.backends._gloo_group`): a failed or late chunk ends the generation (the
 abort key tells the servers' workers to leave the broadcast), the group and the buffers
 its abandoned op may still read are buried, and the next round builds generation + 1,
 which every server joins after dropping its old group. The next round also rebuilds the
@@ -75,7 +75,7 @@ class BeginClient(Protocol):
 
 
 class ThreadedClient:
-    """A :class:`BeginClient` over any synchronous vLLM ``VLLMWeightSyncClient`` (e.g.
+    """A `BeginClient` over any synchronous vLLM ``VLLMWeightSyncClient`` (e.g.
     vLLM's ``HTTPVLLMWeightSyncClient``): ``begin_*`` run its calls on helper threads,
     as vLLM's own NCCL engine does."""
 
@@ -106,7 +106,7 @@ class ThreadedClient:
 
 # --------------------------------------------------------------------------- buffers
 class _HeapSegment(Segment):
-    """A pre-touched heap buffer in a :class:`ShmBuffers` slot (gloo sends from
+    """A pre-touched heap buffer in a `ShmBuffers` slot (gloo sends from
     process memory: no /dev/shm, whose size containers often cap)."""
 
     def __init__(self, size: int) -> None:  # no shm segment: Segment.__init__ not called

@@ -2,7 +2,7 @@
 
 The servers run vLLM's built-in engine (``--weight-transfer-config
 '{"backend": "nccl"}'``); the trainer side is vLLM's too, in whichever API the installed
-vLLM offers (:func:`asyncsync._vllm_caps.installed_trainer_api`):
+vLLM offers (`asyncsync._vllm_caps.installed_trainer_api`):
 
 - ``"engine"`` (vLLM 0.28 and later): ``WeightTransferTrainerFactory.trainer_init(
   NCCLTrainerInitInfo(...), client=..., source=...)``, then ``engine.send_weights()``
@@ -13,7 +13,7 @@ vLLM offers (:func:`asyncsync._vllm_caps.installed_trainer_api`):
   starts each HTTP call, runs vLLM's blocking side while it is in flight, and drives
   start and finish around it.
 
-What asyncsync adds (:mod:`asyncsync.backends._vllm_drive`): the whole fleet is one NCCL
+What asyncsync adds (`asyncsync.backends._vllm_drive`): the whole fleet is one NCCL
 group (the trainer rank 0; each server at 1 + the world sizes, from ``/get_world_size``,
 of the servers before it; world size 1 + their sum), the round's version on finish, and
 no thread left waiting on the loop when a server fails: the engine's blocking call runs

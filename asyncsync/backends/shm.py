@@ -1,19 +1,19 @@
 """Trainer side of the ``asyncsync_shm`` backend: CPU shared memory, no pickle.
 
-Packing lives in :mod:`asyncsync.backends._shm_pack`; this module offers it in the two
+Packing lives in `asyncsync.backends._shm_pack`; this module offers it in the two
 shapes of vLLM's trainer engines, so that asyncsync's bridge is exercised exactly as with
 vLLM's own engines, and registers it as the ``"shm"`` backend of the publisher:
 
-- vLLM 0.3x style: :meth:`ShmTrainerEngine.trainer_init` with a synchronous
-  ``VLLMWeightSyncClient`` (four methods), then :meth:`ShmTrainerEngine.send_weights`
+- vLLM 0.3x style: `ShmTrainerEngine.trainer_init` with a synchronous
+  ``VLLMWeightSyncClient`` (four methods), then `ShmTrainerEngine.send_weights`
   drives start -> update(s) -> finish through it.
-- vLLM 0.23 style: :func:`trainer_send_weights` ``(iterator, ShmTrainerSendWeightsArgs)``
+- vLLM 0.23 style: `trainer_send_weights` ``(iterator, ShmTrainerSendWeightsArgs)``
   calls ``args.send_mode(update_info)`` once per chunk on rank 0; the caller drives
   start/finish.
 
 Either shape packs (copies every byte into the double buffers), or with ``zero_copy``
 announces the trainer's own tensors where they already live in shared memory
-(:mod:`asyncsync.backends._shm_zerocopy`): ``True`` requires it of every tensor,
+(`asyncsync.backends._shm_zerocopy`): ``True`` requires it of every tensor,
 ``"auto"`` packs when one is not.
 """
 
@@ -122,7 +122,7 @@ def send_round(
 ) -> SendStats:
     """One round's chunks: in place when ``zero_copy`` allows (every tensor in shared
     memory; chunks bounded by the buffer size, nothing copied), else packed into
-    ``buffers`` (:func:`stream_chunks`). ``send=None``: a non-sender rank."""
+    ``buffers`` (`stream_chunks`). ``send=None``: a non-sender rank."""
     if zero_copy and send is not None:
         began = time.perf_counter()
         placed, rest = place(items, fallback=zero_copy == "auto")
@@ -143,7 +143,7 @@ class ShmTrainerInitInfo:
     backend: ClassVar[str] = BACKEND_NAME
     rank: int = 0
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    #: read the trainer's tensors in place (see :func:`send_round`)
+    #: read the trainer's tensors in place (see `send_round`)
     zero_copy: ZeroCopyMode = False
 
     def __post_init__(self) -> None:
@@ -263,11 +263,11 @@ class ShmBackend(TrainerBackend):
     bound the trainer's extra memory whatever the model size; a buffer must hold the
     largest single tensor). ``zero_copy`` (default False): ``True`` reads the trainer's
     tensors in place, every one of which must live in shared memory
-    (:func:`asyncsync.share_weights` or ``module.share_memory()``), and refuses a
+    (`asyncsync.share_weights` or ``module.share_memory()``), and refuses a
     round where one does not before any server is touched; ``"auto"`` does so when every
     tensor does and packs otherwise. In place, the weights must not change until
     ``publish`` returns (a tensor modified in place meanwhile fails the round with
-    :class:`~asyncsync.WeightsModifiedError`). ``api`` picks which of the two
+    `WeightsModifiedError`). ``api`` picks which of the two
     trainer-engine styles above drives the round.
     """
 

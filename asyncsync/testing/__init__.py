@@ -1,10 +1,10 @@
 """Test helpers for asyncsync users and for asyncsync's own suite.
 
-- :func:`make_tiny_model` writes a tiny deterministic Qwen2 model, or a Qwen3-MoE, in
+- `make_tiny_model` writes a tiny deterministic Qwen2 model, or a Qwen3-MoE, in
   float32 or bfloat16 (no downloads).
-- :class:`LocalVLLMServer` runs a real vLLM server as a subprocess.
-- :class:`FakeVLLMServer` fakes vLLM's RL routes (0.23 or 0.32) and injects faults.
-- :func:`reference_greedy` / :func:`reference_logprobs` compute transformers' ground truth.
+- `LocalVLLMServer` runs a real vLLM server as a subprocess.
+- `FakeVLLMServer` fakes vLLM's RL routes (0.23 or 0.32) and injects faults.
+- `reference_greedy` / `reference_logprobs` compute transformers' ground truth.
 
 Importing this module needs neither vLLM nor torch; they are imported when used.
 """

@@ -21,7 +21,7 @@ class LoopLagMonitor:
             await publisher.publish(model, version="v1")
         print(lag.summary())  # {'samples': ..., 'p50_ms': ..., 'p99_ms': ..., 'max_ms': ...}
 
-    :attr:`times` holds when each sample was taken (``time.perf_counter()``): whether the
+    `times` holds when each sample was taken (``time.perf_counter()``): whether the
     loop ran at all during a given window (e.g. while a request was in flight) does not
     depend on how loaded the machine is, unlike how late its timers fire.
     """

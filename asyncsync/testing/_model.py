@@ -24,9 +24,9 @@ __all__ = [
     "reference_logprobs",
 ]
 
-#: Architectures :func:`make_tiny_model` builds.
+#: Architectures `make_tiny_model` builds.
 TinyArch = Literal["qwen2", "qwen3_moe"]
-#: Weight dtypes :func:`make_tiny_model` saves.
+#: Weight dtypes `make_tiny_model` saves.
 TinyDtype = Literal["float32", "bfloat16"]
 
 #: Architecture of the tiny model (Qwen2 family, fp32, untied embeddings, head_dim 64).
@@ -50,7 +50,7 @@ TINY_MODEL_CONFIG: dict[str, Any] = {
     "initializer_range": 0.25,
 }
 
-#: What ``arch="qwen3_moe"`` adds to :data:`TINY_MODEL_CONFIG`: a Qwen3 Mixture-of-Experts
+#: What ``arch="qwen3_moe"`` adds to `TINY_MODEL_CONFIG`: a Qwen3 Mixture-of-Experts
 #: with 8 experts per layer, 2 routed per token, every layer sparse. Each expert's
 #: projections are separate checkpoint tensors (``mlp.experts.<e>.gate_proj.weight``...)
 #: that vLLM fuses into one ``w13``/``w2`` parameter per layer, so a publish in small
@@ -128,14 +128,14 @@ def make_tiny_model(
     ``tokenizers`` library) is saved beside it, so ``/v1/completions`` works; without it,
     serve the model token-only (``--skip-tokenizer-init``).
 
-    ``arch``: ``"qwen2"`` (dense, :data:`TINY_MODEL_CONFIG`) or ``"qwen3_moe"`` (a Qwen3
-    Mixture-of-Experts: the same sizes plus :data:`TINY_MOE_CONFIG`). ``dtype``: the
+    ``arch``: ``"qwen2"`` (dense, `TINY_MODEL_CONFIG`) or ``"qwen3_moe"`` (a Qwen3
+    Mixture-of-Experts: the same sizes plus `TINY_MOE_CONFIG`). ``dtype``: the
     dtype of the saved weights (``"bfloat16"`` rounds the float32 initialisation, so the
     same seed gives the same model in both). ``overrides`` replace entries of the
     architecture's config (e.g. ``hidden_size=512`` for a larger model in benchmarks).
     Requires ``torch`` and ``transformers`` (the ``asyncsync[server]`` extra).
 
-    Returns the model directory as a :class:`~pathlib.Path`.
+    Returns the model directory as a `Path`.
     """
     if arch not in ("qwen2", "qwen3_moe"):
         raise ValueError(f"make_tiny_model: arch must be 'qwen2' or 'qwen3_moe', got {arch!r}")

@@ -85,22 +85,22 @@ class LocalVLLMServer:
     """A real vLLM server (``python -m vllm.entrypoints.openai.api_server``) as a subprocess.
 
     Use it as an async context manager (``async with LocalVLLMServer(d) as server``) or,
-    in scripts, as a plain context manager / with :meth:`start` and :meth:`stop`.
+    in scripts, as a plain context manager / with `start` and `stop`.
 
     The server runs in its own process group (session) with ``VLLM_SERVER_DEV_MODE=1``,
     so the RL routes exist. Its flags come from what the installed vLLM's argument parser
     accepts (probed once per install, see docs/versions.md): ``--enable-scale-out`` where
     the server has it (vLLM >= 0.30 serves ``/inference/v1/generate`` only with it; older
     ones always serve it); a flag asyncsync needs and the server lacks raises
-    :class:`~asyncsync.UnsupportedVLLM` before anything starts.
+    `UnsupportedVLLM` before anything starts.
     Startup waits for ``GET /health`` within
     ``startup_timeout`` seconds while checking that the process is alive; on failure a
-    :class:`ServerStartError` carries the last lines of the server log. Stopping
+    `ServerStartError` carries the last lines of the server log. Stopping
     terminates the whole process group (vLLM renames its children, so never by name)
     and waits until no process of the group is left.
 
     Args:
-        model_dir: a local model directory (see :func:`make_tiny_model`).
+        model_dir: a local model directory (see `make_tiny_model`).
         backend: weight-transfer backend: ``"shm"`` (asyncsync's CPU shared-memory
             engine), ``"nccl"``, ``"ipc"`` or any registered vLLM backend name;
             ``None`` starts the server without a weight-transfer engine.
@@ -183,7 +183,7 @@ class LocalVLLMServer:
 
     def command(self) -> list[str]:
         """The full command line that starts the server (probes the server's options
-        first if :meth:`astart` has not)."""
+        first if `astart` has not)."""
         assert self.port is not None
         if self.options is None:
             self.options = probe_server_options()
@@ -334,14 +334,14 @@ class LocalVLLMServer:
 
     # ----------------------------------------------------------------- sync use
     def start(self) -> LocalVLLMServer:
-        """Blocking :meth:`astart` for scripts (works inside a running loop, too)."""
+        """Blocking `astart` for scripts (works inside a running loop, too)."""
         from anyio.from_thread import start_blocking_portal
 
         with start_blocking_portal() as portal:
             return portal.call(self.astart)
 
     def stop(self) -> None:
-        """Blocking :meth:`astop`."""
+        """Blocking `astop`."""
         from anyio.from_thread import start_blocking_portal
 
         with start_blocking_portal() as portal:

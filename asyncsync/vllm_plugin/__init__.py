@@ -5,7 +5,7 @@ Loaded by vLLM in every process through the ``vllm.general_plugins`` entry point
 so vLLM processes that never use the backends import nothing more. Worker engines:
 ``asyncsync_shm`` (vLLM 0.32 and 0.23 contracts) and ``asyncsync_gloo`` (0.3x). Trainer
 engines (vLLM's ``WeightTransferTrainerFactory``, where it exists) under the same names:
-see :mod:`asyncsync.vllm_plugin.trainer`.
+see `asyncsync.vllm_plugin.trainer`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def engine_for_this_vllm() -> tuple[str, str]:
     Chosen by probing vLLM's ``WeightTransferEngine`` base class (its constructor and
     ``receive_weights`` signatures), not by version number: vLLM 0.23-0.24 build engines
     as ``(config, parallel_config, model)``, 0.25 and later as ``(config, vllm_config,
-    device, model)``. An unknown contract raises :class:`~asyncsync.UnsupportedVLLM`.
+    device, model)``. An unknown contract raises `UnsupportedVLLM`.
     """
     from asyncsync._vllm_caps import installed_engine_contract
 

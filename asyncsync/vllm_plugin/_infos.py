@@ -1,6 +1,6 @@
 """The ``asyncsync_shm`` and ``asyncsync_gloo`` info classes vLLM builds with
-``cls(**info)``: vLLM's bases plus the shared wire fields of :mod:`asyncsync.backends._wire`
-and :mod:`asyncsync.backends._gloo_wire` (one definition of the fields for the trainer
+``cls(**info)``: vLLM's bases plus the shared wire fields of `asyncsync.backends._wire`
+and `asyncsync.backends._gloo_wire` (one definition of the fields for the trainer
 and the worker side)."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class ShmInitInfo(ShmInitFields, WeightTransferInitInfo):  # type: ignore[misc]
 
 @dataclass
 class ShmUpdateInfo(ShmUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One chunk (see :mod:`asyncsync.backends._wire`)."""
+    """One chunk (see `asyncsync.backends._wire`)."""
 
 
 @dataclass
@@ -35,4 +35,4 @@ class GlooInitInfo(GlooInitFields, WeightTransferInitInfo):  # type: ignore[misc
 
 @dataclass
 class GlooUpdateInfo(GlooUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One ``asyncsync_gloo`` chunk (see :mod:`asyncsync.backends._gloo_wire`)."""
+    """One ``asyncsync_gloo`` chunk (see `asyncsync.backends._gloo_wire`)."""

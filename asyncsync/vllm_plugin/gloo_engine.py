@@ -37,7 +37,7 @@ _MIB = 1024 * 1024
 
 
 class GlooReceiver(ShmReceiver):
-    """:class:`ShmReceiver`'s validation and loading, with the bytes of each chunk
+    """`ShmReceiver`'s validation and loading, with the bytes of each chunk
     received from the trainer's gloo broadcast."""
 
     fields_cls = GlooUpdateFields
@@ -107,7 +107,7 @@ class GlooReceiver(ShmReceiver):
 
     def release_after_failure(self) -> None:
         """A failed update keeps the group. A broadcast that failed has left it already
-        (:meth:`_chunk_bytes`); any other failure (a chunk refused or aborted before its
+        (`_chunk_bytes`); any other failure (a chunk refused or aborted before its
         broadcast) must not drop a group a newer init joined: the abort update that ends
         a round an earlier generation left open arrives after this generation's init."""
         ShmReceiver.close(self)
@@ -121,7 +121,7 @@ class GlooReceiver(ShmReceiver):
 class GlooWeightTransferEngine(ShmWeightTransferEngine):
     """Receives trainer weights over a standalone gloo group on a CPU (or any) worker:
     the shm engine's round (layerwise reload once per round, validation before loading)
-    with :class:`GlooReceiver` and a group joined at init."""
+    with `GlooReceiver` and a group joined at init."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo

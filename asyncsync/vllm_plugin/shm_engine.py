@@ -459,7 +459,7 @@ class ShmReceiver:
 
     def _mapping(self, ref: SegmentRef) -> _Mapping:
         """The mapping of ``ref``, cached: a segment is mapped once and reused by later
-        chunks and rounds; the cache holds at most :attr:`max_cached_mappings` beyond the
+        chunks and rounds; the cache holds at most `max_cached_mappings` beyond the
         ones this round uses (a zero-copy round may read many files)."""
         key = (ref.segment, ref.segment_size)
         mapping = self._mappings.get(key)

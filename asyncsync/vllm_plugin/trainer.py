@@ -81,7 +81,7 @@ class _AsyncsyncTrainerEngine(TrainerWeightTransferEngine[Any]):  # type: ignore
 
 
 class ShmTrainerWeightTransferEngine(_AsyncsyncTrainerEngine):
-    """``asyncsync_shm``: :class:`~asyncsync.backends.shm.ShmTrainerEngine`."""
+    """``asyncsync_shm``: `ShmTrainerEngine`."""
 
     init_info_cls = ShmTrainerInitInfo
 
@@ -98,7 +98,7 @@ class ShmTrainerWeightTransferEngine(_AsyncsyncTrainerEngine):
 
 
 class GlooTrainerWeightTransferEngine(_AsyncsyncTrainerEngine):
-    """``asyncsync_gloo``: :class:`~asyncsync.backends.gloo.GlooTrainerEngine`."""
+    """``asyncsync_gloo``: `GlooTrainerEngine`."""
 
     init_info_cls = GlooTrainerInitInfo
 

@@ -1,4 +1,4 @@
-"""Logprobs in vLLM's shapes, in closed form from :class:`FakeLM`: the ``content`` list
+"""Logprobs in vLLM's shapes, in closed form from `FakeLM`: the ``content`` list
 of ``/inference/v1/generate`` (0.23 keys tokens as ``"token_id:N"``, 0.32 by id with
 ranks), the legacy shape of ``/v1/completions``, and ``prompt_logprobs``."""
 

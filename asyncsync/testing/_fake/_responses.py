@@ -54,7 +54,7 @@ class ClosingResponse(web.Response):
 
 def worker_failure(message: str) -> web.Response:
     """A worker failure as vLLM sends it: 500 "Call to collective_rpc method failed: ..."
-    and then the connection is closed (see :class:`ClosingResponse`)."""
+    and then the connection is closed (see `ClosingResponse`)."""
     body = openai_body(500, collective(message), "InternalServerError")
     return ClosingResponse(text=json.dumps(body), status=500, content_type="application/json")
 

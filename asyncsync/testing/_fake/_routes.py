@@ -1,5 +1,5 @@
 """How the fake finds its handlers: each declares its route with ``@route``, and a
-:class:`RouteGroup` lists the declared routes that its server serves."""
+`RouteGroup` lists the declared routes that its server serves."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _always(state: FakeState) -> bool:
 
 
 def route(method: str, path: str, *, served: Served = _always) -> Callable[[_H], _H]:
-    """Declares the decorated method of a :class:`RouteGroup` the handler of
+    """Declares the decorated method of a `RouteGroup` the handler of
     ``method path``, on the servers for which ``served(state)`` is true."""
 
     def declare(handler: _H) -> _H:

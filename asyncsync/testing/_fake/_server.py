@@ -1,4 +1,4 @@
-"""``FakeVLLMServer``: serves a :class:`FakeState` over HTTP like vLLM's API server,
+"""``FakeVLLMServer``: serves a `FakeState` over HTTP like vLLM's API server,
 and applies the faults a test injects."""
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ class FakeVLLMServer(FakeState):
             vLLM sends one event per engine step while its HTTP writer keeps up and
             coalesces several tokens into one event when it does not (under load); the
             final event always carries the last tokens with the finish reason.
-        vocab_size: the fake model's vocabulary size (:class:`FakeLM`).
+        vocab_size: the fake model's vocabulary size (`FakeLM`).
         max_model_len: the fake model's context length.
         model: the model name the fake serves.
-        max_recorded: how many requests (:attr:`requests`) and accepted updates
-            (:attr:`updates`) the server keeps, the oldest dropped first; ``None``: all
+        max_recorded: how many requests (`requests`) and accepted updates
+            (`updates`) the server keeps, the oldest dropped first; ``None``: all
             of them (memory grows with every request).
 
-    Generation follows :class:`FakeLM` (deterministic, closed-form logprobs). Pausing
+    Generation follows `FakeLM` (deterministic, closed-form logprobs). Pausing
     behaves like vLLM: new requests wait until resume; ``mode="abort"`` ends in-flight
     ones with ``finish_reason="abort"`` and the tokens so far; ``"keep"`` freezes them
     (tokens after a weight update carry the new version: two spans); ``"wait"`` lets

@@ -34,7 +34,7 @@ def protocol_of(version: str) -> ProtocolVersion:
 class FakeState:
     """The configuration and the state of one fake server, shared by its route handlers.
 
-    :class:`~asyncsync.testing.FakeVLLMServer` (a subclass) documents the arguments and
+    `FakeVLLMServer` (a subclass) documents the arguments and
     serves this state over HTTP: tests read, and may change, these attributes on it.
     The methods with a leading underscore are the state's transitions, for the route
     handlers of this package, not for tests.
@@ -172,7 +172,7 @@ class FakeState:
 
     # ------------------------------------------------------------ weights
     def _accept_update(self, body: bytes) -> None:
-        """Keeps the body of an accepted ``/update_weights`` (see :attr:`updates`)."""
+        """Keeps the body of an accepted ``/update_weights`` (see `updates`)."""
         self._update_bodies.append(body)
 
     def _finish_update(self, version: str | None) -> None:

@@ -3,7 +3,7 @@ several when the server is set to coalesce them (``tokens_per_event``), as vLLM 
 under load.
 
 Both generation routes stream the same way and differ only in their events' bodies
-(an :data:`EventBody` builds one). Events are encoded with ``asyncsync._json`` (like
+(an `EventBody` builds one). Events are encoded with ``asyncsync._json`` (like
 vLLM's own streaming encoder, not the ``json.dumps`` of plain answers), which fixes
 their bytes: keep it.
 """
