@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _plots
 import aiohttp
 import torch
 from _markdown import write_section
@@ -409,15 +410,41 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     parser.add_argument("--json", type=Path, help="also dump raw results here")
     parser.add_argument("--note", default="", help="a sentence on the machine, printed with it")
+    parser.add_argument(
+        "--from-json", type=Path, help="render (and --write) saved --json results, no run"
+    )
     args = parser.parse_args()
-    results = run(bench(args))
+    results = json.loads(args.from_json.read_text()) if args.from_json else run(bench(args))
     text = render(results, args.repeats, args.note)
+    if args.write:
+        plot = _plots.plot_path(args.write, "publish")
+        plot_publish(results, plot)
+        text += f"\n\n![Publish GB/s beside memcpy and vLLM's own reload](img/{plot.name})"
     print(text)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
     if args.write:
         write_section(args.write, BEGIN, END, text, "Weight publishing (shm backend)")
         print(f"updated {args.write}", file=sys.stderr)
+
+
+def plot_publish(r: dict[str, Any], path: Path) -> None:
+    """GB/s of every 1-server path of the table (the model's bytes over its time)."""
+    gb = r["model_mb"] / 1000
+    rows = [
+        ("memcpy, 1 thread (ceiling)", r["memcpy_gbps"]),
+        ("vLLM reload_weights (page-cached)", gb / r["reload_s"]),
+        ("save_pretrained + vLLM reload", gb / r["save_reload_s"]),
+        ("asyncsync publish (packed, 1 chunk)", gb / r["publish1"]["total_s"]),
+        ("asyncsync publish (packed, 3 chunks)", gb / r["publish1_small"]["total_s"]),
+        ("asyncsync zero-copy publish", gb / r["zero_copy1"]["total_s"]),
+    ]
+    _plots.bars(
+        path,
+        f"One server, {r['model_mb']:.0f} MB model: GB/s (trainer tensors to loaded weights)",
+        rows,
+        xlabel="GB/s (higher is better)",
+    )
 
 
 if __name__ == "__main__":
