@@ -53,7 +53,8 @@ class Members:
 
     def client(self, url: str) -> AsyncVLLMClient:
         """The client of ``url`` (any spelling of it: normalized first)."""
-        return self._clients[normalize_url(url)]
+        client = self._clients.get(url)  # a member's own spelling needs no parsing
+        return client if client is not None else self._clients[normalize_url(url)]
 
     def generator(self, state: ServerState) -> GenerationEngine:
         """The generation engine of the server ``state`` describes."""
@@ -83,7 +84,10 @@ class Members:
             raise TypeError("targets must be an iterable of URLs, not one string")
         urls: list[str] = []
         for target in targets:
-            url = normalize_url(target)
+            # A member's own spelling is already normalized: the rounds pass the fleet's
+            # URLs for every phase, and parsing each again cost ~8% of a fan-out's CPU.
+            known = isinstance(target, str) and target in self._clients
+            url = target if known else normalize_url(target)
             if url not in self._clients:
                 raise KeyError(f"server {url} is not in the fleet")
             if url not in urls:
