@@ -55,7 +55,7 @@ ROUNDS = 5
 def start_fake() -> tuple[subprocess.Popen[str], str]:
     child = subprocess.Popen(
         [sys.executable, "-m", "asyncsync.testing._fake_cli", "--count", "1", "--uvloop",
-         "--no-scale-out"],
+         "--no-scale-out", "--max-recorded", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip

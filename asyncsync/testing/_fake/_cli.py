@@ -24,6 +24,7 @@ async def _serve(args: argparse.Namespace) -> None:
             tokenizer=not args.no_tokenizer,
             host=args.host,
             port=args.port + i if args.port else 0,
+            max_recorded=args.max_recorded,
         )
         for i in range(args.count)
     ]
@@ -62,6 +63,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--no-scale-out", action="store_true", help="403 on /inference/v1/generate (vLLM 0.32)"
     )
     parser.add_argument("--no-tokenizer", action="store_true", help="like --skip-tokenizer-init")
+    parser.add_argument(
+        "--max-recorded",
+        type=int,
+        default=10_000,
+        help="requests and updates each server keeps (0: none; benchmarks need none)",
+    )
     args = parser.parse_args(argv)
     runner_loop: Mapping[str, Any] = {}
     if args.uvloop:
