@@ -441,7 +441,7 @@ def plot_publish(r: dict[str, Any], path: Path) -> None:
     ]
     _plots.bars(
         path,
-        f"One server, {r['model_mb']:.0f} MB model: GB/s (trainer tensors to loaded weights)",
+        f"Weights into one server ({r['model_mb']:.0f} MB model)",
         rows,
         xlabel="GB/s (higher is better)",
     )
