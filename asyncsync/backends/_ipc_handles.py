@@ -32,7 +32,7 @@ def encode_ipc_update(update_info: Any) -> Any:
     try:
         raw = pickle.dumps(handles)
     except (pickle.PicklingError, AttributeError, TypeError):
-        import cloudpickle  # type: ignore[import-untyped,unused-ignore]
+        import cloudpickle
 
         raw = cloudpickle.dumps(handles)
     out = {k: v for k, v in update_info.items() if k != "ipc_handles"}
