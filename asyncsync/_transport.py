@@ -63,6 +63,12 @@ _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 #: Calls sent once more when their connection was closed before any answer (see
 #: `Endpoint.request`): plain generations and scoring.
 _RESENT_ON_CLOSED = frozenset({"generate", "score"})
+#: How many times such a call is sent again while each try meets a closed pooled
+#: connection: aiohttp drops each one it finds closed, but a server loop that stalled
+#: past the keep-alive margin closes many at once, and the next pooled one may be closed
+#: too (seen in CI: two in a row at 256 generations in flight). A closed pooled
+#: connection fails at once, unread by the server, so a try costs no server work.
+_STALE_RESENDS = 4
 _LOST_ERRNOS = _STALE_ERRNOS | {errno.ECONNABORTED}
 _JSON_CONTENT = {"Content-Type": "application/json"}
 
@@ -225,9 +231,11 @@ class Endpoint:
           unread (vLLM's uvloop fires due timers before it reads sockets). At 256
           generations in flight on two vLLM-CPU servers sharing 2 cores that lost
           dozens of generations per 10,000 with "Server disconnected"; none with the
-          servers' keep-alive raised to 60 s (tests/test_load_vllm.py). A server that
-          read the request and then went away refuses the second send: the first
-          failure is raised, so the request is not sent elsewhere (it may have run).
+          servers' keep-alive raised to 60 s (tests/test_load_vllm.py). Several pooled
+          connections can be closed at once, so this resend is tried up to
+          ``_STALE_RESENDS`` times. A server that read the request and then went away
+          refuses the next send: the first failure is raised, so the request is not
+          sent elsewhere (it may have run).
 
         Every failure is an `AsyncSyncError` naming the server and
         route, raised ``from`` the underlying error; the outcome is recorded in the
@@ -236,16 +244,18 @@ class Endpoint:
         timeouts = timeouts or self.timeouts
         policy = self.retry if call.idempotent else NO_RETRY
         attempt = 1
-        resend = self._after_server_error or call.op in _RESENT_ON_CLOSED
+        resent_on_closed = call.op in _RESENT_ON_CLOSED
+        resends = _STALE_RESENDS if resent_on_closed else int(self._after_server_error)
         unanswered: AsyncSyncError | None = None
         while True:
             try:
                 value = await self._send_once(call, body, timeouts)
             except AsyncSyncError as err:
-                if resend and _stale_connection(err.__cause__):
-                    logger.debug("%s %s: resent once on a fresh connection", self.url, call.route)
-                    resend = False
-                    unanswered = err if call.op in _RESENT_ON_CLOSED else None
+                if resends and _stale_connection(err.__cause__):
+                    logger.debug("%s %s: resent on another connection", self.url, call.route)
+                    resends -= 1
+                    if resent_on_closed and unanswered is None:
+                        unanswered = err
                     continue
                 if unanswered is not None and never_sent(err):
                     # Refused now: the server went away, perhaps after it read the first

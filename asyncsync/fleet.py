@@ -405,9 +405,9 @@ class Fleet(FleetControl):
         ``admission_timeout`` (default `admission_timeout`), then raises
         `GenerationError` naming each server's reason. A request that
         never reached its server (connection refused) is sent to another one; one whose
-        connection the server closed before any answer is sent once more to the same
-        server (uvicorn closing an idle keep-alive connection as the request arrived;
-        docs/client.md); nothing else is resent.
+        connection the server closed before any answer is sent again (up to four more
+        tries) to the same server (uvicorn closing an idle keep-alive connection as the
+        request arrived; docs/client.md); nothing else is resent.
 
         Returns one `Completion` (``n == 1``) or a list of ``n``. The
         other options are those of `AsyncVLLMClient.generate` (see

@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeight
 
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
 from asyncsync.backends._shm_pack import DEFAULT_BUFFER_BYTES, ShmBuffers
+from asyncsync.backends._shm_zerocopy import ZeroCopyMode, check_zero_copy_mode
 from asyncsync.backends._wire import BACKEND_NAME
 from asyncsync.backends.gloo import GlooTrainerEngine
 from asyncsync.backends.shm import ShmTrainerEngine
@@ -42,10 +43,15 @@ __all__ = [
 @dataclass
 class ShmTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
     """``asyncsync_shm`` for vLLM's trainer factory: the size of each of the two
-    shared-memory buffers."""
+    shared-memory buffers, and ``zero_copy`` (``True`` or ``"auto"``: the servers read
+    the trainer's tensors in place, see docs/transports/shm.md)."""
 
     backend: ClassVar[str] = BACKEND_NAME
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    zero_copy: ZeroCopyMode = False
+
+    def __post_init__(self) -> None:
+        check_zero_copy_mode(self.zero_copy)
 
 
 @dataclass
