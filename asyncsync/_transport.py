@@ -447,10 +447,15 @@ def never_sent(err: BaseException) -> bool:
 
 
 def _stale_connection(exc: BaseException | None) -> bool:
-    """An error aiohttp raises when a pooled connection was closed by the server."""
+    """An error aiohttp raises when a pooled connection was closed by the server: a
+    disconnect, a reset or broken pipe, or a request it could not write because the
+    connection was already closing ("Cannot write to closing transport", raised as a
+    ClientOSError without an errno, caused by a ConnectionResetError)."""
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return True
-    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _STALE_ERRNOS
+    if not isinstance(exc, aiohttp.ClientOSError):
+        return False
+    return exc.errno in _STALE_ERRNOS or isinstance(exc.__cause__, ConnectionResetError)
 
 
 def _text(body: bytes) -> str:
