@@ -24,6 +24,7 @@ know about a fleet:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -77,14 +78,28 @@ class VllmEngineBackend(TrainerBackend):
     def api(self, value: TrainerApi) -> None:
         del value  # the installed vLLM decides
 
-    def needs_cuda(self, exc: BaseException) -> BaseException:
-        """A clearer error when vLLM's engine found no CUDA device (else ``exc``)."""
-        if not any(word in str(exc) for word in ("CUDA", "accelerator")):
-            return exc
-        return RuntimeError(
-            f"backend {self.name!r} needs a CUDA device in the trainer process (vLLM's "
-            f"{self.name} engine works on the current device): {exc}"
-        )
+    @contextlib.contextmanager
+    def cuda_errors(self) -> Iterator[None]:
+        """Re-raise vLLM's engine error about a missing CUDA device as a clearer one."""
+        try:
+            yield
+        except (RuntimeError, AssertionError) as exc:
+            if not any(word in str(exc) for word in ("CUDA", "accelerator")):
+                raise
+            raise RuntimeError(
+                f"backend {self.name!r} needs a CUDA device in the trainer process (vLLM's "
+                f"{self.name} engine works on the current device): {exc}"
+            ) from exc
+
+    def factory_init(self, info: Any, client: EngineClient) -> Any:
+        """vLLM's ``WeightTransferTrainerFactory.trainer_init(info)`` over ``client``,
+        with an empty source (each round sets its own)."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        with self.cuda_errors():
+            return WeightTransferTrainerFactory.trainer_init(
+                info, client=client, source=VllmSource(None)
+            )
 
 
 class VllmSource:

@@ -107,7 +107,6 @@ class IpcBackend(VllmEngineBackend):
         self._members = members
 
     def _trainer_init(self, client: EngineClient) -> Any:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         info = IPCTrainerInitInfo(
@@ -115,15 +114,7 @@ class IpcBackend(VllmEngineBackend):
             packed_buffer_size_bytes=self.packed_buffer_size_bytes,
             rank=self.rank,
         )
-        try:
-            return WeightTransferTrainerFactory.trainer_init(
-                info, client=client, source=VllmSource(None)
-            )
-        except (RuntimeError, AssertionError) as exc:
-            better = self.needs_cuda(exc)
-            if better is exc:
-                raise
-            raise better from exc
+        return self.factory_init(info, client)
 
     # ------------------------------------------------------------------ a round
     def send(

@@ -201,7 +201,6 @@ class NcclBackend(VllmEngineBackend):
         self._members = dict(members)
 
     def _trainer_init(self, host: str, port: int, world: int, client: EngineClient) -> Any:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         info = NCCLTrainerInitInfo(
@@ -213,15 +212,7 @@ class NcclBackend(VllmEngineBackend):
             packed_num_buffers=self.packed_num_buffers,
             rank=self.rank,
         )
-        try:
-            return WeightTransferTrainerFactory.trainer_init(
-                info, client=client, source=VllmSource(None)
-            )
-        except (RuntimeError, AssertionError) as exc:
-            better = self.needs_cuda(exc)
-            if better is exc:
-                raise
-            raise better from exc
+        return self.factory_init(info, client)
 
     def _static_init(self, host: str, port: int, world: int, client: EngineClient) -> Any:
         """vLLM 0.23-0.27: the servers' init (exactly these four fields there) in flight
@@ -233,15 +224,10 @@ class NcclBackend(VllmEngineBackend):
         )
 
         def open_endpoint() -> Any:
-            try:
+            with self.cuda_errors():
                 return NCCLWeightTransferEngine.trainer_init(
                     {"master_address": host, "master_port": port, "world_size": world}
                 )
-            except (RuntimeError, AssertionError) as exc:
-                better = self.needs_cuda(exc)
-                if better is exc:
-                    raise
-                raise better from exc
 
         group = run_guarded(open_endpoint, client, name="nccl-init")
         pending.result()
