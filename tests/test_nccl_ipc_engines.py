@@ -647,3 +647,17 @@ def test_checked_pairs_refuse_what_was_not_announced() -> None:
         list(checked_pairs(iter([("w", w.t())]), meta))
     with pytest.raises(ValueError, match="after the 2 announced"):
         list(checked_pairs(iter([("w", w.t()), ("b", torch.ones(2)), ("x", w)]), meta))
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_a_missing_cuda_device_is_named_and_other_errors_pass_through(backend: str) -> None:
+    from asyncsync.backends import backend_class
+
+    options = {"allow_insecure_serialization": True} if backend == "ipc" else {}
+    engine_backend = backend_class(backend)(**options)
+    missing = f"backend '{backend}' needs a CUDA device"
+    with pytest.raises(RuntimeError, match=missing) as info, engine_backend.cuda_errors():
+        raise RuntimeError("Torch not compiled with CUDA enabled")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(AssertionError, match=r"^unrelated$"), engine_backend.cuda_errors():
+        raise AssertionError("unrelated")
