@@ -61,7 +61,12 @@ def check(fleet: az.Fleet, traj: az.Trajectory) -> None:
     batch = traj.to_lists()  # what a trainer consumes
     assert batch["token_ids"] == traj.next_prompt()
     sampled = [lp for lp, m in zip(batch["logprobs"], batch["loss_mask"], strict=True) if m]
-    assert len(sampled) == TURNS * 8, "only the policy's tokens are trainable"
+    # A turn ends at max_tokens or earlier, when the policy samples its end-of-sequence
+    # token (finish_reason "stop"); either way exactly its sampled tokens are trainable.
+    for c in traj.completions:
+        assert len(c.token_ids) == 8 or c.finish_reason == "stop", c
+    generated = sum(len(c.token_ids) for c in traj.completions)
+    assert len(sampled) == generated, "only the policy's tokens are trainable"
     servers = {c.server for c in traj.completions}
     assert servers == {fleet.session_server(traj.session_id)}, "every turn on one server"
     print(
