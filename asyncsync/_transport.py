@@ -61,8 +61,8 @@ KEEPALIVE_TIMEOUT = 2.0
 
 _STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 #: Calls sent once more when their connection was closed before any answer (see
-#: `Endpoint.request`): plain generations and scoring.
-_RESENT_ON_CLOSED = frozenset({"generate", "score"})
+#: `Endpoint.request`): generations (plain and streamed) and scoring.
+_RESENT_ON_CLOSED = frozenset({"generate", "generate_stream", "score"})
 #: How many times such a call is sent again while each try meets a closed pooled
 #: connection: aiohttp drops each one it finds closed, but a server loop that stalled
 #: past the keep-alive margin closes many at once, and the next pooled one may be closed
@@ -244,24 +244,15 @@ class Endpoint:
         timeouts = timeouts or self.timeouts
         policy = self.retry if call.idempotent else NO_RETRY
         attempt = 1
-        resent_on_closed = call.op in _RESENT_ON_CLOSED
-        resends = _STALE_RESENDS if resent_on_closed else int(self._after_server_error)
-        unanswered: AsyncSyncError | None = None
+        resends = _ClosedConnectionResends(call, self._after_server_error)
         while True:
             try:
                 value = await self._send_once(call, body, timeouts)
             except AsyncSyncError as err:
-                if resends and _stale_connection(err.__cause__):
+                if resends.again(err):
                     logger.debug("%s %s: resent on another connection", self.url, call.route)
-                    resends -= 1
-                    if resent_on_closed and unanswered is None:
-                        unanswered = err
                     continue
-                if unanswered is not None and never_sent(err):
-                    # Refused now: the server went away, perhaps after it read the first
-                    # send. Report the first failure, so that nobody sends the request
-                    # to another server as if it had never arrived (it may have run).
-                    err = unanswered
+                err = resends.reported(err)
                 self._failed(call, err)
                 if attempt >= policy.attempts or not is_retryable(err, policy):
                     raise err
@@ -309,15 +300,22 @@ class Endpoint:
     ) -> aiohttp.ClientResponse:
         """Send a streamed request and return the open 200 response (headers read, the
         body not). ``deadline``: absolute loop time for the headers (None: no limit).
-        A non-2xx answer raises the same errors as `request`; the caller
-        releases the returned response."""
-        try:
-            resp = await self._open_stream(call, body, deadline)
-        except AsyncSyncError as err:
-            self._failed(call, err)
-            raise
-        self._succeeded(call, None)
-        return resp
+        A non-2xx answer raises the same errors as `request`, and a generation whose
+        pooled connection was closed before the headers came is sent again by the same
+        rule; the caller releases the returned response."""
+        resends = _ClosedConnectionResends(call, self._after_server_error)
+        while True:
+            try:
+                resp = await self._open_stream(call, body, deadline)
+            except AsyncSyncError as err:
+                if resends.again(err):
+                    logger.debug("%s %s: resent on another connection", self.url, call.route)
+                    continue
+                err = resends.reported(err)
+                self._failed(call, err)
+                raise err from err.__cause__
+            self._succeeded(call, None)
+            return resp
 
     async def _open_stream(
         self, call: Call[Any], body: bytes, deadline: float | None
@@ -438,6 +436,35 @@ def map_error(
     return ServerUnavailable(
         f"request failed: {type(exc).__name__}: {exc}", server=server, route=route
     )
+
+
+class _ClosedConnectionResends:
+    """The rule of `Endpoint.request` for sending a call once more when its pooled
+    connection turned out to be closed before any answer: up to ``_STALE_RESENDS`` times
+    for generations and scoring, once after a 5xx from this server for anything else."""
+
+    def __init__(self, call: Call[Any], after_server_error: bool) -> None:
+        self._answerless = call.op in _RESENT_ON_CLOSED
+        self._left = _STALE_RESENDS if self._answerless else int(after_server_error)
+        self._first: AsyncSyncError | None = None
+
+    def again(self, err: AsyncSyncError) -> bool:
+        """Whether to send the call again after ``err``."""
+        if not (self._left and _stale_connection(err.__cause__)):
+            return False
+        self._left -= 1
+        if self._answerless and self._first is None:
+            self._first = err
+        return True
+
+    def reported(self, err: AsyncSyncError) -> AsyncSyncError:
+        """The error to raise for a call that failed with ``err``. Refused after a
+        resend: the server went away, perhaps after it read the first send; the first
+        failure is reported, so that nobody sends the request to another server as if it
+        had never arrived (it may have run)."""
+        if self._first is not None and never_sent(err):
+            return self._first
+        return err
 
 
 def never_sent(err: BaseException) -> bool:

@@ -503,3 +503,32 @@ async def test_a_generation_whose_connection_closed_unanswered_is_sent_once_more
         fake32.inject("/pause", Fault.drop(), times=1)
         with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
             await client.pause()
+
+
+async def test_a_stream_whose_connection_closed_before_its_headers_is_sent_once_more(
+    fake32: FakeVLLMServer,
+) -> None:
+    """The same rule for a streamed generation: a pooled connection closed before the
+    response headers came means the server never read the request; it is sent again (up
+    to four more tries) and streams as usual; a close on every try is the caller's
+    error, and a failed stream is never resent once its headers came."""
+    route = "/inference/v1/generate"
+    fake32.inject(route, Fault.drop(), times=2)
+    async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
+        async with client.stream([1, 2, 3], max_tokens=3, request_id="s") as stream:
+            deltas = [delta async for delta in stream]
+        assert stream.completion.request_id == "generate-tokens-s"
+        assert len(stream.completion.token_ids) == 3
+        assert sum(len(d.token_ids) for d in deltas) == 3
+        assert len(fake32.requests_to(route)) == 3  # two closed, then answered
+        fake32.inject(route, Fault.drop(), times=5)
+        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+            async with client.stream([1, 2, 3], max_tokens=3) as stream:
+                [delta async for delta in stream]
+        assert len(fake32.requests_to(route)) == 3 + 5
+        # Answered with a 5xx: an answer, not a closed connection; not sent again.
+        fake32.inject(route, Fault.error(500), times=1)
+        with pytest.raises(az.ServerError):
+            async with client.stream([1, 2, 3], max_tokens=3) as stream:
+                [delta async for delta in stream]
+        assert len(fake32.requests_to(route)) == 3 + 5 + 1
