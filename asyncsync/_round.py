@@ -217,8 +217,10 @@ class PublishRound(InitCalls):
         self.outcomes = {url: ServerOutcome(url, ok=True) for url in self.targets}
         #: servers holding this round's (or a stale round's) active update
         self.open: set[str] = set()
-        #: servers a pause was attempted on (resumed whatever happens)
-        self.paused: list[str] = []
+        #: servers a pause was attempted on (resumed whatever happens), from the start
+        #: those an earlier round left paused (its rollback skips a server that did not
+        #: answer: this round resumes it once it answers again)
+        self.paused: list[str] = [url for url in self.targets if fleet.state(url).paused]
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
         #: servers that finished this round, and those whose prefix cache was reset
@@ -271,7 +273,8 @@ class PublishRound(InitCalls):
     async def pause(self) -> None:
         assert self.pause_mode is not None
         mode = self.pause_mode
-        self.paused.extend(self.targets)  # resumed even if the pause fails midway
+        # resumed even if the pause fails midway
+        self.paused.extend(url for url in self.targets if url not in self.paused)
         await self._phase(
             Phase.PAUSE, lambda: self.fleet.pause(mode, targets=self.targets, require="all")
         )
@@ -410,7 +413,7 @@ class PublishRound(InitCalls):
         finished (their KV blocks were computed with the old weights), mark every server
         the round reached dirty (a frozen server whose start got no answer included: it
         may run the start when it thaws; a finished one whose cache reset failed too),
-        and resume the paused ones."""
+        and resume the paused ones that answer."""
         # A server whose call timed out is not sent the abort: it would wait another
         # deadline for a server that is frozen or overloaded. It stays dirty (below), and
         # the next round ends whatever update it still holds (is_stale_round_error).
@@ -431,9 +434,16 @@ class PublishRound(InitCalls):
         if reached:
             logger.warning("round %r left %s dirty", self.version, ", ".join(reached))
         self.fleet.mark_dirty(reached)
-        if self.paused:
+        # Nor is it resumed, for the same reason: it is recorded as paused (its pause may
+        # still run) and dirty, so nothing is routed to it, until the next round that
+        # reaches it resumes it.
+        resumable = [url for url in self.paused if not self._timed_out(url)]
+        for url in self.paused:
+            if url not in resumable:
+                self.fleet.state(url).paused = True
+        if resumable:
             try:
-                await self.fleet.resume(targets=self.paused, require="all")
+                await self.fleet.resume(targets=resumable, require="all")
             except FleetError as exc:
                 self._record(Phase.RESUME, exc)
 

@@ -60,15 +60,61 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
         assert not healthy.update_active
         assert hung.update_active
         assert fleet.state(hung.url).dirty
-        assert "dirty" in fleet.routing_reasons()[hung.url]
+        # (unhealthy, too: its last call went unanswered)
+        assert fleet.routing_reasons()[hung.url] in ("dirty", "unhealthy")
+        # The pause was undone on the healthy server; the hung one is not sent the
+        # resume either (another deadline): it stays paused, recorded as such ...
         assert not healthy.paused
-        assert not hung.paused
-        # ... until the next round, which ends it first, goes through and clears the
-        # dirty marks.
+        assert hung.paused
+        assert fleet.state(hung.url).paused
+        assert not fleet.state(healthy.url).paused
+        # ... until the next round (even one that does not pause), which ends its update
+        # first, goes through, resumes it and clears the dirty marks.
         report = await publisher.publish(WEIGHTS, version="v2")
         assert report.version == publisher.version == "v2"
         assert not any(s.dirty for s in fleet.servers)
+        assert not any(s.paused for s in fleet.servers)
+        assert not hung.paused
         assert [s.weight_version for s in fleet.servers] == ["v2", "v2"]
+
+
+async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """pause="keep", then a server that stops answering once paused (frozen): the round
+    fails at its start by the update deadline, and the rollback sends it neither
+    the abort nor the resume (each would wait a control deadline, 60 s here). It is
+    recorded as paused and dirty; once it answers again, the next round resumes it."""
+    healthy, frozen = fakes
+    timeouts = az.Timeouts(connect=60, control=60, update=1, generate=60)
+    async with (
+        az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
+        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+    ):
+        await publisher.publish(WEIGHTS, version="v1", pause="keep")
+        resumes = len(frozen.requests_to("/resume"))
+        # Frozen right after it paused: nothing after that is answered.
+        for route in ("/start_weight_update", "/update_weights", "/resume"):
+            frozen.inject(route, Fault.hang())
+        started = time.monotonic()
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v2", pause="keep")
+        assert time.monotonic() - started < 30  # one 1 s deadline, not a 60 s one
+        outcome = info.value.outcomes[frozen.url]
+        assert (outcome.phase, type(outcome.error)) == ("start", az.ServerTimeout)
+        assert publisher.version == "v1"
+        assert len(frozen.requests_to("/resume")) == resumes  # none sent to it
+        assert not healthy.paused
+        assert frozen.paused
+        assert fleet.state(frozen.url).paused
+        assert fleet.state(frozen.url).dirty
+        assert not fleet.state(healthy.url).paused
+        frozen.clear_faults()
+        report = await publisher.publish(WEIGHTS, version="v3")  # no pause of its own
+        assert report.version == publisher.version == "v3"
+        assert not frozen.paused
+        assert not healthy.paused
+        assert not any(s.paused or s.dirty for s in fleet.servers)
 
 
 async def test_a_round_left_open_by_a_dead_trainer_is_ended_and_retried(
