@@ -347,7 +347,7 @@ def plan_weight_checksums(
 ) -> Call[dict[str, str]]:
     _needs_current("/weight_checker", protocol, server)
     return Call(
-        "weight_checksums", "POST", "/weight_checker", "control", _parse_checksums,
+        "weight_checksums", "POST", "/weight_checker", "update", _parse_checksums,
         '{"checksums": {str: str}}', payload={"action": "checksum"},
     )  # fmt: skip
 
@@ -357,7 +357,7 @@ def plan_compare_weights(
 ) -> Call[WeightComparison]:
     _needs_current("/weight_checker", protocol, server)
     return Call(
-        "compare_weights", "POST", "/weight_checker", "control", _parse_comparison,
+        "compare_weights", "POST", "/weight_checker", "update", _parse_comparison,
         '{"match": bool, "mismatches": [str]}',
         payload={"action": "compare", "baseline": dict(baseline)},
     )  # fmt: skip

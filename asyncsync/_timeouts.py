@@ -17,10 +17,10 @@ class Timeouts:
     Attributes:
         connect: establishing the TCP connection (counted inside the phase deadline too).
         control: light routes: health, version, pause, resume, is_paused, abort,
-            weight_info, update_weight_version, weight_checker, get_world_size,
-            reset_prefix_cache.
+            weight_info, update_weight_version, get_world_size, reset_prefix_cache.
         update: weight-sync routes, which are blocking collective RPCs on every worker:
-            init/start/update/finish weight update, shutdown of the transfer engine.
+            init/start/update/finish weight update, shutdown of the transfer engine,
+            and the weight checker (it hashes every parameter on every worker).
             NCCL's init and update stay in flight for as long as the trainer's
             broadcast runs, so this one is long.
         generate: generation requests (prefill plus decode of a whole completion).

@@ -101,8 +101,9 @@ class AsyncWeightPublisher:
             must then not change until ``publish`` returns
             (`WeightsModifiedError` otherwise).
 
-    Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for each
-    chunk's fan-out, ``control`` for start, finish, pause and resume). A hung server
+    Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for the
+    weight-sync routes: init, start, each chunk's fan-out, finish and the weight checker;
+    ``control`` for pause, resume and the cache reset). A hung server
     fails the round with `ServerTimeout` inside the ``PublishError``.
     """
 

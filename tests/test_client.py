@@ -532,3 +532,19 @@ async def test_a_stream_whose_connection_closed_before_its_headers_is_sent_once_
             async with client.stream([1, 2, 3], max_tokens=3) as stream:
                 [delta async for delta in stream]
         assert len(fake32.requests_to(route)) == 3 + 5 + 1
+
+
+async def test_the_weight_checker_runs_under_the_update_deadline(
+    fake32: FakeVLLMServer,
+) -> None:
+    """/weight_checker hashes every parameter on every worker, like a weight-sync call:
+    a big model's checksum outlasts the light routes' deadline, so it has update's."""
+    fake32.inject("/weight_checker", Fault.delay(0.6), times=1)
+    quick_control = az.Timeouts(connect=5, control=0.3, update=10, generate=10)
+    async with az.AsyncVLLMClient(fake32.url, timeouts=quick_control, retry=None) as client:
+        assert await client.weight_checksums() == fake32.checksums()
+    fake32.inject("/weight_checker", Fault.delay(0.6), times=1)
+    quick_update = az.Timeouts(connect=5, control=10, update=0.3, generate=10)
+    async with az.AsyncVLLMClient(fake32.url, timeouts=quick_update, retry=None) as client:
+        with pytest.raises(az.ServerTimeout, match="update deadline"):
+            await client.weight_checksums()
