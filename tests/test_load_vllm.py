@@ -7,8 +7,11 @@ Thousands of generations at concurrency 256 while the trainer publishes new weig
   answer names that id, every id is answered exactly once, every completion is whole;
 - per-token versions right across each publish: every token's version (reported by the
   server) is one that was published, and within a completion the versions never go back
-  in publish order; some completions span two versions (the publish froze them
-  mid-generation), so the check saw a publish from inside a completion;
+  in publish order. Completions a publish froze mid-generation span two versions; how
+  many is up to timing (a few hundred of 10,000 here; CI once saw none, and a streamed
+  probe started before each publish was finished before its pause under this load), so
+  it is reported, not asserted: a split across a publish is proven deterministically by
+  ``test_generation_vllm.py::test_keep_pause_across_a_publish_reports_two_spans``;
 - no growth in this process's resources: connections, file descriptors, asyncio tasks,
   threads and RSS, measured once the load reached its steady state (after a warm-up of
   the same shape) and again at the end, each against the bound stated below
@@ -43,7 +46,8 @@ from tests.conftest import VLLMFleet
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio, pytest.mark.needs("generate:weight_versions")]
 
 CONCURRENCY = 256
-#: Tokens per generation: short, so that the run is bounded in time on 2 cores.
+#: Tokens per generation: short, so that the run is bounded in time on 2 cores (6 on
+#: average; see `_max_tokens`).
 MAX_TOKENS = 6
 #: The CI run: 10,000 generations with 9 publishes during them.
 CI_GENERATIONS = 10_000
@@ -121,13 +125,19 @@ def _prompt(i: int) -> list[int]:
     return [1] + [(i * 7 + j * 131) % 500 + 3 for j in range(3 + i % 8)]
 
 
+def _max_tokens(i: int) -> int:
+    """3 to 9 tokens (6 on average): staggered, so that requests are at every step of
+    their decode when a round pauses them, rather than in waves of equal length."""
+    return MAX_TOKENS - 3 + i % 7
+
+
 def _check(c: az.Completion, i: int, tag: str, order: dict[str, int]) -> bool:
     """Completion ``i`` is whole, is this request's answer, and every token's version
     was published, never going back in publish order. True when it spans versions."""
     # vLLM names its request after the caller's id: the answer is this request's.
     assert c.request_id == f"generate-tokens-{tag}-{i}", (i, c.request_id)
     assert c.prompt_token_ids == _prompt(i), i
-    assert len(c.token_ids) == MAX_TOKENS, (i, c)
+    assert len(c.token_ids) == _max_tokens(i), (i, c)
     position, last = 0, -1
     for span in c.weight_versions:
         assert span.source == "server", (i, c.weight_versions)
@@ -166,7 +176,7 @@ async def _load(
             i = next_request
             next_request += 1
             c = await fleet.generate(
-                _prompt(i), max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                _prompt(i), max_tokens=_max_tokens(i), temperature=0.0, ignore_eos=True,
                 request_id=f"{tag}-{i}",
             )  # fmt: skip
             assert not answered[i], f"request {i} answered twice"
@@ -233,13 +243,12 @@ async def _run(
             assert list(c.token_ids) == expected, url
     rate = generations / run.seconds
     print(
-        f"\nload {tag}: {generations} generations x {MAX_TOKENS} tokens, concurrency "
+        f"\nload {tag}: {generations} generations x {MAX_TOKENS} tokens (mean), concurrency "
         f"{CONCURRENCY}, {len(run.published)} publishes, {run.seconds:.1f} s ({rate:.0f}/s), "
         f"{run.spanning} completions spanning 2+ versions, peak connections "
         f"{run.peak_connections}\n  before {asdict(before)}\n  after  {asdict(after)}"
     )
     assert run.published == [f"{tag}-v{k}" for k in range(1, publishes + 1)]
-    assert run.spanning > 0, "no completion spanned a publish: the version check saw none"
     assert run.peak_connections <= MAX_LOAD_CONNECTIONS, run.peak_connections
     assert after.tasks - before.tasks <= MAX_TASK_GROWTH, (before, after)
     assert after.threads - before.threads <= MAX_THREAD_GROWTH, (before, after)
