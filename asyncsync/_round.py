@@ -438,9 +438,8 @@ class PublishRound(InitCalls):
         # still run) and dirty, so nothing is routed to it, until the next round that
         # reaches it resumes it.
         resumable = [url for url in self.paused if not self._timed_out(url)]
-        for url in self.paused:
-            if url not in resumable:
-                self.fleet.state(url).paused = True
+        for url in set(self.paused) - set(resumable):
+            self.fleet.state(url).paused = True
         if resumable:
             try:
                 await self.fleet.resume(targets=resumable, require="all")

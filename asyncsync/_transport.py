@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
 import aiohttp
@@ -244,18 +244,12 @@ class Endpoint:
         timeouts = timeouts or self.timeouts
         policy = self.retry if call.idempotent else NO_RETRY
         attempt = 1
-        resends = _ClosedConnectionResends(call, self._after_server_error)
         while True:
             try:
-                value = await self._send_once(call, body, timeouts)
+                value = await self._resent(call, lambda: self._send_once(call, body, timeouts))
             except AsyncSyncError as err:
-                if resends.again(err):
-                    logger.debug("%s %s: resent on another connection", self.url, call.route)
-                    continue
-                err = resends.reported(err)
-                self._failed(call, err)
                 if attempt >= policy.attempts or not is_retryable(err, policy):
-                    raise err
+                    raise
                 delay = retry_delay(attempt, err, policy)
                 logger.info(
                     "%s %s failed (attempt %d of %d), retrying in %.2f s: %s",
@@ -266,6 +260,21 @@ class Endpoint:
                 continue
             self._succeeded(call, value)
             return value
+
+    async def _resent(self, call: Call[Any], send: Callable[[], Awaitable[T]]) -> T:
+        """``send()``, sent again by the closed-connection rule (`request`); a failure
+        is recorded in the server's state and raised."""
+        resends = _ClosedConnectionResends(call, self._after_server_error)
+        while True:
+            try:
+                return await send()
+            except AsyncSyncError as err:
+                if resends.again(err):
+                    logger.debug("%s %s: resent on another connection", self.url, call.route)
+                    continue
+                err = resends.reported(err)
+                self._failed(call, err)
+                raise err from err.__cause__
 
     def _succeeded(self, call: Call[Any], value: Any) -> None:
         self._after_server_error = False
@@ -303,19 +312,9 @@ class Endpoint:
         A non-2xx answer raises the same errors as `request`, and a generation whose
         pooled connection was closed before the headers came is sent again by the same
         rule; the caller releases the returned response."""
-        resends = _ClosedConnectionResends(call, self._after_server_error)
-        while True:
-            try:
-                resp = await self._open_stream(call, body, deadline)
-            except AsyncSyncError as err:
-                if resends.again(err):
-                    logger.debug("%s %s: resent on another connection", self.url, call.route)
-                    continue
-                err = resends.reported(err)
-                self._failed(call, err)
-                raise err from err.__cause__
-            self._succeeded(call, None)
-            return resp
+        resp = await self._resent(call, lambda: self._open_stream(call, body, deadline))
+        self._succeeded(call, None)
+        return resp
 
     async def _open_stream(
         self, call: Call[Any], body: bytes, deadline: float | None

@@ -22,7 +22,6 @@ or thawed victim rejoins through the next full round, and both servers are exact
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -38,11 +37,10 @@ import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, free_port, reference_greedy
 from tests.conftest import SERVER_STARTUP_TIMEOUT, VLLMFleet, _core
 from tests.test_cancel_vllm import _no_active_update
+from tests.test_faults_vllm import MAX_TOKENS, PROMPT, _greedy, _healthy_again
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
-PROMPT = [1, 17, 42, 99, 123, 7]
-MAX_TOKENS = 8
 #: Small buffers: the tiny model goes in several chunks, so "mid-update" exists.
 BUFFER = 256 * 1024
 #: start, update and finish run under the update deadline; control is far from it.
@@ -94,24 +92,6 @@ def _weights(model_dir: Path, scale: float = 1.0) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     return {name: t * scale for name, t in load_file(model_dir / "model.safetensors").items()}
-
-
-async def _greedy(fleet: az.Fleet, url: str) -> list[int]:
-    completion = await fleet.client(url).generate(
-        PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
-    )
-    return list(completion.token_ids)
-
-
-async def _answers_health(fleet: az.Fleet, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            await fleet.client(url).health()
-            return
-        except az.AsyncSyncError:
-            assert time.monotonic() < deadline, f"{url} never answered /health again"
-            await asyncio.sleep(0.2)
 
 
 async def _failed_round(
@@ -225,7 +205,7 @@ async def test_publish_fault_on_a_real_server(
         if fault == "kill":
             await victim.astop()  # reaps what is left of its process group
             await victim.astart()  # same port: the same fleet member
-        await _answers_health(fleet, victim.url)
+        await _healthy_again(fleet, victim.url)
         # Answering again, but dirty: still no generation routed to it.
         state = fleet.state(victim.url)
         assert state.dirty
