@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import asyncsync as az
-from asyncsync.testing import LocalVLLMServer, free_port, make_tiny_model, reference_greedy
+from asyncsync.testing import LocalVLLMServer, check_greedy, free_port, make_tiny_model
 
 WORLD = 2
 PROMPT = [1, 17, 42, 99, 123, 7]
@@ -85,9 +85,9 @@ def rank_main(rank: int, port: int, model_dir: Path, urls: list[str]) -> None:
         if rank == 0:  # the servers must generate what the trained (gathered) model does
             reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             reference.load_state_dict(gathered)
-            expected = reference_greedy(reference, PROMPT, 8)
-            assert all(tokens == expected for tokens in greedy.values()), (greedy, expected)
-            print(f"rank 0: both servers equal the trained model's greedy tokens {expected}")
+            for tokens in greedy.values():  # transformers ranks each token first
+                check_greedy(reference, PROMPT, tokens, max_new_tokens=8)
+            print(f"rank 0: both servers generate the trained model's greedy tokens {greedy}")
     finally:
         dist.destroy_process_group()
 

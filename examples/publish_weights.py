@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import asyncsync as az
-from asyncsync.testing import LocalVLLMServer, make_tiny_model, reference_greedy
+from asyncsync.testing import LocalVLLMServer, check_greedy, make_tiny_model
 
 PROMPT = [1, 17, 42, 99, 123, 7]
 
@@ -56,13 +56,14 @@ async def main(urls: list[str] | None) -> None:
             ):
                 report = await publisher.publish(model, version="step-1", pause="keep")
                 print(report)
-                expected = reference_greedy(model, PROMPT, 8)
                 session = fleet.session
                 assert session is not None
                 for state in fleet.servers:
                     tokens, versions = await greedy(session, state.url)
                     print(state.url, state.weight_version, tokens, versions)
-                    assert tokens == expected, "the server must generate from the new weights"
+                    # the server must generate from the new weights: transformers ranks
+                    # each of its greedy tokens first (check_greedy holds on any CPU)
+                    check_greedy(model, PROMPT, tokens, max_new_tokens=8)
 
                 # A broken round is refused with the parameter's name; nothing is lost.
                 bad = dict(model.named_parameters())

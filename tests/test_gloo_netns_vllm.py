@@ -21,7 +21,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
-from asyncsync.testing import LocalVLLMServer, reference_greedy
+from asyncsync.testing import LocalVLLMServer, check_greedy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -119,4 +119,4 @@ async def test_a_publish_crosses_network_namespaces_exactly(
         completion = await fleet.client(remote_server.url).generate(
             PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True
         )
-    assert list(completion.token_ids) == reference_greedy(model.eval(), PROMPT, 8)
+    check_greedy(model, PROMPT, completion.token_ids, max_new_tokens=8)

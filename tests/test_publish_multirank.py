@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncsync.testing import free_port, reference_greedy
+from asyncsync.testing import check_greedy, free_port
 from tests.conftest import VLLMFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -120,7 +120,6 @@ def test_two_rank_trainer_publishes_through_rank_zero(
     with torch.no_grad():
         for p in full.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    expected = reference_greedy(full, PROMPT, 8)
     import urllib.request
 
     request = urllib.request.Request(
@@ -135,5 +134,5 @@ def test_two_rank_trainer_publishes_through_rank_zero(
     )
     with urllib.request.urlopen(request, timeout=60) as resp:
         body = json.loads(resp.read())
-    assert body["choices"][0]["token_ids"] == expected
+    check_greedy(full, PROMPT, body["choices"][0]["token_ids"], max_new_tokens=8)
     assert body["choices"][0]["weight_versions"][0]["version"] == "multi-rank"

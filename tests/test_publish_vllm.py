@@ -13,14 +13,15 @@ import torch
 
 import asyncsync as az
 from asyncsync.backends._segments import leaked_segments, open_segments
-from asyncsync.testing import reference_greedy, reference_logprobs
+from asyncsync.testing import FLOAT32_TOLERANCE, check_greedy, reference_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
 PROMPT = [1, 17, 42, 99, 123, 7, 300, 5]
 MAX_TOKENS = 10
-#: vLLM's CPU kernels vs transformers, both float32, on the tiny model.
-LOGPROB_ATOL = 1e-4
+#: vLLM's CPU kernels vs transformers, both float32, on the tiny model, on any CPU
+#: (docs/testing.md: up to 5e-5 apart on an AVX-512 machine).
+LOGPROB_ATOL = FLOAT32_TOLERANCE
 
 
 def _perturbed(model_dir: Path, seed: int, scale: float = 0.1) -> Any:
@@ -60,8 +61,6 @@ async def test_published_weights_generate_exactly(
     fleet: az.Fleet, tiny_model_dir: Path, api: str, vllm_features: dict[str, Any]
 ) -> None:
     model = _perturbed(tiny_model_dir, seed=1 if api == "engine" else 2)
-    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
-    ref_logprobs = reference_logprobs(model, PROMPT + expected)[len(PROMPT) :]
     version = f"step-{api}"
     async with az.AsyncWeightPublisher(fleet, api=api) as publisher:  # type: ignore[arg-type]
         report = await publisher.publish(model, version=version, pause="keep")
@@ -77,7 +76,9 @@ async def test_published_weights_generate_exactly(
         state = fleet.state(url)
         assert (state.weight_version, state.dirty, state.paused) == (version, False, False)
         choice = await _generate(fleet, url, PROMPT, MAX_TOKENS)
-        assert choice["token_ids"] == expected, url
+        check_greedy(model, PROMPT, choice["token_ids"], max_new_tokens=MAX_TOKENS)
+        # The reference's logprobs of the server's own tokens, to float32 accuracy.
+        ref_logprobs = reference_logprobs(model, PROMPT + choice["token_ids"])[len(PROMPT) :]
         got = [entry["logprob"] for entry in choice["logprobs"]["content"]]
         assert all(
             math.isclose(g, float(r), abs_tol=LOGPROB_ATOL)
@@ -93,7 +94,7 @@ async def test_published_weights_generate_exactly(
         done = await fleet.client(url).generate(
             PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
         )
-        assert done.token_ids == expected
+        check_greedy(model, PROMPT, done.token_ids, max_new_tokens=MAX_TOKENS)
         source = "server" if server_spans else "client"
         assert list(done.weight_versions) == [az.WeightVersionSpan(version, 0, MAX_TOKENS, source)]
         # The server itself holds the version where the client's protocol sets it at
@@ -109,12 +110,12 @@ async def test_no_stale_prefix_cache_after_publish(fleet: az.Fleet, tiny_model_d
     long_prompt = [(i * 37 + 11) % 500 + 3 for i in range(150)]
     url = fleet.urls[0]
     before = await _generate(fleet, url, long_prompt, 6)
-    assert before["token_ids"] == reference_greedy(tiny_model_dir, long_prompt, 6)
+    check_greedy(tiny_model_dir, long_prompt, before["token_ids"], max_new_tokens=6)
     model = _perturbed(tiny_model_dir, seed=3)
     async with az.AsyncWeightPublisher(fleet) as publisher:
         await publisher.publish(model, version="fresh")
     after = await _generate(fleet, url, long_prompt, 6)
-    assert after["token_ids"] == reference_greedy(model, long_prompt, 6)
+    check_greedy(model, long_prompt, after["token_ids"], max_new_tokens=6)
 
 
 @pytest.mark.usefixtures("original_weights_restored")
@@ -128,9 +129,9 @@ async def test_model_larger_than_one_buffer_loads_exactly(
     async with az.AsyncWeightPublisher(fleet, buffer_bytes=buffer_bytes) as publisher:
         report = await publisher.publish(model, version="chunked")
     assert report.chunks >= 5
-    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
     for url in fleet.urls:
-        assert (await _generate(fleet, url, PROMPT, MAX_TOKENS))["token_ids"] == expected
+        tokens = (await _generate(fleet, url, PROMPT, MAX_TOKENS))["token_ids"]
+        check_greedy(model, PROMPT, tokens, max_new_tokens=MAX_TOKENS)
 
 
 def _renamed(model: Any) -> dict[str, torch.Tensor]:
@@ -183,8 +184,8 @@ async def test_mismatch_fails_clearly_then_a_correct_publish_succeeds(
         report = await publisher.publish(model, version="good-2")
         assert report.version == publisher.version == "good-2"
         assert not any(fleet.state(url).dirty for url in fleet.urls)
-    expected = reference_greedy(model, PROMPT, MAX_TOKENS)
-    assert (await _generate(fleet, fleet.urls[1], PROMPT, MAX_TOKENS))["token_ids"] == expected
+    tokens = (await _generate(fleet, fleet.urls[1], PROMPT, MAX_TOKENS))["token_ids"]
+    check_greedy(model, PROMPT, tokens, max_new_tokens=MAX_TOKENS)
 
 
 @pytest.mark.usefixtures("original_weights_restored")

