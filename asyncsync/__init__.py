@@ -7,14 +7,14 @@ notebooks) and `asyncsync.metrics` (metrics hooks).
 
 import logging
 
-from asyncsync._completion import (
+from asyncsync._core.completion import (
     Completion,
     PromptScores,
     RetokenizedWarning,
     TokenDelta,
     WeightVersionSpan,
 )
-from asyncsync._errors import (
+from asyncsync._core.errors import (
     AsyncSyncError,
     FleetError,
     GenerationAborted,
@@ -28,21 +28,22 @@ from asyncsync._errors import (
     WeightMismatch,
     WeightsModifiedError,
 )
-from asyncsync._generate import CompletionStream
-from asyncsync._genwire import (
+from asyncsync._core.loop import run
+from asyncsync._core.state import ServerState
+from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.types import FleetResult, Outcome
+from asyncsync._fleet.routing import StalenessStats
+from asyncsync._generation.engine import CompletionStream
+from asyncsync._http.retry import RetryPolicy
+from asyncsync._rollout.trajectory import Trajectory
+from asyncsync._wire.control import WeightComparison
+from asyncsync._wire.generation import (
     GenerateOptions,
     RequestOptions,
     RoutedGenerateOptions,
     RoutedOptions,
     SamplingOptions,
 )
-from asyncsync._loop import run
-from asyncsync._protocol import WeightComparison
-from asyncsync._retry import RetryPolicy
-from asyncsync._routing import StalenessStats
-from asyncsync._state import ServerState
-from asyncsync._timeouts import Timeouts
-from asyncsync._types import FleetResult, Outcome
 from asyncsync.backends._shm_zerocopy import share_weights
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
@@ -53,12 +54,11 @@ from asyncsync.publisher import (
     Verification,
     Verify,
 )
-from asyncsync.trajectory import Trajectory
 
 __version__ = "0.1.0"
 
 # Each module logs to its own logger under "asyncsync"; the application configures them.
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+logging.getLogger("asyncsync").addHandler(logging.NullHandler())
 
 __all__ = [
     "AsyncSyncError",

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from asyncsync._loop import run, uvloop_enabled
+from asyncsync._core.loop import run, uvloop_enabled
 
 _DEMO_HELP = (
     "a short asynchronous RL run on this machine: a tiny model, two local vLLM-CPU "

@@ -31,20 +31,20 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, Self, TypeVar
 
 import asyncsync as az
-from asyncsync._completion import Completion, TokenDelta
-from asyncsync._genwire import Tokenizer
-from asyncsync._portal import (
+from asyncsync._core.completion import Completion, TokenDelta
+from asyncsync._core.portal import (
     Facade,
     blocking_method,
     loop_method,
     shared_portal,
     wrapping_method,
 )
-from asyncsync._retry import RetryPolicy
-from asyncsync._routing import StalenessStats
-from asyncsync._state import ServerState
-from asyncsync._timeouts import Timeouts
-from asyncsync._types import Require
+from asyncsync._core.state import ServerState
+from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.types import Require
+from asyncsync._fleet.routing import StalenessStats
+from asyncsync._http.retry import RetryPolicy
+from asyncsync._wire.generation import Tokenizer
 from asyncsync.client import DEFAULT_RETRY
 
 __all__ = ["CompletionStream", "Fleet", "Trajectory", "VLLMClient", "WeightPublisher"]

@@ -1,7 +1,7 @@
 """``AsyncVLLMClient``: one vLLM server, every RL route, version-aware.
 
-A facade: the routes' wire format is `asyncsync._protocol`, sending is
-`asyncsync._transport`, generation is `asyncsync._generate`, and what is known
+A facade: the routes' wire format is `asyncsync._wire.control`, sending is
+`asyncsync._http.transport`, generation is `asyncsync._generation.engine`, and what is known
 about the server lives in its `ServerState`. ``GET /version`` is read
 once per client (`AsyncVLLMClient.server_version`) and decides which generation of
 vLLM's RL protocol is spoken (0.23 or 0.32 payloads).
@@ -15,11 +15,17 @@ from typing import Any, Literal, TypeVar, Unpack, overload
 
 import aiohttp
 
-from asyncsync import _hooks
-from asyncsync import _protocol as wire
-from asyncsync._completion import Completion, PromptScores
-from asyncsync._generate import CompletionStream, GenerationEngine, OneServer, run_all
-from asyncsync._genwire import (
+from asyncsync._core import hooks as _hooks
+from asyncsync._core.completion import Completion, PromptScores
+from asyncsync._core.state import ServerState
+from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.types import PauseMode, ProtocolGeneration
+from asyncsync._generation.engine import CompletionStream, GenerationEngine, OneServer, run_all
+from asyncsync._http.retry import NO_RETRY, RetryPolicy
+from asyncsync._http.transport import Endpoint, Transport
+from asyncsync._wire import control as wire
+from asyncsync._wire.control import Call, WeightComparison, normalize_url, protocol_for_version
+from asyncsync._wire.generation import (
     GenerateOptions,
     RequestOptions,
     check_model_size,
@@ -27,12 +33,6 @@ from asyncsync._genwire import (
     check_prompts,
     split_options,
 )
-from asyncsync._protocol import Call, WeightComparison, normalize_url, protocol_for_version
-from asyncsync._retry import NO_RETRY, RetryPolicy
-from asyncsync._state import ServerState
-from asyncsync._timeouts import Timeouts
-from asyncsync._transport import Endpoint, Transport
-from asyncsync._types import PauseMode, ProtocolGeneration
 
 __all__ = ["DEFAULT_RETRY", "AsyncVLLMClient"]
 

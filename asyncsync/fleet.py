@@ -1,9 +1,9 @@
 """``Fleet``: many vLLM servers driven as one, concurrently, with per-server outcomes.
 
-A facade over small parts: `asyncsync._members` (the servers and their states),
-`asyncsync._fanout` (control calls to many servers at once),
-`asyncsync._dispatch` (routing and admission of generations) and
-`asyncsync._routing` (the pure routing decisions and version history).
+A facade over small parts: `asyncsync._fleet.members` (the servers and their states),
+`asyncsync._fleet.fanout` (control calls to many servers at once),
+`asyncsync._fleet.dispatch` (routing and admission of generations) and
+`asyncsync._fleet.routing` (the pure routing decisions and version history).
 """
 
 from __future__ import annotations
@@ -16,12 +16,20 @@ from typing import Any, Literal, TypeVar, Unpack, overload
 
 import aiohttp
 
-from asyncsync._completion import Completion, PromptScores
-from asyncsync._control import FleetControl
-from asyncsync._dispatch import Dispatcher, RoutingPolicy
-from asyncsync._errors import GenerationError, ServerUnavailable
-from asyncsync._generate import CompletionStream, GenerationEngine, run_all
-from asyncsync._genwire import (
+from asyncsync._core.completion import Completion, PromptScores
+from asyncsync._core.errors import GenerationError, ServerUnavailable
+from asyncsync._core.state import Reason, ServerState
+from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.types import Require, Route, check_require
+from asyncsync._fleet.control import FleetControl
+from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
+from asyncsync._fleet.members import Members
+from asyncsync._fleet.routing import StalenessStats, VersionHistory, choose
+from asyncsync._generation.engine import CompletionStream, GenerationEngine, run_all
+from asyncsync._http.retry import RetryPolicy
+from asyncsync._http.transport import Transport
+from asyncsync._wire.control import normalize_url
+from asyncsync._wire.generation import (
     GenerationRequest,
     RoutedGenerateOptions,
     RoutedOptions,
@@ -32,14 +40,6 @@ from asyncsync._genwire import (
     check_prompts,
     split_options,
 )
-from asyncsync._members import Members
-from asyncsync._protocol import normalize_url
-from asyncsync._retry import RetryPolicy
-from asyncsync._routing import StalenessStats, VersionHistory, choose
-from asyncsync._state import Reason, ServerState
-from asyncsync._timeouts import Timeouts
-from asyncsync._transport import Transport
-from asyncsync._types import Require, Route, check_require
 from asyncsync.client import DEFAULT_RETRY, AsyncVLLMClient
 
 __all__ = ["Fleet"]

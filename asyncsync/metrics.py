@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from asyncsync import _hooks
-from asyncsync._completion import Completion
-from asyncsync._errors import PublishError
-from asyncsync._round import PublishReport
+from asyncsync._core import hooks as _hooks
+from asyncsync._core.completion import Completion
+from asyncsync._core.errors import PublishError
+from asyncsync._publish.round import PublishReport
 
 __all__ = [
     "MetricsHook",

@@ -2,10 +2,10 @@
 caller's view.
 
 A round is: optional pause -> start -> update(s) -> finish with the version ->
-prefix-cache reset -> resume (resume also on failure); `asyncsync._round` runs it.
+prefix-cache reset -> resume (resume also on failure); `asyncsync._publish.round` runs it.
 The backend (`asyncsync.backends`, looked up by name) sends in a bounded worker
 thread; every payload it produces is fanned out to all targeted servers concurrently on
-the event loop (see `asyncsync._bridge`).
+the event loop (see `asyncsync._publish.bridge`).
 
 ``publisher.version`` advances only when every targeted server finished the round.
 Otherwise `PublishError` carries each server's outcome, and servers
@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync import _hooks
-from asyncsync._bridge import SyncFleetClient
-from asyncsync._errors import PublishError, UnsupportedVLLM
-from asyncsync._progress import ProgressFn, progress_reporter
-from asyncsync._round import (
+from asyncsync._core import hooks as _hooks
+from asyncsync._core.errors import PublishError, UnsupportedVLLM
+from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.progress import ProgressFn, progress_reporter
+from asyncsync._publish.round import (
     InitCalls,
     PauseMode,
     PublishReport,
@@ -35,7 +35,7 @@ from asyncsync._round import (
     ServerOutcome,
     run_to_the_end,
 )
-from asyncsync._verify import (
+from asyncsync._publish.verify import (
     DigestTap,
     TrainerDigests,
     Verification,
@@ -44,7 +44,7 @@ from asyncsync._verify import (
     as_verify,
     verify_servers,
 )
-from asyncsync._weights import (
+from asyncsync._publish.weights import (
     FiniteChecked,
     WeightsLike,
     WeightSource,

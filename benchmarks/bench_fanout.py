@@ -37,9 +37,9 @@ from _markdown import write_section
 from _plots import plot_path
 
 import asyncsync as az
-from asyncsync import _json
-from asyncsync._loop import run as run_loop
-from asyncsync._loop import uvloop_enabled
+from asyncsync._core import encoding as _json
+from asyncsync._core.loop import run as run_loop
+from asyncsync._core.loop import uvloop_enabled
 
 BEGIN = "<!-- bench_fanout:begin -->"
 END = "<!-- bench_fanout:end -->"

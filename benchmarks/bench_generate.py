@@ -42,9 +42,9 @@ import aiohttp
 from _markdown import write_section
 
 import asyncsync as az
-from asyncsync import _json
-from asyncsync._loop import run as run_loop
-from asyncsync._loop import uvloop_enabled
+from asyncsync._core import encoding as _json
+from asyncsync._core.loop import run as run_loop
+from asyncsync._core.loop import uvloop_enabled
 
 BEGIN = "<!-- bench_generate:begin -->"
 END = "<!-- bench_generate:end -->"

@@ -46,7 +46,7 @@ import torch
 from _markdown import write_section
 
 import asyncsync as az
-from asyncsync._loop import run, uvloop_enabled
+from asyncsync._core.loop import run, uvloop_enabled
 from asyncsync.testing import LocalVLLMServer, LoopLagMonitor, make_tiny_model
 
 BIG = {

@@ -25,7 +25,7 @@ from _markdown import write_section
 from bench_publish import BIG  # the same 199 MB model as the publish benchmark
 
 import asyncsync as az
-from asyncsync._loop import run
+from asyncsync._core.loop import run
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 BEGIN, END = "<!-- bench_transports:begin -->", "<!-- bench_transports:end -->"

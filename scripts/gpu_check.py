@@ -194,7 +194,7 @@ class _NoopCalls:
 
 
 def check_bridge(calls: int) -> tuple[bool, str]:
-    from asyncsync._bridge import SyncFleetClient
+    from asyncsync._publish.bridge import SyncFleetClient
 
     async def measure() -> list[float]:
         client = SyncFleetClient.on_running_loop(_NoopCalls(), cancel=threading.Event())

@@ -24,7 +24,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import asyncsync as az
 from asyncsync import blocking
-from asyncsync._portal import shared_portal
+from asyncsync._core.portal import shared_portal
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import like_the_shm_engine, round_calls
 

@@ -34,8 +34,8 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync._types import PauseMode
-from asyncsync._weights import resolve
+from asyncsync._core.types import PauseMode
+from asyncsync._publish.weights import resolve
 from asyncsync.backends._segments import leaked_segments, open_segments
 from asyncsync.backends._shm_pack import manifest_of, plan_chunks
 from asyncsync.testing import FakeVLLMServer, RecordedRequest

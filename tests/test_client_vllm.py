@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 import asyncsync as az
-from asyncsync._protocol import Call
+from asyncsync._wire.control import Call
 from asyncsync.testing import FakeVLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]

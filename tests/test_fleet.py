@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 
 import asyncsync as az
-from asyncsync import _json
+from asyncsync._core import encoding as _json
 from asyncsync.testing import FakeVLLMServer, Fault
 
 pytestmark = pytest.mark.asyncio

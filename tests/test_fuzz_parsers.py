@@ -16,17 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncsync import _protocol as wire
-from asyncsync._errors import ServerError
-from asyncsync._genwire import (
+from asyncsync._core.errors import ServerError
+from asyncsync._http.transport import parse_answer as parse_control
+from asyncsync._wire import control as wire
+from asyncsync._wire.control import Malformed
+from asyncsync._wire.generation import (
     COMPLETIONS_ROUTE,
     GENERATE_ROUTE,
     StreamAssembler,
     StreamFailed,
     parse_answer,
 )
-from asyncsync._protocol import Malformed
-from asyncsync._transport import parse_answer as parse_control
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

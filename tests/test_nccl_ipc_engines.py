@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync._errors import ProtocolError
+from asyncsync._core.errors import ProtocolError
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.cuda_standins import (
     STANDIN_GPU_UUID,
@@ -42,7 +42,7 @@ BUFFER = 2048
 
 
 def _engine_api(backend: str) -> None:
-    from asyncsync._vllm_caps import installed_trainer_api
+    from asyncsync._wire.caps import installed_trainer_api
 
     api = installed_trainer_api(backend)
     if api != "engine":
@@ -122,7 +122,7 @@ async def nccl_fleet(
     world_sizes: tuple[int, ...] = (2, 1),
     timeouts: az.Timeouts | None = None,
 ) -> AsyncIterator[NcclSetup]:
-    from asyncsync._vllm_caps import installed_trainer_api
+    from asyncsync._wire.caps import installed_trainer_api
 
     install_cuda_on_cpu(monkeypatch)
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
@@ -422,7 +422,7 @@ class CountingWeights:
 async def test_other_ranks_run_the_engine_but_never_send(
     monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    from asyncsync._vllm_caps import installed_trainer_api
+    from asyncsync._wire.caps import installed_trainer_api
 
     api = installed_trainer_api(backend)
     if backend == "ipc" and api != "engine":

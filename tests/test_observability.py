@@ -5,9 +5,11 @@ protocol, and the prometheus_client and OpenTelemetry adapters with the real lib
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import types
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 
 import asyncsync as az
 from asyncsync import metrics
-from asyncsync._progress import in_notebook, progress_enabled
+from asyncsync._publish.progress import in_notebook, progress_enabled
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import shm_fakes
 
@@ -62,6 +64,26 @@ async def _publish(fleet: az.Fleet, version: str) -> az.PublishReport:
 
 
 # ---------------------------------------------------------------------- logging
+#: The logger names docs/observability.md promises (public API, not module paths).
+LOGGERS = {
+    "asyncsync.http", "asyncsync.fleet", "asyncsync.generate", "asyncsync.publish",
+    "asyncsync.gloo", "asyncsync.blocking", "asyncsync.metrics", "asyncsync.vllm_plugin",
+}  # fmt: skip
+
+
+def test_the_package_logs_only_to_the_documented_logger_names() -> None:
+    root = Path(az.__file__).parent
+    found: dict[str, str] = {}
+    for path in root.rglob("*.py"):
+        for name in re.findall(r"logging\.getLogger\(([^)]*)\)", path.read_text()):
+            found[name] = str(path.relative_to(root))
+    # the root (its NullHandler) and vLLM's own (the plugin routes its records there)
+    names = {n.strip("\"'") for n in found} - {"asyncsync", "vllm"}
+    assert names == LOGGERS, found
+    text = (root.parent / "docs" / "observability.md").read_text()
+    assert all(f"`{name}`" in text for name in LOGGERS)
+
+
 @pytest.mark.asyncio
 async def test_each_module_logs_what_happened_and_never_the_api_key(
     fakes: list[FakeVLLMServer], caplog: pytest.LogCaptureFixture
@@ -91,15 +113,15 @@ async def test_each_module_logs_what_happened_and_never_the_api_key(
     def logged(name: str, text: str) -> bool:
         return any(text in message for message in by_logger.get(name, []))
 
-    assert logged("asyncsync._transport", f"{urls[0]} /version failed (attempt 1 of 3)")
-    assert logged("asyncsync._state", f"server {urls[1]} marked dirty (needs a resync)")
-    assert logged("asyncsync._round", "publishing 'v1' failed")
-    assert logged("asyncsync._round", f"round 'v1' left {urls[0]}, {urls[1]} dirty")
-    assert logged("asyncsync._round", "round 'v2': start took")
-    assert logged("asyncsync._round", f"published 'v2' to {urls[0]}, {urls[1]}")
-    assert logged("asyncsync._state", f"server {dead_url} unhealthy after generate")
-    assert logged("asyncsync._dispatch", f"generation never reached {dead_url}")
-    timings = [r for r in caplog.records if r.name == "asyncsync._round" and " took " in r.msg]
+    assert logged("asyncsync.http", f"{urls[0]} /version failed (attempt 1 of 3)")
+    assert logged("asyncsync.fleet", f"server {urls[1]} marked dirty (needs a resync)")
+    assert logged("asyncsync.publish", "publishing 'v1' failed")
+    assert logged("asyncsync.publish", f"round 'v1' left {urls[0]}, {urls[1]} dirty")
+    assert logged("asyncsync.publish", "round 'v2': start took")
+    assert logged("asyncsync.publish", f"published 'v2' to {urls[0]}, {urls[1]}")
+    assert logged("asyncsync.fleet", f"server {dead_url} unhealthy after generate")
+    assert logged("asyncsync.generate", f"generation never reached {dead_url}")
+    timings = [r for r in caplog.records if r.name == "asyncsync.publish" and " took " in r.msg]
     assert {r.levelno for r in timings} == {logging.DEBUG}
 
 

@@ -209,7 +209,7 @@ async def test_concurrent_publish_waits_or_raises(fleet: az.Fleet, tiny_model_di
 async def test_bridge_refuses_the_loop_thread() -> None:
     import threading
 
-    from asyncsync._bridge import LoopBridge
+    from asyncsync._publish.bridge import LoopBridge
 
     bridge = LoopBridge(asyncio.get_running_loop(), cancel=threading.Event())
     bridge.bind_loop_thread()

@@ -14,8 +14,8 @@ import pytest_asyncio
 import torch
 
 import asyncsync as az
-from asyncsync._bridge import SyncFleetClient
-from asyncsync._weights import WeightSource
+from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.weights import WeightSource
 from asyncsync.backends import SendControl, SendStats, TrainerBackend, register_backend
 from asyncsync.backends._wire import PROTOCOL_VERSION
 from asyncsync.testing import FakeVLLMServer, Fault

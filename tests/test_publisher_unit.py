@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync._progress import Progress, progress_enabled
-from asyncsync._round import is_stale_round_error
-from asyncsync._weights import resolve
+from asyncsync._publish.progress import Progress, progress_enabled
+from asyncsync._publish.round import is_stale_round_error
+from asyncsync._publish.weights import resolve
 from asyncsync.backends import register_backend, registered_backends
 
 

@@ -7,7 +7,13 @@ import email.utils
 import pytest
 
 from asyncsync import RetryPolicy, ServerError, ServerTimeout, ServerUnavailable, Timeouts
-from asyncsync._retry import NO_RETRY, backoff_delay, is_retryable, parse_retry_after, retry_delay
+from asyncsync._http.retry import (
+    NO_RETRY,
+    backoff_delay,
+    is_retryable,
+    parse_retry_after,
+    retry_delay,
+)
 
 
 def test_defaults_and_off_switch() -> None:

@@ -12,7 +12,13 @@ import pytest_asyncio
 
 import asyncsync as az
 from asyncsync import ServerState
-from asyncsync._routing import SessionTable, StalenessStats, VersionHistory, choose, ineligibility
+from asyncsync._fleet.routing import (
+    SessionTable,
+    StalenessStats,
+    VersionHistory,
+    choose,
+    ineligibility,
+)
 from asyncsync.testing import FakeVLLMServer, free_port
 
 PROMPT = [1, 2, 3]

@@ -21,7 +21,7 @@ import torch
 
 import asyncsync as az
 from asyncsync import blocking
-from asyncsync._verify import Verification, compare_checksums
+from asyncsync._publish.verify import Verification, compare_checksums
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.testing._fake import FakeLM
 from tests.publish_fakes import ShmWorker, receiving_fakes, round_calls

@@ -16,8 +16,8 @@ import pytest
 
 import asyncsync as az
 from asyncsync import UnsupportedVLLM
-from asyncsync import _vllm_caps as caps
-from asyncsync._vllm_caps import (
+from asyncsync._wire import caps
+from asyncsync._wire.caps import (
     ProbeError,
     ServerFeatures,
     ServerOptions,
@@ -68,7 +68,7 @@ def test_unknown_engine_contract_names_version_and_signatures() -> None:
 
 
 def test_client_protocol_per_server_version() -> None:
-    from asyncsync._protocol import protocol_for_version
+    from asyncsync._wire.control import protocol_for_version
 
     assert protocol_for_version("0.23.0") == "0.23"
     assert protocol_for_version("0.27.1") == "0.23"
@@ -152,7 +152,7 @@ def test_failed_probe_names_the_command_and_shows_its_output(
     with pytest.raises(ProbeError, match="exited with 1") as info:
         probe_server_options(python)
     assert "No module named vllm" in str(info.value)
-    assert "asyncsync._vllm_caps" in str(info.value)
+    assert "asyncsync._wire.caps" in str(info.value)
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 
@@ -191,7 +191,7 @@ def test_features_are_read_from_the_answers() -> None:
 def test_one_choice_for_n_names_the_older_generate_route() -> None:
     """vLLM 0.27.1's /inference/v1/generate answers n=2 with one choice (seen for real;
     fixed in 0.29): refused, never taken as a complete answer, and the error says why."""
-    from asyncsync._genwire import GENERATE_ROUTE, Malformed, parse_answer
+    from asyncsync._wire.generation import GENERATE_ROUTE, Malformed, parse_answer
 
     with pytest.raises(Malformed, match=r"1 choices for n=2 \(vLLM < 0.29 answers n > 1"):
         parse_answer(GENERATE_027, GENERATE_ROUTE, 2, None)

@@ -15,7 +15,7 @@ import asyncsync as az
 from asyncsync._demo._loop import DemoConfig, greedy_check, train
 from asyncsync._demo._report import DemoResult, StepRecord, format_table, trend, write_json
 from asyncsync._demo._task import TARGET_EVERY, Trainer, make_prompts
-from asyncsync._progress import progress_enabled
+from asyncsync._publish.progress import progress_enabled
 
 __all__ = ["run_demo"]
 

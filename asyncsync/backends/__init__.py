@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from asyncsync._bridge import InitInfo
+from asyncsync._publish.bridge import InitInfo
 from asyncsync.backends._base import (
     RoundCancelled,
     SendControl,

@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from asyncsync._bridge import InitInfo, SyncFleetClient
+from asyncsync._publish.bridge import InitInfo, SyncFleetClient
 
 if TYPE_CHECKING:
-    from asyncsync._weights import WeightSource
+    from asyncsync._publish.weights import WeightSource
 
 #: Which trainer-engine style drives a round: vLLM 0.3x's ``send_weights`` with a
 #: synchronous client (``"engine"``) or vLLM 0.23's ``trainer_send_weights`` with a

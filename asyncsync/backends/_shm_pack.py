@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._weights import check_tensor
+from asyncsync._publish.weights import check_tensor
 from asyncsync.backends._base import RoundCancelled, SendStats
 from asyncsync.backends._segments import Segment
 from asyncsync.backends._wire import (

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._errors import WeightsModifiedError
-from asyncsync._weights import check_tensor
+from asyncsync._core.errors import WeightsModifiedError
+from asyncsync._publish.weights import check_tensor
 from asyncsync.backends._base import RoundCancelled, SendStats
 from asyncsync.backends._segments import SEGMENT_PREFIX
 from asyncsync.backends._shm_pack import SendChunk, dtype_name, plan_chunks

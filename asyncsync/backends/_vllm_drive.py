@@ -32,13 +32,13 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from asyncsync._errors import ProtocolError
-from asyncsync._vllm_caps import installed_trainer_api
+from asyncsync._core.errors import ProtocolError
+from asyncsync._wire.caps import installed_trainer_api
 from asyncsync.backends._base import RoundCancelled, SendControl, TrainerApi, TrainerBackend
 
 if TYPE_CHECKING:
-    from asyncsync._bridge import InitInfo, SyncFleetClient
-    from asyncsync._weights import WeightSource
+    from asyncsync._publish.bridge import InitInfo, SyncFleetClient
+    from asyncsync._publish.weights import WeightSource
 
 __all__ = [
     "EngineClient",
@@ -49,7 +49,7 @@ __all__ = [
     "run_guarded",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.publish")
 
 T = TypeVar("T")
 

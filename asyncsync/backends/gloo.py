@@ -45,8 +45,8 @@ from asyncsync.backends.shm import StartOnFirstChunk
 if TYPE_CHECKING:
     import torch
 
-    from asyncsync._bridge import InitInfo, SyncFleetClient
-    from asyncsync._weights import WeightSource
+    from asyncsync._publish.bridge import InitInfo, SyncFleetClient
+    from asyncsync._publish.weights import WeightSource
 
 __all__ = [
     "GLOO_BACKEND_NAME",

@@ -4,7 +4,7 @@ Trainer and servers share the GPUs: the trainer hands the servers CUDA IPC handl
 its tensors (or to a packed staging buffer) and each server's workers open them and load
 the weights, with no copy over a network. The servers run vLLM's built-in engine
 (``--weight-transfer-config '{"backend": "ipc"}'``); the trainer side is vLLM's too, in
-whichever API the installed vLLM offers (`asyncsync._vllm_caps.installed_trainer_api`):
+whichever API the installed vLLM offers (`asyncsync._wire.caps.installed_trainer_api`):
 ``WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(...), client=...,
 source=...)`` then ``send_weights()`` (vLLM 0.28 and later), or the static
 ``IPCWeightTransferEngine.trainer_send_weights(iterator, IPCTrainerSendWeightsArgs(
@@ -35,8 +35,8 @@ from asyncsync.backends._vllm_drive import (
 )
 
 if TYPE_CHECKING:
-    from asyncsync._bridge import SyncFleetClient
-    from asyncsync._weights import WeightSource
+    from asyncsync._publish.bridge import SyncFleetClient
+    from asyncsync._publish.weights import WeightSource
 
 __all__ = ["INSECURE_SERIALIZATION_OPT_IN", "IpcBackend"]
 
@@ -153,7 +153,7 @@ class IpcBackend(VllmEngineBackend):
         if "send_mode" not in fields:
             import vllm
 
-            from asyncsync._errors import UnsupportedVLLM
+            from asyncsync._core.errors import UnsupportedVLLM
 
             raise UnsupportedVLLM(
                 str(getattr(vllm, "__version__", "unknown")),

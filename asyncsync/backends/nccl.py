@@ -2,7 +2,7 @@
 
 The servers run vLLM's built-in engine (``--weight-transfer-config
 '{"backend": "nccl"}'``); the trainer side is vLLM's too, in whichever API the installed
-vLLM offers (`asyncsync._vllm_caps.installed_trainer_api`):
+vLLM offers (`asyncsync._wire.caps.installed_trainer_api`):
 
 - ``"engine"`` (vLLM 0.28 and later): ``WeightTransferTrainerFactory.trainer_init(
   NCCLTrainerInitInfo(...), client=..., source=...)``, then ``engine.send_weights()``
@@ -30,7 +30,7 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._errors import ProtocolError
+from asyncsync._core.errors import ProtocolError
 from asyncsync.backends._base import (
     RoundCancelled,
     SendControl,
@@ -47,12 +47,12 @@ from asyncsync.backends._vllm_drive import (
 )
 
 if TYPE_CHECKING:
-    from asyncsync._bridge import InitInfo, SyncFleetClient
-    from asyncsync._weights import WeightSource
+    from asyncsync._publish.bridge import InitInfo, SyncFleetClient
+    from asyncsync._publish.weights import WeightSource
 
 __all__ = ["DEFAULT_PACKED_BUFFER_BYTES", "CountingGroup", "NcclBackend", "rank_offsets"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.publish")
 
 #: vLLM's defaults for the packed broadcast (1 GiB, two buffers).
 DEFAULT_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024

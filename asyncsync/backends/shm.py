@@ -52,8 +52,8 @@ from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields, ShmU
 if TYPE_CHECKING:
     import torch
 
-    from asyncsync._bridge import SyncFleetClient
-    from asyncsync._weights import WeightSource
+    from asyncsync._publish.bridge import SyncFleetClient
+    from asyncsync._publish.weights import WeightSource
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",

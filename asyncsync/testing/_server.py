@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from asyncsync._vllm_caps import ProbeError, ServerOptions, probe_server_options, server_flags
+from asyncsync._wire.caps import ProbeError, ServerOptions, probe_server_options, server_flags
 
 __all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError"]
 

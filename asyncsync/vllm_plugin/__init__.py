@@ -28,7 +28,7 @@ __all__ = [
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
 
-#: The ``asyncsync_shm`` adapter for each engine contract (``asyncsync._vllm_caps``).
+#: The ``asyncsync_shm`` adapter for each engine contract (``asyncsync._wire.caps``).
 ADAPTERS = {
     "worker-owns-round": ("asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"),
     "engine-owns-round": ("asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"),
@@ -43,7 +43,7 @@ def engine_for_this_vllm() -> tuple[str, str]:
     as ``(config, parallel_config, model)``, 0.25 and later as ``(config, vllm_config,
     device, model)``. An unknown contract raises `UnsupportedVLLM`.
     """
-    from asyncsync._vllm_caps import installed_engine_contract
+    from asyncsync._wire.caps import installed_engine_contract
 
     return ADAPTERS[installed_engine_contract()]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncsync import _json
+from asyncsync._core import encoding as _json
 
 
 def collective(message: str) -> str:

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from asyncsync import _json
+from asyncsync._core import encoding as _json
 from asyncsync.testing._fake._faults import Fault, FaultQueue
 from asyncsync.testing._fake._lm import FakeLM
 from asyncsync.testing._fake._recording import RecordedRequest

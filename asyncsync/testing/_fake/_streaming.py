@@ -3,7 +3,7 @@ several when the server is set to coalesce them (``tokens_per_event``), as vLLM 
 under load.
 
 Both generation routes stream the same way and differ only in their events' bodies
-(an `EventBody` builds one). Events are encoded with ``asyncsync._json`` (like
+(an `EventBody` builds one). Events are encoded with ``asyncsync._core.encoding`` (like
 vLLM's own streaming encoder, not the ``json.dumps`` of plain answers), which fixes
 their bytes: keep it.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from asyncsync import _json
+from asyncsync._core import encoding as _json
 from asyncsync.testing._fake._sampling import Job, Sample
 
 #: The body of one event: ``(choice index, the sample so far, start, stop, final)``;

@@ -29,15 +29,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._errors import WeightMismatch
-from asyncsync._weights import WeightsLike, WeightSource
+from asyncsync._core.errors import WeightMismatch
+from asyncsync._publish.weights import WeightsLike, WeightSource
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
     import torch
 
-    from asyncsync._completion import Completion
+    from asyncsync._core.completion import Completion
     from asyncsync.fleet import Fleet
 
 __all__ = [
@@ -390,7 +390,7 @@ async def verify_servers(
 ) -> dict[str, Verification | Exception]:
     """Check every target at once: a `Verification` per server, or the error
     that kept it from being checked (no ``/weight_checker``, no answer...)."""
-    from asyncsync._errors import AsyncSyncError
+    from asyncsync._core.errors import AsyncSyncError
 
     async def one(url: str) -> Verification | Exception:
         result = Verification(url)

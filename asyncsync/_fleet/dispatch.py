@@ -16,22 +16,28 @@ from collections.abc import Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Concatenate, ParamSpec, TypeVar
 
-from asyncsync import _hooks
-from asyncsync._completion import Completion
-from asyncsync._errors import AsyncSyncError, GenerationAborted, GenerationError
-from asyncsync._generate import CompletionStream, GenerationEngine
-from asyncsync._genwire import GenerationRequest, SendOptions
-from asyncsync._members import Members
-from asyncsync._routing import SessionTable, StalenessStats, VersionHistory, choose, staleness_of
-from asyncsync._state import ServerState
-from asyncsync._transport import never_sent
+from asyncsync._core import hooks as _hooks
+from asyncsync._core.completion import Completion
+from asyncsync._core.errors import AsyncSyncError, GenerationAborted, GenerationError
+from asyncsync._core.state import ServerState
+from asyncsync._fleet.members import Members
+from asyncsync._fleet.routing import (
+    SessionTable,
+    StalenessStats,
+    VersionHistory,
+    choose,
+    staleness_of,
+)
+from asyncsync._generation.engine import CompletionStream, GenerationEngine
+from asyncsync._http.transport import never_sent
+from asyncsync._wire.generation import GenerationRequest, SendOptions
 
 __all__ = ["Dispatcher", "RoutingPolicy"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.generate")
 
 #: How often unhealthy servers are probed while generations wait (seconds).
 _PROBE_INTERVAL = 1.0

@@ -1,6 +1,6 @@
 """What a generation returns: exact token ids, aligned logprobs, weight versions.
 
-Plain data, no I/O; built by `asyncsync._genwire` from vLLM's responses.
+Plain data, no I/O; built by `asyncsync._wire.generation` from vLLM's responses.
 """
 
 from __future__ import annotations

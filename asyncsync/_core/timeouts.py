@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from asyncsync._types import Phase
+from asyncsync._core.types import Phase
 
 __all__ = ["Timeouts"]
 

@@ -21,31 +21,37 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import yarl
 
-from asyncsync import _json
-from asyncsync._errors import (
+from asyncsync._core import encoding as _json
+from asyncsync._core.errors import (
     AsyncSyncError,
     ProtocolError,
     ServerError,
     ServerTimeout,
     ServerUnavailable,
 )
-from asyncsync._protocol import (
+from asyncsync._core.state import ServerState, observe
+from asyncsync._core.timeouts import Timeouts
+from asyncsync._http.retry import (
+    NO_RETRY,
+    RetryPolicy,
+    is_retryable,
+    parse_retry_after,
+    retry_delay,
+)
+from asyncsync._wire.control import (
     Call,
     Malformed,
     describe_error_body,
     plan_version,
     protocol_for_version,
 )
-from asyncsync._retry import NO_RETRY, RetryPolicy, is_retryable, parse_retry_after, retry_delay
-from asyncsync._state import ServerState, observe
-from asyncsync._timeouts import Timeouts
 
 __all__ = ["KEEPALIVE_TIMEOUT", "Endpoint", "Transport", "map_error", "never_sent", "status_error"]
 
 T = TypeVar("T")
 E = TypeVar("E", bound=AsyncSyncError)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.http")
 
 #: Seconds an idle pooled connection is kept. Well below uvicorn's 5 s keep-alive
 #: timeout, so the client closes idle connections before vLLM does: otherwise a request

@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from asyncsync._errors import ProtocolError
-from asyncsync._members import Members
-from asyncsync._protocol import Call
-from asyncsync._state import observe_cancelled
-from asyncsync._types import FleetResult, Outcome, ProtocolGeneration
+from asyncsync._core.errors import ProtocolError
+from asyncsync._core.state import observe_cancelled
+from asyncsync._core.types import FleetResult, Outcome, ProtocolGeneration
+from asyncsync._fleet.members import Members
+from asyncsync._wire.control import Call
 
 __all__ = ["Plan", "fan_out"]
 

@@ -1,7 +1,7 @@
 """The fleet's control routes: each one call fanned out to the targeted servers.
 
 `FleetControl` is the part of `Fleet` that wraps vLLM's RL,
-cache and health routes; every method plans its call (`asyncsync._protocol`), sends
+cache and health routes; every method plans its call (`asyncsync._wire.control`), sends
 it to every target at once (`fan_out`) and applies the
 partial-failure policy.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from asyncsync import _protocol as wire
-from asyncsync._errors import ProtocolError, ServerError
-from asyncsync._fanout import Plan, fan_out
-from asyncsync._members import Members
-from asyncsync._protocol import WeightComparison
-from asyncsync._routing import VersionHistory
-from asyncsync._transport import Transport
-from asyncsync._types import FleetResult, Outcome, PauseMode, Require, check_require
+from asyncsync._core.errors import ProtocolError, ServerError
+from asyncsync._core.types import FleetResult, Outcome, PauseMode, Require, check_require
+from asyncsync._fleet.fanout import Plan, fan_out
+from asyncsync._fleet.members import Members
+from asyncsync._fleet.routing import VersionHistory
+from asyncsync._http.transport import Transport
+from asyncsync._wire import control as wire
+from asyncsync._wire.control import WeightComparison
 
 __all__ = ["FleetControl"]
 

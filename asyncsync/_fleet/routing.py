@@ -17,8 +17,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
 
-from asyncsync._completion import Completion
-from asyncsync._state import Reason, ServerState
+from asyncsync._core.completion import Completion
+from asyncsync._core.state import Reason, ServerState
 
 __all__ = [
     "TRANSIENT",

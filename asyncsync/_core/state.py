@@ -19,10 +19,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncsync._errors import ServerError, ServerTimeout, ServerUnavailable
-from asyncsync._types import Phase, ProtocolGeneration
+from asyncsync._core.errors import ServerError, ServerTimeout, ServerUnavailable
+from asyncsync._core.types import Phase, ProtocolGeneration
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.fleet")
 
 __all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from asyncsync._generate import GenerationEngine
-from asyncsync._protocol import normalize_url
-from asyncsync._state import ServerState
+from asyncsync._core.state import ServerState
+from asyncsync._generation.engine import GenerationEngine
+from asyncsync._wire.control import normalize_url
 from asyncsync.client import AsyncVLLMClient
 
 __all__ = ["Members"]

@@ -27,7 +27,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from asyncsync._loop import uvloop_enabled
+from asyncsync._core.loop import uvloop_enabled
 
 __all__ = [
     "Facade",
@@ -38,7 +38,7 @@ __all__ = [
     "wrapping_method",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.blocking")
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -4,7 +4,7 @@ Pure wire knowledge, no I/O: each ``plan_*`` function turns a route's arguments 
 protocol generation the server speaks) into a `Call`, which carries the method,
 route, deadline phase, JSON payload and the parser of the 2xx answer. A fleet plans and
 encodes a call once per protocol generation and sends the same bytes to every server;
-`asyncsync._transport` sends it.
+`asyncsync._http.transport` sends it.
 
 The two generations of vLLM's RL protocol:
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from asyncsync import _json
-from asyncsync._errors import ProtocolError, UnsupportedVLLM
-from asyncsync._types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
+from asyncsync._core import encoding as _json
+from asyncsync._core.errors import ProtocolError, UnsupportedVLLM
+from asyncsync._core.types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
 
 __all__ = [
     "NO_BODY",

@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from asyncsync._bridge import InitInfo, SyncFleetClient, UpdateInfo
-from asyncsync._errors import (
+from asyncsync._core.errors import (
     AsyncSyncError,
     FleetError,
     PublishError,
     ServerTimeout,
     WeightsModifiedError,
 )
-from asyncsync._types import Outcome
-from asyncsync._verify import TrainerDigests, Verification, Verify, verify_servers
+from asyncsync._core.types import Outcome
+from asyncsync._publish.bridge import InitInfo, SyncFleetClient, UpdateInfo
+from asyncsync._publish.verify import TrainerDigests, Verification, Verify, verify_servers
 from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ __all__ = [
 
 PauseMode = Literal["keep", "wait", "abort"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("asyncsync.publish")
 
 #: The order of ``PublishReport.seconds`` (optional phases only when they ran).
 _SECONDS_ORDER = (

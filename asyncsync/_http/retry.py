@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncsync._errors import ServerError, ServerTimeout, ServerUnavailable
+from asyncsync._core.errors import ServerError, ServerTimeout, ServerUnavailable
 
 __all__ = [
     "NO_RETRY",

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncsync._errors import UnsupportedVLLM
+from asyncsync._core.errors import UnsupportedVLLM
 
 __all__ = [
     "ENGINE_CONTRACTS",
@@ -305,7 +305,7 @@ def _write_cached(path: Path, options: ServerOptions) -> None:
 
 
 def _run_probe(python: str) -> ServerOptions:
-    cmd = [python, "-m", "asyncsync._vllm_caps"]
+    cmd = [python, "-m", "asyncsync._wire.caps"]
     try:
         done = subprocess.run(
             cmd, check=False, capture_output=True, text=True, timeout=PROBE_TIMEOUT
@@ -324,7 +324,7 @@ def _run_probe(python: str) -> ServerOptions:
 
 
 def _print_server_options() -> None:
-    """The probe itself (``python -m asyncsync._vllm_caps``): builds the parser the
+    """The probe itself (``python -m asyncsync._wire.caps``): builds the parser the
     server builds, and prints every option string it accepts."""
     import importlib
 

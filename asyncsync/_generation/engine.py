@@ -24,9 +24,9 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from asyncsync import _hooks
-from asyncsync._completion import Completion, PromptScores, RetokenizedWarning, TokenDelta
-from asyncsync._errors import (
+from asyncsync._core import hooks as _hooks
+from asyncsync._core.completion import Completion, PromptScores, RetokenizedWarning, TokenDelta
+from asyncsync._core.errors import (
     AsyncSyncError,
     GenerationAborted,
     GenerationError,
@@ -34,7 +34,11 @@ from asyncsync._errors import (
     ServerError,
     ServerTimeout,
 )
-from asyncsync._genwire import (
+from asyncsync._core.state import ServerState
+from asyncsync._core.types import Route
+from asyncsync._http.transport import Endpoint, never_sent
+from asyncsync._wire.control import Call, Malformed, describe_error_body, generate_keeps_all_choices
+from asyncsync._wire.generation import (
     ABSENT,
     COMPLETIONS_ROUTE,
     GENERATE_ROUTE,
@@ -51,10 +55,6 @@ from asyncsync._genwire import (
     request_body,
     retokenize,
 )
-from asyncsync._protocol import Call, Malformed, describe_error_body, generate_keeps_all_choices
-from asyncsync._state import ServerState
-from asyncsync._transport import Endpoint, never_sent
-from asyncsync._types import Route
 
 __all__ = ["CompletionStream", "GenerationEngine", "StreamLease", "check_aborted", "run_all"]
 

@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, TypedDict, TypeGuard
 
-from asyncsync import _json
-from asyncsync._completion import Completion, TokenDelta, WeightVersionSpan
-from asyncsync._protocol import Malformed
-from asyncsync._types import Route
+from asyncsync._core import encoding as _json
+from asyncsync._core.completion import Completion, TokenDelta, WeightVersionSpan
+from asyncsync._core.types import Route
+from asyncsync._wire.control import Malformed
 
 __all__ = [
     "COMPLETIONS_ROUTE",

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
-from asyncsync._errors import AsyncSyncError, FleetError
+from asyncsync._core.errors import AsyncSyncError, FleetError
 
 __all__ = [
     "PAUSE_MODES",
@@ -33,7 +33,7 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 #: The RL protocol generation a server speaks: ``"0.23"`` (vLLM 0.23 up to 0.32) or
-#: ``"0.32"`` (vLLM >= 0.32). See `asyncsync._protocol`.
+#: ``"0.32"`` (vLLM >= 0.32). See `asyncsync._wire.control`.
 ProtocolGeneration = Literal["0.23", "0.32"]
 
 #: The phase a route belongs to; each phase has its own deadline (see ``Timeouts``).

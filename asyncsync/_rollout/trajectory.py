@@ -15,8 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._completion import Completion
-from asyncsync._genwire import check_prompt
+from asyncsync._core.completion import Completion
+from asyncsync._wire.generation import check_prompt
 
 if TYPE_CHECKING:
     from asyncsync.client import AsyncVLLMClient

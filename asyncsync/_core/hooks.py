@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from asyncsync._completion import Completion
+from asyncsync._core.completion import Completion
 
 __all__ = ["add", "generated", "publish_failed", "published", "registered", "remove"]
 

@@ -1,0 +1,1 @@
+"""Token-in-token-out on one server: the generation engine and streams."""

@@ -1,0 +1,2 @@
+"""Sending: the one aiohttp transport (sessions, endpoints, deadlines, the error
+mapping) and the retry rules."""

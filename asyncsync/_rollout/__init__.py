@@ -1,0 +1,1 @@
+"""Multi-turn rollouts over a fleet: trajectories."""
