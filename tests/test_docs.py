@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,35 @@ def test_every_docs_page_is_in_the_site_nav() -> None:
     pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
     missing = sorted(p for p in pages if p not in nav)
     assert not missing, f"pages missing from mkdocs.yml's nav: {missing}"
+
+
+# ---------------------------------------------------------------- included examples
+#: pymdownx.snippets' line that includes one file (mkdocs.yml: base_path is the root).
+SNIPPET = re.compile(r'^--8<-- "(?P<path>[^"]+)"$')
+#: A line that tries to be one: what a formatter makes of it (``--8 < --"x.py"``)
+#: included nothing and still parsed as Python.
+SNIPPET_LIKE = re.compile(r"^\s*-+\s*8\s*<")
+
+
+def _snippets(path: Path) -> Iterator[tuple[int, str]]:
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if SNIPPET_LIKE.match(line):
+            yield number, line
+
+
+@pytest.mark.parametrize("path", USER_TEXT, ids=_rel)
+def test_snippet_markers_are_pymdownx_syntax(path: Path) -> None:
+    for number, line in _snippets(path):
+        marker = SNIPPET.match(line.strip())
+        assert marker, (
+            f"{_rel(path)}:{number}: {line!r} is not pymdownx.snippets syntax "
+            '(--8<-- "examples/x.py"): the site includes nothing there'
+        )
+        assert (ROOT / marker["path"]).is_file(), f"{_rel(path)}:{number}: no such file"
+
+
+def test_examples_page_includes_every_example() -> None:
+    page = ROOT / "docs" / "examples.md"
+    included = [SNIPPET.match(line.strip()) for _, line in _snippets(page)]
+    paths = sorted(m["path"] for m in included if m)
+    assert paths == sorted(_rel(p) for p in EXAMPLES)
