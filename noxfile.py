@@ -142,7 +142,9 @@ def typecheck(session: nox.Session) -> None:
 
 
 #: What the docs site is built with (mkdocs.yml): the theme and the API reference, which
-#: mkdocstrings reads from the source without importing it (no vLLM or torch needed).
+#: mkdocstrings reads from the source without importing it (no vLLM or torch needed);
+#: ruff formats long signatures; scripts/griffe_extensions.py needs griffe, which
+#: mkdocstrings[python] brings.
 DOCS_TOOLS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "ruff>=0.6")
 
 
@@ -150,13 +152,22 @@ DOCS_TOOLS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26
 def docs(session: nox.Session) -> None:
     """The docs site (mkdocs-material, API reference by mkdocstrings), built with
     ``--strict``: a broken link, a missing page or a docstring that does not parse fails.
-    The site lands in ``site/``; ``nox -s docs -- serve`` serves it on 127.0.0.1:8000."""
+    Then tests/test_docs.py reads the built pages (every example included), which
+    ``--strict`` does not check. The site lands in ``site/``; ``nox -s docs -- serve`` serves it on
+    127.0.0.1:8000 (and checks nothing)."""
     session.install(*DOCS_TOOLS)
     env = {"NO_MKDOCS_2_WARNING": "1"}  # the theme's end-of-life banner, printed every build
     if session.posargs[:1] == ["serve"]:
         session.run("mkdocs", "serve", "--strict", *session.posargs[1:], env=env)
-    else:
-        session.run("mkdocs", "build", "--strict", *session.posargs, env=env)
+        return
+    site = "site"
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, *session.posargs, env=env)
+    # The site checks import asyncsync (the client's light dependencies, no torch).
+    session.install("-e", ".", *TEST_TOOLS)
+    session.run(
+        "python", "-m", "pytest", "-q", "tests/test_docs.py",
+        env={"ASYNCSYNC_DOCS_SITE": site},
+    )  # fmt: skip
 
 
 @nox.session(python=PYTHON)

@@ -1,9 +1,19 @@
 """User-facing text stays true: code in README and docs/ parses, names the public API only,
-and the docs site's sources hang together (mkdocs --strict checks links: ``nox -s docs``)."""
+and the docs site's sources hang together (mkdocs --strict checks links: ``nox -s docs``).
+
+Two kinds of checks. The source checks run in every session: they read the Markdown and
+the package, nothing built. The site checks (``test_site_*``) read the HTML that
+``nox -s docs`` has just built: mkdocs ``--strict`` does not notice an include that
+includes nothing, only the built page shows it. The docs session runs this file right after the build with
+``ASYNCSYNC_DOCS_SITE=site`` (it costs a second); other sessions skip the site checks,
+since a ``site/`` left over from an earlier build may be stale.
+"""
 
 from __future__ import annotations
 
 import ast
+import html
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,3 +122,29 @@ def test_examples_page_includes_every_example() -> None:
     included = [SNIPPET.match(line.strip()) for _, line in _snippets(page)]
     paths = sorted(m["path"] for m in included if m)
     assert paths == sorted(_rel(p) for p in EXAMPLES)
+
+
+# ---------------------------------------------------------------- the built site
+SITE = os.environ.get("ASYNCSYNC_DOCS_SITE")
+needs_site = pytest.mark.skipif(
+    not SITE, reason="reads the site nox -s docs just built (ASYNCSYNC_DOCS_SITE)"
+)
+
+
+def _page(name: str) -> str:
+    assert SITE is not None
+    return (Path(SITE) / name / "index.html").read_text()
+
+
+def _text(fragment: str) -> str:
+    """What a reader sees of an HTML fragment (highlighted code included)."""
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+@needs_site
+@pytest.mark.parametrize("example", EXAMPLES, ids=_rel)
+def test_site_examples_page_shows_each_example(example: Path) -> None:
+    code = [_text(m) for m in re.findall(r"<code>(.*?)</code>", _page("examples"), re.S)]
+    assert any(example.read_text().strip() in block for block in code), (
+        f"the Examples page does not show {_rel(example)}"
+    )
