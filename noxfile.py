@@ -152,7 +152,8 @@ DOCS_TOOLS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26
 def docs(session: nox.Session) -> None:
     """The docs site (mkdocs-material, API reference by mkdocstrings), built with
     ``--strict``: a broken link, a missing page or a docstring that does not parse fails.
-    Then tests/test_docs.py reads the built pages (every example included), which
+    Then tests/test_docs.py reads the built pages (every example included, every
+    blocking method in the reference with its signature, no internals), which
     ``--strict`` does not check. The site lands in ``site/``; ``nox -s docs -- serve`` serves it on
     127.0.0.1:8000 (and checks nothing)."""
     session.install(*DOCS_TOOLS)

@@ -4,7 +4,8 @@ and the docs site's sources hang together (mkdocs --strict checks links: ``nox -
 Two kinds of checks. The source checks run in every session: they read the Markdown and
 the package, nothing built. The site checks (``test_site_*``) read the HTML that
 ``nox -s docs`` has just built: mkdocs ``--strict`` does not notice an include that
-includes nothing, only the built page shows it. The docs session runs this file right after the build with
+includes nothing or a reference page that leaves methods out, only the built page shows
+those. The docs session runs this file right after the build with
 ``ASYNCSYNC_DOCS_SITE=site`` (it costs a second); other sessions skip the site checks,
 since a ``site/`` left over from an earlier build may be stale.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import html
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -129,6 +131,10 @@ SITE = os.environ.get("ASYNCSYNC_DOCS_SITE")
 needs_site = pytest.mark.skipif(
     not SITE, reason="reads the site nox -s docs just built (ASYNCSYNC_DOCS_SITE)"
 )
+#: A rendered signature line longer than this was not formatted (mkdocs.yml's
+#: line_length is 80; ruff may leave a single long annotation a little longer).
+SIGNATURE_LINE_LIMIT = 100
+REFERENCE_MODULES = (blocking, metrics, testing)
 
 
 def _page(name: str) -> str:
@@ -141,6 +147,34 @@ def _text(fragment: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", fragment))
 
 
+def _section(page: str, anchor: str) -> str:
+    """The HTML of one documented object: its heading, signatures and docstring, up to
+    the next object."""
+    start = page.find(f'id="{anchor}"')
+    assert start >= 0, f"{anchor} is not in the reference"
+    end = page.find('<div class="doc doc-object', start)
+    return page[start : end if end >= 0 else len(page)]
+
+
+def _signatures(fragment: str) -> list[str]:
+    return [
+        _text(m) for m in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', fragment, re.S)
+    ]
+
+
+def _public_methods(cls: type) -> Iterator[tuple[str, inspect.Signature]]:
+    """Every public method of ``cls`` (inherited ones included), with the signature a
+    caller sees at runtime (generated methods report the async method's)."""
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, staticmethod | classmethod):
+            attr = attr.__func__
+        if inspect.isfunction(attr):
+            yield name, inspect.signature(getattr(cls, name))
+
+
 @needs_site
 @pytest.mark.parametrize("example", EXAMPLES, ids=_rel)
 def test_site_examples_page_shows_each_example(example: Path) -> None:
@@ -148,3 +182,54 @@ def test_site_examples_page_shows_each_example(example: Path) -> None:
     assert any(example.read_text().strip() in block for block in code), (
         f"the Examples page does not show {_rel(example)}"
     )
+
+
+@needs_site
+@pytest.mark.parametrize("name", blocking.__all__)
+def test_site_blocking_reference_has_every_method_with_its_signature(name: str) -> None:
+    """The facade's methods are generated at import time (scripts/griffe_extensions.py
+    documents them from the async classes); the page must show every one a caller can
+    use, each parameter in order, none marked async."""
+    page = _page("reference/blocking")
+    cls = getattr(blocking, name)
+    methods = dict(_public_methods(cls))
+    assert methods, name
+    for method, signature in methods.items():
+        section = _section(page, f"asyncsync.blocking.{name}.{method}")
+        heading = section[: section.find("</h")]
+        assert "doc-label-async" not in heading, f"blocking.{name}.{method} shown as async"
+        rendered = _signatures(section)
+        assert rendered, f"blocking.{name}.{method} has no signature"
+        params = [p for p in signature.parameters if p not in {"self", "cls"}]
+        for text in rendered[-1:]:  # the implementation's (overloads come first)
+            found = re.findall(r"\b(\w+)\s*[:=,)]", text.split("(", 1)[1])
+            shown = [p for p in found if p in params]
+            assert shown == params, f"blocking.{name}.{method}{signature}: rendered {text!r}"
+
+
+@needs_site
+@pytest.mark.parametrize("module", REFERENCE_MODULES, ids=lambda m: m.__name__)
+def test_site_module_pages_show_exactly_the_exports(module: object) -> None:
+    name = module.__name__  # type: ignore[attr-defined]
+    page = _page(f"reference/{name.split('.')[-1]}")
+    top = re.compile(rf'id="{re.escape(name)}\.([^".]+)"')
+    shown = set(top.findall(page))
+    exported = set(module.__all__)  # type: ignore[attr-defined]
+    assert shown - exported == set(), f"{name}'s page shows internals: {shown - exported}"
+    assert exported - shown == set(), f"{name}'s page misses exports: {exported - shown}"
+
+
+@needs_site
+@pytest.mark.parametrize("page", ["asyncsync", "blocking", "metrics", "testing"])
+def test_site_reference_pages_render_markdown_and_wrap_signatures(page: str) -> None:
+    content = _page(f"reference/{page}")
+    text = _text(re.sub(r"<(script|style)\b.*?</\1>", "", content, flags=re.S))
+    stray = [line.strip() for line in text.splitlines() if line.rstrip().endswith("::")]
+    assert not stray, f"reST literal-block markers rendered as text: {stray}"
+    long = [
+        line
+        for signature in _signatures(content)
+        for line in signature.splitlines()
+        if len(line) > SIGNATURE_LINE_LIMIT
+    ]
+    assert not long, f"signatures rendered on one long line: {long}"
