@@ -55,7 +55,7 @@ from asyncsync.publisher import (
     Verify,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Each module logs to its own logger under "asyncsync"; the application configures them.
 logging.getLogger("asyncsync").addHandler(logging.NullHandler())

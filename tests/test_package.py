@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import asyncsync
@@ -64,6 +66,19 @@ def test_testing_namespace_exports() -> None:
     for name in asyncsync.testing.__all__:
         assert hasattr(asyncsync.testing, name), name
     assert {"make_tiny_model", "LocalVLLMServer"} <= set(asyncsync.testing.__all__)
+
+
+def test_version_has_one_source() -> None:
+    """pyproject.toml's version is dynamic: hatchling reads asyncsync/__init__.py's
+    ``__version__`` when it builds, so the installed distribution's metadata says the
+    same. (An editable install made before a version change keeps the old metadata
+    until it is reinstalled: this test then says so.)"""
+    root = Path(__file__).resolve().parent.parent
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"], "a second, static version"
+    assert "version" in pyproject["project"]["dynamic"]
+    assert pyproject["tool"]["hatch"]["version"]["path"] == "asyncsync/__init__.py"
+    assert importlib.metadata.version("asyncsync") == asyncsync.__version__
 
 
 def test_py_typed_marker_shipped() -> None:
