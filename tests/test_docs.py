@@ -185,6 +185,14 @@ def test_site_examples_page_shows_each_example(example: Path) -> None:
 
 
 @needs_site
+def test_site_changelog_page_is_the_changelog() -> None:
+    releases = re.findall(r"^## (.+)$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    text = _text(_page("changelog"))
+    assert releases
+    assert all(release in text for release in releases), releases
+
+
+@needs_site
 @pytest.mark.parametrize("name", blocking.__all__)
 def test_site_blocking_reference_has_every_method_with_its_signature(name: str) -> None:
     """The facade's methods are generated at import time (scripts/griffe_extensions.py
