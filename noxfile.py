@@ -190,12 +190,12 @@ PACKAGE_TOOLS = ("build>=1.2", "twine>=6.1")
 
 @nox.session(python=PYTHON)
 def package(session: nox.Session) -> None:
-    """The release artifacts: builds the sdist and the wheel into ``dist/`` (``python -m
-    build``: the wheel is built from the sdist), ``twine check --strict`` on both, then
-    installs the wheel with its ``torch`` extra into a fresh virtualenv in a temporary
-    directory outside the tree and runs scripts/package_smoke.py there, from that
-    directory: the public API against fake servers, imported from the installed wheel
-    only (see the script for what it covers)."""
+    """The release artifacts: builds the sdist and the wheel into ``dist/``, emptied first
+    (``python -m build``: the wheel is built from the sdist), ``twine check --strict`` on
+    both, then installs the wheel with its ``torch`` extra into a fresh virtualenv in a
+    temporary directory outside the tree and runs scripts/package_smoke.py there, from
+    that directory: the public API against fake servers, imported from the installed
+    wheel only (see the script for what it covers)."""
     session.install(*PACKAGE_TOOLS)
     root = Path(__file__).resolve().parent
     dist = root / "dist"
