@@ -6,7 +6,10 @@ notebooks) and `asyncsync.metrics` (metrics hooks).
 """
 
 import logging
+from typing import Any
 
+from asyncsync import backends
+from asyncsync._core import deprecation as _deprecation
 from asyncsync._core.completion import (
     Completion,
     PromptScores,
@@ -16,6 +19,7 @@ from asyncsync._core.completion import (
 )
 from asyncsync._core.errors import (
     AsyncSyncError,
+    ClosedError,
     FleetError,
     GenerationAborted,
     GenerationError,
@@ -23,9 +27,9 @@ from asyncsync._core.errors import (
     PublishError,
     ServerError,
     ServerTimeout,
-    ServerUnavailable,
-    UnsupportedVLLM,
-    WeightMismatch,
+    ServerUnavailableError,
+    UnsupportedVLLMError,
+    WeightMismatchError,
     WeightsModifiedError,
 )
 from asyncsync._core.loop import run
@@ -64,6 +68,7 @@ __all__ = [
     "AsyncSyncError",
     "AsyncVLLMClient",
     "AsyncWeightPublisher",
+    "ClosedError",
     "Completion",
     "CompletionStream",
     "Fleet",
@@ -87,19 +92,40 @@ __all__ = [
     "ServerOutcome",
     "ServerState",
     "ServerTimeout",
-    "ServerUnavailable",
+    "ServerUnavailableError",
     "StalenessStats",
     "Timeouts",
     "TokenDelta",
     "Trajectory",
-    "UnsupportedVLLM",
+    "UnsupportedVLLMError",
     "Verification",
     "Verify",
     "WeightComparison",
-    "WeightMismatch",
+    "WeightMismatchError",
     "WeightVersionSpan",
     "WeightsModifiedError",
     "__version__",
+    "backends",
     "run",
     "share_weights",
 ]
+
+#: Spellings of 0.1 kept for one release (each access warns with the new name).
+_DEPRECATED: dict[str, tuple[str, Any]] = {
+    "ServerUnavailable": ("ServerUnavailableError", ServerUnavailableError),
+    "UnsupportedVLLM": ("UnsupportedVLLMError", UnsupportedVLLMError),
+    "WeightMismatch": ("WeightMismatchError", WeightMismatchError),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return _deprecation.module_getattr(__name__, _DEPRECATED, name)
+
+
+# Exceptions and warnings are named by their public module in tracebacks
+# ("asyncsync.PublishError", not the private module that defines them).
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type) and issubclass(_obj, BaseException | Warning):
+        _obj.__module__ = __name__
+del _name, _obj

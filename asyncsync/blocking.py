@@ -40,11 +40,12 @@ from asyncsync._core.portal import (
     wrapping_method,
 )
 from asyncsync._core.state import ServerState
-from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from asyncsync._core.types import Require
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._wire.generation import Tokenizer
+from asyncsync.backends import BackendOptions, TrainerApi
 from asyncsync.client import DEFAULT_RETRY
 
 __all__ = ["CompletionStream", "Fleet", "Trajectory", "VLLMClient", "WeightPublisher"]
@@ -133,7 +134,7 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         base_url: str,
         *,
         api_key: str | None = None,
-        timeouts: Timeouts | None = None,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         vllm_version: str | None = None,
         vocab_size: int | None = None,
@@ -183,6 +184,7 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         """Prompts of ``max_model_len`` tokens or more are refused when set."""
         return self._async.max_model_len
 
+    vllm_version = blocking_method(az.AsyncVLLMClient.vllm_version)
     server_version = blocking_method(az.AsyncVLLMClient.server_version)
     protocol = blocking_method(az.AsyncVLLMClient.protocol)
     health = blocking_method(az.AsyncVLLMClient.health)
@@ -205,6 +207,7 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         az.AsyncVLLMClient.shutdown_weight_transfer_engine
     )
     generate = blocking_method(az.AsyncVLLMClient.generate)
+    generate_n = blocking_method(az.AsyncVLLMClient.generate_n)
     generate_batch = blocking_method(az.AsyncVLLMClient.generate_batch)
     score = blocking_method(az.AsyncVLLMClient.score)
     stream = wrapping_method(az.AsyncVLLMClient.stream, CompletionStream._adopt)
@@ -219,7 +222,7 @@ class Fleet(_Closing[az.Fleet]):
         servers: Iterable[str | VLLMClient] = (),
         *,
         api_key: str | None = None,
-        timeouts: Timeouts | None = None,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         require: Require = "all",
         vllm_version: str | None = None,
@@ -320,6 +323,7 @@ class Fleet(_Closing[az.Fleet]):
 
     # ------------------------------------------------------------------ control
     health = blocking_method(az.Fleet.health)
+    vllm_version = blocking_method(az.Fleet.vllm_version)
     version = blocking_method(az.Fleet.version)
     pause = blocking_method(az.Fleet.pause)
     resume = blocking_method(az.Fleet.resume)
@@ -339,6 +343,7 @@ class Fleet(_Closing[az.Fleet]):
 
     # ------------------------------------------------------------------ generation
     generate = blocking_method(az.Fleet.generate)
+    generate_n = blocking_method(az.Fleet.generate_n)
     generate_batch = blocking_method(az.Fleet.generate_batch)
     score = blocking_method(az.Fleet.score)
     stream = wrapping_method(az.Fleet.stream, CompletionStream._adopt)
@@ -353,13 +358,13 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
         self,
         fleet: Fleet | None,
         *,
-        backend: str = "shm",
+        backend: str | BackendOptions = "shm",
         executor: ThreadPoolExecutor | None = None,
         rank: int = 0,
         world_size: int = 1,
-        api: Literal["engine", "callback"] = "engine",
         if_busy: Literal["wait", "raise"] = "wait",
-        **backend_options: Any,
+        _api: TrainerApi = "engine",
+        **deprecated_options: Any,
     ) -> None:
         self._portal = shared_portal()
         self.fleet = fleet
@@ -368,7 +373,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
             functools.partial(
                 az.AsyncWeightPublisher, None if fleet is None else fleet._async,
                 backend=backend, executor=executor, rank=rank, world_size=world_size,
-                api=api, if_busy=if_busy, **backend_options,
+                if_busy=if_busy, _api=_api, **deprecated_options,
             )
         )  # fmt: skip
         self._track()
@@ -379,7 +384,8 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
     @property
     def version(self) -> str | None:
-        """The last version every targeted server finished (None before any)."""
+        """The last published version (None before any): see
+        `asyncsync.AsyncWeightPublisher.version`."""
         return self._async.version
 
     @property
@@ -420,7 +426,7 @@ class Trajectory(az.Trajectory):
     ) -> Completion:
         """Generate the next turn from `next_prompt` and append it; on a fleet
         `session_id` keeps every turn on one server. ``kwargs`` go to
-        ``generate`` (``n`` must be 1)."""
+        ``generate``."""
         turn = functools.partial(super().generate, fleet_or_client._async, **kwargs)
         return fleet_or_client._call(turn)
 

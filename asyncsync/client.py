@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Unpack, overload
+from typing import Any, Literal, TypeVar, Unpack
 
 import aiohttp
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion, PromptScores
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.state import ServerState
-from asyncsync._core.timeouts import Timeouts
-from asyncsync._core.types import PauseMode, ProtocolGeneration
+from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
+from asyncsync._core.types import PauseMode, ProtocolGeneration, pause_mode
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, OneServer, run_all
 from asyncsync._http.retry import NO_RETRY, RetryPolicy
 from asyncsync._http.transport import Endpoint, Transport
@@ -31,6 +32,7 @@ from asyncsync._wire.generation import (
     check_model_size,
     check_prompt,
     check_prompts,
+    deprecated_n,
     split_options,
 )
 
@@ -50,18 +52,20 @@ class AsyncVLLMClient:
     Use it as an async context manager. The aiohttp session is created inside the
     running loop on first use and closed on exit (also when the block is cancelled);
     a ``session`` passed in is borrowed and left open. After exit the client is closed
-    and every call raises `ServerUnavailable`.
+    and every call raises `ServerUnavailableError`.
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:8000"``.
         api_key: sent as ``Authorization: Bearer ...`` on every request. vLLM's
             ``--api-key`` does not protect the RL routes: keep them off networks.
-        timeouts: per-phase deadlines (`Timeouts`); defaults when None.
+        timeouts: per-phase deadlines (`Timeouts`; the defaults when not given).
         session: an aiohttp session to borrow, or a function of the server URL returning
             one (called on each use, inside the loop: how a `Fleet`
             lends its own).
         retry: policy for idempotent calls (health, version, weight_info, is_paused,
-            get_world_size); ``None`` or ``RetryPolicy.off()`` disables retries.
+            get_world_size); ``None`` or ``RetryPolicy.off()`` disables retries. (``None``
+            means "off" everywhere in asyncsync: ``Timeouts(update=None)`` is no update
+            deadline.)
         vllm_version: skip ``GET /version`` and assume this vLLM version.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``): every
             prompt is checked against it before it is sent (see `vocab_size`).
@@ -74,28 +78,28 @@ class AsyncVLLMClient:
         base_url: str,
         *,
         api_key: str | None = None,
-        timeouts: Timeouts | None = None,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
         session: SessionLike | None = None,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         vllm_version: str | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
+        _owner: str = "this AsyncVLLMClient",
     ) -> None:
         url = normalize_url(base_url)
-        if timeouts is not None and not isinstance(timeouts, Timeouts):
-            raise TypeError(f"timeouts must be a Timeouts, got {type(timeouts).__name__}")
+        timeouts = check_timeouts(timeouts, "AsyncVLLMClient")
         self.server_state = ServerState(url)
         """What is known about the server (shared with a fleet holding this client)."""
         if vllm_version is not None:
             self.server_state.protocol = protocol_for_version(vllm_version)
             self.server_state.vllm_version = vllm_version
-        self._transport = Transport(session=session, owner="this AsyncVLLMClient")
+        self._transport = Transport(session=session, owner=_owner)
         self.endpoint = Endpoint(
             url,
             self._transport,
             state=self.server_state,
             api_key=api_key,
-            timeouts=timeouts if timeouts is not None else Timeouts(),
+            timeouts=timeouts,
             retry=retry if retry is not None else NO_RETRY,
         )
         """The server's HTTP endpoint (advanced: sends planned calls)."""
@@ -168,14 +172,22 @@ class AsyncVLLMClient:
     async def _run(self, call: Call[T]) -> T:
         return await self.endpoint.request(call, call.encode())
 
-    async def server_version(self) -> str:
-        """The server's vLLM version (``GET /version``, read once and cached)."""
+    async def vllm_version(self, *, refresh: bool = False) -> str:
+        """The server's vLLM version (``GET /version``): read once and cached, or read
+        now with ``refresh=True``. (The weights' version is `weight_version`.)"""
+        if refresh:
+            return await self._run(wire.plan_version())
         return await self.endpoint.server_version()
+
+    async def server_version(self) -> str:
+        """Deprecated: `vllm_version`."""
+        warn_deprecated("AsyncVLLMClient.server_version()", "vllm_version()")
+        return await self.vllm_version()
 
     async def protocol(self) -> ProtocolGeneration:
         """The RL protocol generation the server speaks (``"0.23"`` or ``"0.32"``)."""
         if self.server_state.protocol is None:
-            await self.server_version()
+            await self.endpoint.server_version()
         assert self.server_state.protocol is not None
         return self.server_state.protocol
 
@@ -186,14 +198,17 @@ class AsyncVLLMClient:
         await self._run(wire.plan_health())
 
     async def version(self) -> str:
-        """``GET /version``, read now (not cached; see `server_version`)."""
-        return await self._run(wire.plan_version())
+        """Deprecated: `vllm_version` with ``refresh=True``."""
+        warn_deprecated("AsyncVLLMClient.version()", "vllm_version(refresh=True)")
+        return await self.vllm_version(refresh=True)
 
-    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool | None = None) -> None:
-        """``POST /pause?mode=...``: stop scheduling. ``abort`` drops in-flight requests,
-        ``wait`` drains them, ``keep`` freezes them until `resume`. ``clear_cache``
-        is deprecated upstream and only sent when given."""
-        await self._run(wire.plan_pause(mode, clear_cache))
+    async def pause(
+        self, mode: PauseMode | None = None, *, clear_cache: bool | None = None
+    ) -> None:
+        """``POST /pause?mode=...``: stop scheduling. ``mode`` (required): ``abort`` drops
+        in-flight requests, ``wait`` drains them, ``keep`` freezes them until `resume`.
+        ``clear_cache`` is deprecated upstream and only sent when given."""
+        await self._run(wire.plan_pause(pause_mode(mode, "AsyncVLLMClient"), clear_cache))
 
     async def resume(self) -> None:
         """``POST /resume``."""
@@ -284,23 +299,12 @@ class AsyncVLLMClient:
         await self._run(wire.plan_shutdown_weight_transfer_engine(protocol, self.base_url))
 
     # -------------------------------------------------------------- generation
-    @overload
-    async def generate(  # type: ignore[overload-overlap]  # n=1 -> one, else a list
-        self, prompt_token_ids: Sequence[int], *, n: Literal[1] = 1,
-        **options: Unpack[GenerateOptions],
-    ) -> Completion: ...  # fmt: skip
-
-    @overload
     async def generate(
-        self, prompt_token_ids: Sequence[int], *, n: int, **options: Unpack[GenerateOptions]
-    ) -> list[Completion]: ...
+        self, prompt_token_ids: Sequence[int], **options: Unpack[GenerateOptions]
+    ) -> Completion:
+        """Generate from token ids on this server; the exact sampled ids come back as one
+        `Completion` (several samples of one prompt: `generate_n`).
 
-    async def generate(
-        self, prompt_token_ids: Sequence[int], *, n: int = 1, **options: Unpack[GenerateOptions]
-    ) -> Completion | list[Completion]:
-        """Generate from token ids on this server; the exact sampled ids come back.
-
-        Returns one `Completion` (``n == 1``) or a list of ``n``.
         ``options``: the sampling parameters (``max_tokens=16``, ``temperature=1.0``,
         ``logprobs``, ``seed``..., any vLLM sampling parameter), ``timeout`` (the
         generate deadline of this call), ``route`` (``"auto"`` uses
@@ -311,11 +315,29 @@ class AsyncVLLMClient:
         completion (``source="client"``). Raises `GenerationAborted`
         (with the partial tokens) when the server aborted the request.
         """
-        req, send = split_options(options, n=n)
+        n = deprecated_n(options, "AsyncVLLMClient")
+        out = await self._generate(prompt_token_ids, n, options)
+        return out[0] if n == 1 else out  # type: ignore[return-value]  # deprecated n > 1
+
+    async def generate_n(
+        self, prompt_token_ids: Sequence[int], *, n: int, **options: Unpack[GenerateOptions]
+    ) -> list[Completion]:
+        """``n`` samples of one prompt in one request (vLLM's ``n``), always a list of
+        ``n`` `Completion` objects; ``options`` as for `generate`."""
+        return await self._generate(prompt_token_ids, n, options, where="generate_n")
+
+    async def _generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        n: int,
+        options: Mapping[str, Any],
+        where: str = "generate",
+    ) -> list[Completion]:
+        req, send = split_options(options, n=n, where=where)
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         out = await self.generator.generate(prompt, req, send)
         _hooks.generated(out)
-        return out[0] if n == 1 else out
+        return out
 
     async def generate_batch(
         self, prompts: Sequence[Sequence[int]], *, n: int = 1, **options: Unpack[RequestOptions]

@@ -12,14 +12,14 @@ import asyncio
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Unpack, overload
+from typing import Any, TypeVar, Unpack
 
 import aiohttp
 
 from asyncsync._core.completion import Completion, PromptScores
-from asyncsync._core.errors import GenerationError, ServerUnavailable
+from asyncsync._core.errors import ClosedError, GenerationError, ServerUnavailableError
 from asyncsync._core.state import Reason, ServerState
-from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import Require, Route, check_require
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
@@ -38,6 +38,7 @@ from asyncsync._wire.generation import (
     check_model_size,
     check_prompt,
     check_prompts,
+    deprecated_n,
     split_options,
 )
 from asyncsync.client import DEFAULT_RETRY, AsyncVLLMClient
@@ -66,8 +67,8 @@ class Fleet(FleetControl):
     Args:
         servers: base URLs and/or `AsyncVLLMClient` objects.
         api_key: bearer token of the clients built from URLs (never logged).
-        timeouts: deadlines per phase of the clients built from URLs.
-        retry: retry policy of the clients built from URLs.
+        timeouts: deadlines per phase of the clients built from URLs (`Timeouts`).
+        retry: retry policy of the clients built from URLs (``None``: no retries).
         vllm_version: protocol generation of the clients built from URLs (default:
             detected per server).
         require: the default partial-failure policy.
@@ -89,7 +90,7 @@ class Fleet(FleetControl):
         servers: Iterable[str | AsyncVLLMClient] = (),
         *,
         api_key: str | None = None,
-        timeouts: Timeouts | None = None,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
         retry: RetryPolicy | None = DEFAULT_RETRY,
         require: Require = "all",
         vllm_version: str | None = None,
@@ -120,7 +121,7 @@ class Fleet(FleetControl):
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
         ValueError before routing. Clients the fleet builds get it too."""
         self._client_settings: dict[str, Any] = {
-            "api_key": api_key, "timeouts": timeouts, "retry": retry,
+            "api_key": api_key, "timeouts": check_timeouts(timeouts, "Fleet"), "retry": retry,
             "vllm_version": vllm_version, "vocab_size": self.vocab_size,
             "max_model_len": self.max_model_len,
         }  # fmt: skip
@@ -174,7 +175,7 @@ class Fleet(FleetControl):
     def _shared_session(self, server: str | None = None) -> aiohttp.ClientSession:
         """The session lent to the clients this fleet builds."""
         if self._transport.state == "unopened":
-            raise ServerUnavailable(
+            raise ServerUnavailableError(
                 "this client shares a Fleet's session: open the Fleet first (async with Fleet(...))"
             )
         return self._transport.open()
@@ -185,7 +186,9 @@ class Fleet(FleetControl):
             client, owned = server, False
         else:
             settings = self._client_settings
-            client = AsyncVLLMClient(server, session=self._shared_session, **settings)
+            client = AsyncVLLMClient(
+                server, session=self._shared_session, _owner="this Fleet", **settings
+            )
             owned = True
         if client.base_url in self._members:
             raise ValueError(f"server {client.base_url} is already in the fleet")
@@ -198,7 +201,7 @@ class Fleet(FleetControl):
         """Add a server at runtime. With ``check``, probe ``/version`` and ``/health``
         first; on failure the server is not added and the error is raised."""
         if self._transport.state == "closed":
-            raise ServerUnavailable("this Fleet is closed; create a new one")
+            raise ClosedError("this Fleet is closed; create a new one")
         state = self._add(server)
         if check:
             try:
@@ -377,22 +380,9 @@ class Fleet(FleetControl):
         return state.available and self._history.at_least(state.weight_version, version)
 
     # ------------------------------------------------------------------ generation
-    @overload
-    async def generate(  # type: ignore[overload-overlap]  # n=1 -> one, else a list
-        self, prompt_token_ids: Sequence[int], *, n: Literal[1] = 1,
-        **options: Unpack[RoutedGenerateOptions],
-    ) -> Completion: ...  # fmt: skip
-
-    @overload
     async def generate(
-        self, prompt_token_ids: Sequence[int], *, n: int,
-        **options: Unpack[RoutedGenerateOptions],
-    ) -> list[Completion]: ...  # fmt: skip
-
-    async def generate(
-        self, prompt_token_ids: Sequence[int], *, n: int = 1,
-        **options: Unpack[RoutedGenerateOptions],
-    ) -> Completion | list[Completion]:  # fmt: skip
+        self, prompt_token_ids: Sequence[int], **options: Unpack[RoutedGenerateOptions]
+    ) -> Completion:
         """Generate from token ids on one server of the fleet, chosen by routing.
 
         Routing: among servers that are fit to serve (healthy, not paused, not
@@ -409,18 +399,32 @@ class Fleet(FleetControl):
         tries) to the same server (uvicorn closing an idle keep-alive connection as the
         request arrived; docs/client.md); nothing else is resent.
 
-        Returns one `Completion` (``n == 1``) or a list of ``n``. The
+        Returns one `Completion` (several samples of one prompt: `generate_n`). The
         other options are those of `AsyncVLLMClient.generate` (see
         `RoutedGenerateOptions`); ``tokenizer`` defaults to the
         fleet's. Each completion's `staleness` is set and recorded in
         `staleness`. Aborted requests raise `GenerationAborted`
         with the partial tokens (retryable).
         """
-        req, send = self._options(options, n, "generate")
-        out = await self._dispatch.generate(
+        n = deprecated_n(options, "Fleet")
+        out = await self._generate(prompt_token_ids, n, options, "generate")
+        return out[0] if n == 1 else out  # type: ignore[return-value]  # deprecated n > 1
+
+    async def generate_n(
+        self, prompt_token_ids: Sequence[int], *, n: int,
+        **options: Unpack[RoutedGenerateOptions],
+    ) -> list[Completion]:  # fmt: skip
+        """``n`` samples of one prompt in one request (vLLM's ``n``) on one server chosen
+        like `generate`: always a list of ``n`` `Completion` objects."""
+        return await self._generate(prompt_token_ids, n, options, "generate_n")
+
+    async def _generate(
+        self, prompt_token_ids: Sequence[int], n: int, options: Mapping[str, Any], where: str
+    ) -> list[Completion]:
+        req, send = self._options(options, n, where)
+        return await self._dispatch.generate(
             check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len), req, send
         )
-        return out[0] if n == 1 else out
 
     async def generate_batch(
         self, prompts: Sequence[Sequence[int]], *, n: int = 1,

@@ -17,6 +17,7 @@ server with an active update.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -24,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
-from asyncsync._core.errors import PublishError, UnsupportedVLLM
+from asyncsync._core.deprecation import warn_deprecated
+from asyncsync._core.errors import ClosedError, PublishError, UnsupportedVLLMError
 from asyncsync._publish.bridge import SyncFleetClient
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
@@ -54,11 +56,13 @@ from asyncsync._publish.weights import (
     resolve,
 )
 from asyncsync.backends import (
+    BackendOptions,
     SendControl,
     SendStats,
+    TrainerApi,
     TrainerBackend,
-    backend_class,
     create_backend,
+    options_for,
 )
 
 if TYPE_CHECKING:
@@ -79,27 +83,21 @@ class AsyncWeightPublisher:
 
     Args:
         fleet: the servers (rank 0 only; other ranks may pass ``None``).
-        backend: a registered trainer-side backend (`asyncsync.backends`):
-            ``"shm"`` (CPU shared memory, this package's vLLM plugin), ``"gloo"`` (CPU,
-            across hosts, this package's plugin), ``"nccl"`` and ``"ipc"`` (vLLM's own
-            GPU engines; ``"ipc"`` needs ``allow_insecure_serialization=True``).
+        backend: the transport, as its typed options (`asyncsync.backends`):
+            ``az.backends.Shm(...)`` (CPU shared memory, this package's vLLM plugin),
+            ``Gloo(...)`` (CPU, across hosts, this package's plugin), ``NCCL(...)`` and
+            ``IPC(...)`` (vLLM's own GPU engines; ``IPC`` needs
+            ``allow_insecure_serialization=True``), or a registered name for that
+            backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``).
         executor: the bounded executor for the blocking send (default: one private
             worker thread).
         rank: this trainer process's rank; only rank 0 talks HTTP, every rank
             iterates the weights (so collectives such as FSDP all-gathers stay aligned).
         world_size: the number of trainer processes that call ``publish`` together.
-        api: which trainer-engine style drives the round: ``"engine"`` (vLLM 0.3x
-            ``send_weights`` with a synchronous client) or ``"callback"`` (vLLM 0.23
-            ``trainer_send_weights`` with a rank-0 ``send_mode`` callback). For
-            ``"nccl"`` and ``"ipc"`` the installed vLLM decides (``publisher.api``).
         if_busy: a second ``publish`` while one runs ``"wait"``s or ``"raise"``s.
-        backend_options: the backend's own options, checked by the backend. ``shm``:
-            ``buffer_bytes``, the size of each of its two shared-memory buffers; it
-            bounds the trainer's extra memory whatever the model size. ``zero_copy``
-            (``True``/``"auto"``): the servers read the trainer's tensors in place when
-            they live in shared memory (`asyncsync.share_weights`); the weights
-            must then not change until ``publish`` returns
-            (`WeightsModifiedError` otherwise).
+        deprecated_options: 0.1's ``buffer_bytes=...``, ``zero_copy=...`` and the other
+            backend options as keywords (use the typed options), and ``api=`` (which
+            trainer-engine style drives a round: internal since 0.2). Each warns.
 
     Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for the
     weight-sync routes: init, start, each chunk's fan-out, finish and the weight checker;
@@ -111,22 +109,26 @@ class AsyncWeightPublisher:
         self,
         fleet: Fleet | None,
         *,
-        backend: str = "shm",
+        backend: str | BackendOptions = "shm",
         executor: ThreadPoolExecutor | None = None,
         rank: int = 0,
         world_size: int = 1,
-        api: Literal["engine", "callback"] = "engine",
         if_busy: Literal["wait", "raise"] = "wait",
-        **backend_options: Any,
+        _api: TrainerApi = "engine",
+        **deprecated_options: Any,
     ) -> None:
-        backend_class(backend)  # an unknown name is the first error to report
-        _check_arguments(fleet, rank, world_size, api, if_busy)
+        name, options = options_for(backend)  # an unknown name is the first error
+        if deprecated_options:
+            options, _api = _from_keywords(name, options, _api, deprecated_options)
+        _check_arguments(fleet, rank, world_size, _api, if_busy)
         self._backend: TrainerBackend = create_backend(
-            backend, rank=rank, world_size=world_size, api=api, options=backend_options
+            name, options, rank=rank, world_size=world_size, api=_api
         )
         self.fleet = fleet
+        #: the backend's options (`asyncsync.backends.Shm`, ...)
+        self.options = options
         #: the registered backend's name
-        self.backend = backend
+        self.backend = name
         self.if_busy = if_busy
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(
@@ -237,7 +239,7 @@ class AsyncWeightPublisher:
         it sent), ``"probe"`` (greedy generations scored by the published module's own
         forward pass) or a `Verify` with both or other settings. A server that
         does not match fails the round there (``phase="verify"``, a
-        `WeightMismatch` naming what differed), is marked dirty, and
+        `WeightMismatchError` naming what differed), is marked dirty, and
         the version stays unchanged. ``PublishReport.verified`` says what was checked.
 
         Returns a `PublishReport`; raises `PublishError` with
@@ -257,7 +259,7 @@ class AsyncWeightPublisher:
             raise RuntimeError("a publish is already running (if_busy='raise')")
         async with self._lock:
             if self._closed:
-                raise RuntimeError("publisher is closed")
+                raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
             if not self.is_sender:
                 return await self._publish_non_sender(weights, version)
             if check_finite:
@@ -271,13 +273,13 @@ class AsyncWeightPublisher:
 
     async def _check_checksum_route(self, targets: Sequence[str]) -> None:
         """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
-        sent: `UnsupportedVLLM` otherwise."""
+        sent: `UnsupportedVLLMError` otherwise."""
         assert self.fleet is not None
         for url in targets:
             client = self.fleet.client(url)
             protocol = await client.protocol()
             if protocol != "0.32":
-                raise UnsupportedVLLM(
+                raise UnsupportedVLLMError(
                     client.server_state.vllm_version or protocol,
                     "/weight_checker (verify='checksum')",
                     server=url,
@@ -438,6 +440,34 @@ class _SendJob:
             if client is not None:
                 client.settle()
             _barrier()
+
+
+def _from_keywords(
+    name: str, options: BackendOptions, api: TrainerApi, keywords: dict[str, Any]
+) -> tuple[BackendOptions, TrainerApi]:
+    """0.1's backend options as keywords of the publisher, and its public ``api=``: the
+    typed options they mean, each with a DeprecationWarning."""
+    if "api" in keywords:
+        api = keywords.pop("api")
+        warn_deprecated("AsyncWeightPublisher(api=...)", "the default (api is internal)")
+    if not keywords:
+        return options, api
+    cls = type(options)
+    # the built-in options are exported by asyncsync.backends, wherever they are defined
+    where = "asyncsync.backends" if cls.__module__.startswith("asyncsync.") else cls.__module__
+    unknown = sorted(set(keywords) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        takes = ", ".join(f.name for f in dataclasses.fields(cls))
+        takes = f"{takes} (as {where}.{cls.__name__}(...))" if takes else "no options"
+        raise TypeError(
+            f"backend {name!r} got unknown option(s) {', '.join(unknown)}; it takes: {takes}"
+        )
+    spelled = ", ".join(f"{k}=..." for k in keywords)
+    warn_deprecated(
+        f"AsyncWeightPublisher(..., {spelled})",
+        f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
+    )
+    return dataclasses.replace(options, **keywords), api
 
 
 def _check_arguments(

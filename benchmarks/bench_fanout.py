@@ -120,7 +120,7 @@ async def asyncsync_round(
     cpu: list[float] = []
     server_cpu: list[float] = []
     async with az.Fleet(urls) as fleet:
-        await fleet.version()  # warm-up: version probe and first connections
+        await fleet.vllm_version()  # warm-up: version probe and first connections
         for r in range(repeats + 1):
             t0, c0, s0 = time.perf_counter(), time.process_time(), processes_cpu(server_pids)
             await fleet.start_weight_update()

@@ -209,7 +209,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             async with (
                 az.Fleet(urls) as fleet,
                 az.AsyncWeightPublisher(
-                    fleet, buffer_bytes=buffer_mb << 20, zero_copy=zero_copy
+                    fleet,
+                    backend=az.backends.Shm(buffer_bytes=buffer_mb << 20, zero_copy=zero_copy),
                 ) as pub,
             ):
                 await pub.init()
@@ -260,7 +261,8 @@ async def _in_turn(args: argparse.Namespace, model: Any, url: str, ckpt: Path) -
         for key, zero_copy in (("packed", False), ("zero_copy", True)):
             reloads, publishes = [], []
             async with az.AsyncWeightPublisher(
-                fleet, buffer_bytes=args.buffer_mb << 20, zero_copy=zero_copy
+                fleet,
+                backend=az.backends.Shm(buffer_bytes=args.buffer_mb << 20, zero_copy=zero_copy),
             ) as pub:
                 await vllm_reload(session, url, ckpt)
                 await pub.publish(model, version=f"warmup-{key}")

@@ -44,7 +44,7 @@ async def published() -> AsyncIterator[Published]:
     async with (
         shm_fakes(1) as fakes,
         az.Fleet([fakes[0].url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 16) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 16)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1")
         yield Published(publisher, fakes[0])
@@ -209,6 +209,24 @@ def test_invalid_urls_are_refused(url: str) -> None:
     with pytest.raises(ValueError, match="base_url must"):
         az.Fleet([url])
     with pytest.raises(ValueError, match="base_url must"):
+        az.AsyncVLLMClient(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "root"),
+    [
+        ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000"),
+        ("https://host/prefix/v1", "https://host/prefix"),
+        ("http://h:1/inference/v1", "http://h:1"),
+    ],
+)
+def test_an_openai_style_v1_url_is_refused_naming_the_root(url: str, root: str) -> None:
+    """OpenAI clients take ``.../v1``; asyncsync takes the server's root (it calls
+    routes outside /v1): the error says which URL to pass instead."""
+    with pytest.raises(ValueError, match=rf"without /.*use '{re.escape(root)}'"):
+        az.Fleet([url])
+    with pytest.raises(ValueError, match=rf"use '{re.escape(root)}'"):
         az.AsyncVLLMClient(url)
 
 

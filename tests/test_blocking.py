@@ -53,12 +53,12 @@ def _use_fleet(urls: list[str]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     with blocking.Fleet(urls) as fleet:
         assert fleet.health().ok
-        assert sorted(fleet.version().values) == sorted(fleet.urls)
+        assert sorted(fleet.vllm_version().values_by_url) == sorted(fleet.urls)
         fleet.pause("keep")
         assert all(s.paused for s in fleet.servers)
         fleet.resume()
         one = fleet.generate(PROMPT, max_tokens=5, temperature=0.0, logprobs=1)
-        two = fleet.generate(PROMPT, n=2, max_tokens=3, temperature=1.0, seed=1)
+        two = fleet.generate_n(PROMPT, n=2, max_tokens=3, temperature=1.0, seed=1)
         batch = fleet.generate_batch([PROMPT, PROMPT[:2]], max_tokens=2, temperature=0.0)
         with fleet.stream(PROMPT, max_tokens=5, temperature=0.0, logprobs=1) as stream:
             deltas = list(stream)
@@ -123,23 +123,26 @@ def test_the_same_typed_errors(fakes: list[FakeVLLMServer], fake_portal: Blockin
         with pytest.raises(az.FleetError) as info:
             fleet.pause("abort")
         assert info.value.failed == (urls[1],)
-        assert isinstance(info.value.exceptions[0], az.ServerUnavailable)
+        assert isinstance(info.value.exceptions[0], az.ServerUnavailableError)
         with pytest.raises(ValueError, match="max_staleness"):
             blocking.Fleet(urls, max_staleness=-1)
         with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = -2 is negative"):
             fleet.generate([1, -2], max_tokens=1)
         with pytest.raises(KeyError, match="not in the fleet"):
             fleet.remove_server("http://127.0.0.1:9")
-    with blocking.VLLMClient(urls[1], retry=None) as client, pytest.raises(az.ServerUnavailable):
+    with (
+        blocking.VLLMClient(urls[1], retry=None) as client,
+        pytest.raises(az.ServerUnavailableError),
+    ):
         client.health()
-    with pytest.raises(az.ServerUnavailable):
+    with pytest.raises(az.ClosedError, match="this AsyncVLLMClient is closed"):
         client.health()  # closed
 
 
 def test_client_and_trajectory(fakes: list[FakeVLLMServer]) -> None:
     url = fakes[0].url
     with blocking.VLLMClient(url) as client:
-        assert client.server_version() == "0.32.0"
+        assert client.vllm_version() == "0.32.0"
         client.weight_version = "v0"
         assert client.weight_version == "v0"
         completion = client.generate(PROMPT, max_tokens=3, temperature=0.0)

@@ -198,7 +198,9 @@ def check_nothing_left(point: CancelPoint, fleet: az.Fleet, watch: SendWatch) ->
 async def test_publish_cancelled_at_a_seeded_point(seed: int) -> None:
     point = CancelPoint.draw(seed)
     async with receiving_fakes() as (a, b), az.Fleet([a.fake.url, b.fake.url]) as fleet:
-        publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER, api=point.api)
+        publisher = az.AsyncWeightPublisher(
+            fleet, _api=point.api, backend=az.backends.Shm(buffer_bytes=BUFFER)
+        )
         watch = SendWatch(publisher)
         if point.warm:
             await publisher.publish(VERSIONS["v0"], version="v0")

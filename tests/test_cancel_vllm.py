@@ -102,7 +102,7 @@ async def test_publish_cancelled_on_real_servers(
 ) -> None:
     weights = _original(tiny_model_dir)
     async with az.Fleet(vllm_fleet.urls) as fleet:
-        publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER)
+        publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER))
         watch = SendWatch(publisher)
         report = await publisher.publish(weights, version="before-cancel")
         assert report.chunks > 3

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -15,6 +17,8 @@ from asyncsync.testing import FakeVLLMServer, Fault
 
 pytestmark = pytest.mark.asyncio
 
+#: The client page of the docs: what it says a user sees is checked against the code.
+CLIENT_DOCS = Path(__file__).resolve().parents[1] / "docs" / "client.md"
 FAST = az.Timeouts(connect=2.0, control=2.0, update=2.0, generate=2.0)
 UPDATE_INFO = {
     "names": ["model.embed_tokens.weight", "lm_head.weight"],
@@ -43,9 +47,14 @@ async def test_lifecycle_state_machine(fake32: FakeVLLMServer) -> None:
         assert client.state == "open"
         await client.health()
     assert client.state == "closed"
-    with pytest.raises(az.ServerUnavailable, match="closed") as info:
+    with pytest.raises(az.ClosedError, match="closed") as info:
         await client.health()
     assert info.value.server == fake32.url
+    # What docs/client.md says a closed client raises, word for word.
+    documented = re.search(r"A closed client raises\s+`([^`]+)`", CLIENT_DOCS.read_text())
+    assert documented is not None
+    assert " ".join(documented[1].split()) == (f"asyncsync.ClosedError: {info.value.message}")
+    assert f"{type(info.value).__module__}.{type(info.value).__name__}" == "asyncsync.ClosedError"
     with pytest.raises(RuntimeError, match="closed"):
         async with client:
             pass
@@ -55,7 +64,7 @@ async def test_lifecycle_state_machine(fake32: FakeVLLMServer) -> None:
 async def test_lazy_session_without_context_manager(fake32: FakeVLLMServer) -> None:
     client = az.AsyncVLLMClient(fake32.url)
     assert client.state == "unopened"
-    assert await client.version() == "0.32.0"
+    assert await client.vllm_version(refresh=True) == "0.32.0"
     assert client.state == "open"
     await client.aclose()
     assert client.state == "closed"
@@ -79,7 +88,7 @@ async def test_invalid_arguments() -> None:
 
 async def test_version_is_read_once_and_cached(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:
-        versions = await asyncio.gather(*(client.server_version() for _ in range(5)))
+        versions = await asyncio.gather(*(client.vllm_version() for _ in range(5)))
         assert versions == ["0.32.0"] * 5
         assert await client.protocol() == "0.32"
         await client.start_weight_update()
@@ -299,7 +308,7 @@ async def test_all_error_shapes_are_parsed(
     fake32.inject("/pause", fault)
     async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
         with pytest.raises(az.ServerError, match=expected) as info:
-            await client.pause()
+            await client.pause("abort")
     assert info.value.status == fault.status
     assert info.value.route == "/pause"
 
@@ -313,7 +322,7 @@ async def test_malformed_200_is_an_error(fake32: FakeVLLMServer, body: bytes) ->
     fake32.inject("/is_paused", Fault.malformed(body), times=None)
     async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
         with pytest.raises(az.ServerError, match="malformed 200 response") as info:
-            await client.pause()
+            await client.pause("abort")
         assert info.value.status == 200
         with pytest.raises(az.ServerError, match=r"expected \{\"is_paused\": bool\}"):
             await client.is_paused()
@@ -346,8 +355,8 @@ async def test_connection_refused_is_unavailable() -> None:
     async with FakeVLLMServer() as fake:
         url = fake.url
     async with az.AsyncVLLMClient(url, retry=None) as client:
-        with pytest.raises(az.ServerUnavailable, match="cannot connect") as info:
-            await client.pause()
+        with pytest.raises(az.ServerUnavailableError, match="cannot connect") as info:
+            await client.pause("abort")
     assert info.value.server == url
     assert isinstance(info.value.__cause__, aiohttp.ClientConnectorError)
 
@@ -355,7 +364,7 @@ async def test_connection_refused_is_unavailable() -> None:
 async def test_connection_drop_is_unavailable(fake32: FakeVLLMServer) -> None:
     fake32.inject("/start_weight_update", Fault.drop())
     async with az.AsyncVLLMClient(fake32.url) as client:
-        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+        with pytest.raises(az.ServerUnavailableError, match="may or may not have applied"):
             await client.start_weight_update()
         await client.start_weight_update()  # the server is still there
 
@@ -364,9 +373,9 @@ async def test_server_dying_mid_request(fake32: FakeVLLMServer) -> None:
     fake32.inject("/finish_weight_update", Fault.die())
     async with az.AsyncVLLMClient(fake32.url, retry=None) as client:
         await client.start_weight_update()
-        with pytest.raises(az.ServerUnavailable, match="connection lost"):
+        with pytest.raises(az.ServerUnavailableError, match="connection lost"):
             await client.finish_weight_update("v1")
-        with pytest.raises(az.ServerUnavailable, match="cannot connect"):
+        with pytest.raises(az.ServerUnavailableError, match="cannot connect"):
             await client.health()
     assert not fake32.alive
 
@@ -414,7 +423,7 @@ async def test_retry_after_header_is_honoured(fake32: FakeVLLMServer) -> None:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         policy = az.RetryPolicy(attempts=2, base_delay=0.0)
         async with az.AsyncVLLMClient(f"http://127.0.0.1:{port}", retry=policy) as client:
-            assert await client.version() == "0.32.0"
+            assert await client.vllm_version(refresh=True) == "0.32.0"
     finally:
         await runner.cleanup()
     assert calls[1] - calls[0] >= 0.19
@@ -424,7 +433,7 @@ async def test_non_idempotent_calls_are_never_retried(fake32: FakeVLLMServer) ->
     fake32.inject("/pause", Fault.error(503, "busy", shape="string"))
     async with az.AsyncVLLMClient(fake32.url, retry=az.RetryPolicy(base_delay=0.0)) as client:
         with pytest.raises(az.ServerError, match="busy"):
-            await client.pause()
+            await client.pause("abort")
     assert len(fake32.requests_to("/pause")) == 1
 
 
@@ -461,7 +470,7 @@ async def test_tensor_metadata_is_made_json_safe(fake32: FakeVLLMServer) -> None
 async def test_cancelled_call_closes_its_connection(fake32: FakeVLLMServer) -> None:
     fake32.inject("/pause", Fault.hang())
     async with az.AsyncVLLMClient(fake32.url) as client:
-        task = asyncio.create_task(client.pause())
+        task = asyncio.create_task(client.pause("abort"))
         for _ in range(200):
             if fake32.requests_to("/pause"):
                 break
@@ -495,14 +504,14 @@ async def test_a_generation_whose_connection_closed_unanswered_is_sent_once_more
         twice = await client.generate([1, 2, 3], max_tokens=2, request_id="twice")
         assert twice.request_id == "generate-tokens-twice"
         fake32.inject("/inference/v1/generate", Fault.drop(), times=5)
-        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+        with pytest.raises(az.ServerUnavailableError, match="may or may not have applied"):
             await client.generate([1, 2, 3], max_tokens=2)
         sent = [r for r in fake32.requests if r.path == "/inference/v1/generate"]
         assert len(sent) == 2 + 3 + 5  # once + 1 resend, 2 + 1, then all five tries
         # Control calls keep their rule: no answer, no resend (the call may have run).
         fake32.inject("/pause", Fault.drop(), times=1)
-        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
-            await client.pause()
+        with pytest.raises(az.ServerUnavailableError, match="may or may not have applied"):
+            await client.pause("abort")
 
 
 async def test_a_stream_whose_connection_closed_before_its_headers_is_sent_once_more(
@@ -522,7 +531,7 @@ async def test_a_stream_whose_connection_closed_before_its_headers_is_sent_once_
         assert sum(len(d.token_ids) for d in deltas) == 3
         assert len(fake32.requests_to(route)) == 3  # two closed, then answered
         fake32.inject(route, Fault.drop(), times=5)
-        with pytest.raises(az.ServerUnavailable, match="may or may not have applied"):
+        with pytest.raises(az.ServerUnavailableError, match="may or may not have applied"):
             async with client.stream([1, 2, 3], max_tokens=3) as stream:
                 [delta async for delta in stream]
         assert len(fake32.requests_to(route)) == 3 + 5

@@ -26,7 +26,7 @@ async def test_every_route_that_needs_no_backend(vllm_fleet: Any) -> None:
     for server in vllm_fleet.servers:
         async with az.AsyncVLLMClient(server.url, api_key="unused-by-rl-routes") as client:
             await client.health()
-            assert await client.server_version() == "0.32.0"
+            assert await client.vllm_version() == "0.32.0"
             assert await client.protocol() == "0.32"
             assert await client.is_paused() is False
             try:
@@ -108,20 +108,20 @@ async def test_fleet_over_two_real_servers(vllm_fleet: Any) -> None:
     urls = vllm_fleet.urls
     async with az.Fleet(urls) as fleet:
         assert (await fleet.health()).ok
-        assert (await fleet.version()).values == dict.fromkeys(urls, "0.32.0")
+        assert (await fleet.vllm_version()).values_by_url == dict.fromkeys(urls, "0.32.0")
         try:
             paused = await fleet.pause("keep")
             assert paused.succeeded == tuple(urls)
-            assert (await fleet.is_paused()).values == dict.fromkeys(urls, True)
+            assert (await fleet.is_paused()).values_by_url == dict.fromkeys(urls, True)
             assert all(s.paused for s in fleet.servers)
         finally:
             await fleet.resume()
         assert not any(s.paused for s in fleet.servers)
-        assert (await fleet.get_world_size()).values == dict.fromkeys(urls, 1)
+        assert (await fleet.get_world_size()).values_by_url == dict.fromkeys(urls, 1)
         versions = await fleet.weight_info()
-        assert set(versions.values) == set(urls)
+        assert set(versions.values_by_url) == set(urls)
         assert all(fleet.state(u).weight_version == versions[u].value for u in urls)
-        assert (await fleet.reset_prefix_cache()).values == dict.fromkeys(urls, True)
+        assert (await fleet.reset_prefix_cache()).values_by_url == dict.fromkeys(urls, True)
         assert all(s.protocol == "0.32" and s.healthy for s in fleet.servers)
         with pytest.raises(az.FleetError) as info:
             await fleet.finish_weight_update("never")

@@ -152,7 +152,7 @@ async def test_publish_fault_on_a_real_server(
         await victim.astop()
         await victim.astart()
     async with az.Fleet([survivor, victim.url], timeouts=TIMEOUTS, admission_timeout=1) as fleet:
-        publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER)
+        publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER))
         report = await publisher.publish(original, version="before")
         assert report.chunks > 2  # so that the second chunk is mid-update
 

@@ -49,7 +49,7 @@ async def test_fault_matrix_cell(phase: str, fault: str) -> None:
     async with (
         shm_fakes(2) as (healthy, faulty),
         az.Fleet([healthy.url, faulty.url], timeouts=timeouts, admission_timeout=0.2) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1")
         faulty.inject(ROUTES[phase], FAULTS[fault]())

@@ -119,7 +119,8 @@ _TRAINER = textwrap.dedent(
     async def main(model_dir, urls):
         weights = load_file(model_dir + "/model.safetensors")
         async with az.Fleet(urls) as fleet:
-            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20)
+            shm = az.backends.Shm(buffer_bytes=1 << 20)
+            publisher = az.AsyncWeightPublisher(fleet, backend=shm)
             n = 0
             while True:
                 n += 1

@@ -64,7 +64,7 @@ async def test_round_fans_out_and_tracks_state(fakes: list[FakeVLLMServer]) -> N
             assert state.available
             assert state.outstanding == 0
         info = await fleet.weight_info()
-        assert info.values == dict.fromkeys(urls, "step-1")
+        assert info.values_by_url == dict.fromkeys(urls, "step-1")
         assert all(o.ok and o.seconds > 0 for o in info.outcomes.values())
     for fake in fakes:
         assert fake.pause_modes == ["keep"]
@@ -133,7 +133,7 @@ async def test_one_dead_server_of_three_raises_fleet_error(fakes: list[FakeVLLMS
         assert dead.url in str(err)
         assert "pause failed on 1 of 3 servers" in str(err)
         assert len(err.exceptions) == 1
-        assert isinstance(err.exceptions[0], az.ServerUnavailable)
+        assert isinstance(err.exceptions[0], az.ServerUnavailableError)
         assert err.exceptions[0].server == dead.url
         assert err.outcomes[urls[0]].ok
         assert err.outcomes[urls[2]].ok
@@ -171,17 +171,17 @@ async def test_partial_failure_policies(fakes: list[FakeVLLMServer]) -> None:
     urls = [f.url for f in fakes]
     fakes[0].inject("/pause", Fault.error(500, "nope", shape="string"), times=None)
     async with az.Fleet(urls, require="any") as fleet:
-        result = await fleet.pause()  # two of three is enough under "any"
+        result = await fleet.pause("abort")  # two of three is enough under "any"
         assert result.failed == (urls[0],)
         assert result.succeeded == (urls[1], urls[2])
         assert isinstance(result.errors[urls[0]], az.ServerError)
         assert not result.ok
         with pytest.raises(az.FleetError):
-            await fleet.pause(require="all")
-        result = await fleet.pause(require="none", targets=[urls[0]])
+            await fleet.pause("abort", require="all")
+        result = await fleet.pause("abort", require="none", targets=[urls[0]])
         assert result.failed == (urls[0],)
         with pytest.raises(az.FleetError):
-            await fleet.pause(targets=[urls[0]])  # "any" with every target failed
+            await fleet.pause("abort", targets=[urls[0]])  # "any" with every target failed
         with pytest.raises(az.FleetError):
             result.raise_on_failure("all")
         with pytest.raises(az.ServerError):
@@ -269,17 +269,17 @@ async def test_all_control_methods_fan_out(fakes: list[FakeVLLMServer]) -> None:
     urls = [f.url for f in fakes]
     async with az.Fleet(urls, api_key="k") as fleet:
         assert (await fleet.health()).ok
-        assert (await fleet.version()).values == dict.fromkeys(urls, "0.32.0")
-        assert (await fleet.is_paused()).values == dict.fromkeys(urls, False)
-        assert (await fleet.abort_requests(["x"])).values == dict.fromkeys(urls, 1)
-        assert (await fleet.get_world_size()).values == dict.fromkeys(urls, 1)
-        assert (await fleet.reset_prefix_cache()).values == dict.fromkeys(urls, True)
+        assert (await fleet.vllm_version()).values_by_url == dict.fromkeys(urls, "0.32.0")
+        assert (await fleet.is_paused()).values_by_url == dict.fromkeys(urls, False)
+        assert (await fleet.abort_requests(["x"])).values_by_url == dict.fromkeys(urls, 1)
+        assert (await fleet.get_world_size()).values_by_url == dict.fromkeys(urls, 1)
+        assert (await fleet.reset_prefix_cache()).values_by_url == dict.fromkeys(urls, True)
         await fleet.update_weight_version("manual")
         assert {s.weight_version for s in fleet.servers} == {"manual"}
         sums = await fleet.weight_checksums()
         assert sums[urls[0]].value == fakes[0].checksums()
         cmp = await fleet.compare_weights(fakes[0].checksums())
-        assert all(v.match for v in cmp.values.values())
+        assert all(v.match for v in cmp.values_by_url.values())
         assert (await fleet.shutdown_weight_transfer_engine()).ok
     for fake in fakes:
         assert all(r.headers.get("Authorization") == "Bearer k" for r in fake.requests)
@@ -325,7 +325,7 @@ async def test_add_and_remove_servers_at_runtime(fakes: list[FakeVLLMServer]) ->
 async def test_fleet_lifecycle(fakes: list[FakeVLLMServer]) -> None:
     fleet = az.Fleet([f.url for f in fakes])
     client = fleet.client(fakes[0].url)
-    with pytest.raises(az.ServerUnavailable, match="open the Fleet first"):
+    with pytest.raises(az.ServerUnavailableError, match="open the Fleet first"):
         await client.health()
     async with fleet:
         session = fleet.session
@@ -334,8 +334,10 @@ async def test_fleet_lifecycle(fakes: list[FakeVLLMServer]) -> None:
         await fleet.health()
     assert session.closed
     assert fleet.session is None
-    with pytest.raises(az.ServerUnavailable, match="closed"):
+    with pytest.raises(az.ClosedError, match=r"^this Fleet is closed; create a new one"):
         await fleet.health()
+    with pytest.raises(az.ClosedError, match=r"^this Fleet is closed; create a new one"):
+        await fleet.generate([1, 2, 3], max_tokens=1)
     with pytest.raises(RuntimeError):
         async with fleet:
             pass
@@ -347,7 +349,7 @@ async def test_fleet_lifecycle(fakes: list[FakeVLLMServer]) -> None:
 
 async def test_empty_target_list_is_a_no_op(fakes: list[FakeVLLMServer]) -> None:
     async with az.Fleet([f.url for f in fakes]) as fleet:
-        result = await fleet.pause(targets=[])
+        result = await fleet.pause("abort", targets=[])
         assert len(result) == 0
         assert result.ok
 
@@ -387,7 +389,7 @@ async def test_cancelling_the_fleet_block_closes_the_session(fakes: list[FakeVLL
     async def run() -> None:
         async with az.Fleet([f.url for f in fakes]) as fleet:
             sessions.append(fleet.session)
-            await fleet.pause()
+            await fleet.pause("abort")
 
     task = asyncio.create_task(run())
     await _wait_for(lambda: bool(fakes[0].requests_to("/pause")))
@@ -408,7 +410,7 @@ async def test_fanout_is_concurrent() -> None:
         for fake in fakes:
             fake.inject("/pause", Fault.until(all_received))
         async with az.Fleet([f.url for f in fakes], vllm_version="0.32.0") as fleet:
-            pause = asyncio.create_task(fleet.pause())
+            pause = asyncio.create_task(fleet.pause("abort"))
             await _wait_for(lambda: all(f.requests_to("/pause") for f in fakes), within=20)
             assert not pause.done()  # nobody has answered yet
             all_received.set()

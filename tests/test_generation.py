@@ -273,7 +273,7 @@ async def test_both_routes_give_identical_token_ids(fake32: FakeVLLMServer) -> N
 @pytest.mark.asyncio
 async def test_n_samples_and_batch(fake32: FakeVLLMServer) -> None:
     async with az.AsyncVLLMClient(fake32.url) as client:
-        samples = await client.generate(PROMPT, n=4, max_tokens=6, seed=5, logprobs=0)
+        samples = await client.generate_n(PROMPT, n=4, max_tokens=6, seed=5, logprobs=0)
         batch = await client.generate_batch([PROMPT, [3, 4], [9]], max_tokens=2, temperature=0)
     assert [c.index for c in samples] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in samples}) > 1  # sampled, not copies
@@ -404,7 +404,7 @@ async def test_http_errors_keep_their_type(fake32: FakeVLLMServer) -> None:
         with pytest.raises(TypeError):
             await client.generate("hello")  # type: ignore[call-overload]
         with pytest.raises(ValueError, match="n must be"):
-            await client.generate(PROMPT, n=0)  # type: ignore[call-overload]
+            await client.generate_n(PROMPT, n=0)
         fake32.inject("/inference/v1/generate", Fault.hang())
         with pytest.raises(az.ServerTimeout):
             await client.generate(PROMPT, timeout=0.2)
@@ -631,7 +631,7 @@ async def test_stream_accepts_events_of_several_tokens(
         "route": route,
     }
     async with FakeVLLMServer(version=version) as fake, az.AsyncVLLMClient(fake.url) as client:
-        plain = await client.generate(PROMPT, **kwargs)
+        plain = await client.generate_n(PROMPT, **kwargs)
         async with client.stream(PROMPT, **kwargs) as one_per_event:
             assert {len(d.token_ids) async for d in one_per_event} == {1}
         fake.tokens_per_event = tokens_per_event
@@ -729,10 +729,10 @@ async def test_auto_route_sends_n_samples_where_no_choice_is_lost(version: str, 
     4): route "auto" sends those to /v1/completions, reading the version once; n = 1
     keeps the generate route."""
     async with FakeVLLMServer(version=version) as fake, az.Fleet([fake.url]) as fleet:
-        samples = await fleet.generate([1, 2, 3], n=4, max_tokens=3, seed=1)
+        samples = await fleet.generate_n([1, 2, 3], n=4, max_tokens=3, seed=1)
         assert len(samples) == 4
         await fleet.generate([1, 2, 3], max_tokens=3)
-        await fleet.generate([1, 2, 3], n=2, max_tokens=3)
+        await fleet.generate_n([1, 2, 3], n=2, max_tokens=3)
         paths = [r.path for r in fake.requests]
         assert paths.count("/version") == 1
         generations = [p for p in paths if p != "/version"]

@@ -72,7 +72,7 @@ async def test_both_routes_give_identical_token_ids(fleet: az.Fleet) -> None:
 
 
 async def test_n_samples(fleet: az.Fleet) -> None:
-    samples = await fleet.generate(PROMPTS[0], n=4, max_tokens=6, seed=7, logprobs=0)
+    samples = await fleet.generate_n(PROMPTS[0], n=4, max_tokens=6, seed=7, logprobs=0)
     assert [len(s.token_ids) for s in samples] == [6] * 4
     assert len({tuple(s.token_ids) for s in samples}) > 1
 
@@ -226,7 +226,7 @@ async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -
     raced: list[str] = []
     for _attempt in range(3):
         task = asyncio.create_task(
-            client.generate(PROMPTS[0], n=8, max_tokens=240, ignore_eos=True, logprobs=0)
+            client.generate_n(PROMPTS[0], n=8, max_tokens=240, ignore_eos=True, logprobs=0)
         )
         try:
             async with client.stream(PROMPTS[1], max_tokens=240, ignore_eos=True) as stream:

@@ -109,7 +109,9 @@ async def test_a_publish_crosses_network_namespaces_exactly(
             p.add_(torch.randn(p.shape, generator=gen) * 0.1)
     async with (
         az.Fleet([remote_server.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="gloo", buffer_bytes=256 * 1024) as publisher,
+        az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Gloo(buffer_bytes=256 * 1024)
+        ) as publisher,
     ):
         report = await publisher.publish(model, version="across")
         assert report.chunks > 1

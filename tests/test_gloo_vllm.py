@@ -141,7 +141,9 @@ async def test_a_model_larger_than_one_buffer_is_exact(
     assert total > 3 * SMALL_BUFFER
     async with (
         az.Fleet(urls) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="gloo", buffer_bytes=SMALL_BUFFER) as publisher,
+        az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Gloo(buffer_bytes=SMALL_BUFFER)
+        ) as publisher,
     ):
         report = await publisher.publish(model, version="chunked")
     assert report.chunks > 3
@@ -183,7 +185,9 @@ async def _publisher(urls: list[str], model_dir: Path) -> AsyncIterator[az.Async
     """A gloo publisher with the fault tests' deadlines that published "before"."""
     async with (
         az.Fleet(urls, timeouts=FAULT_TIMEOUTS) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="gloo", buffer_bytes=SMALL_BUFFER) as publisher,
+        az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Gloo(buffer_bytes=SMALL_BUFFER)
+        ) as publisher,
     ):
         await publisher.publish(_perturbed(model_dir, seed=6), version="before")
         yield publisher

@@ -294,7 +294,9 @@ async def test_bf16_published_from_a_bf16_trainer_is_exact(
         started = await _sample(client)
         for prompt, (tokens, logprobs) in zip(PROMPTS, started, strict=True):
             check_greedy(target.model_dir, prompt, tokens, logprobs=logprobs)
-        async with az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER_BYTES) as publisher:
+        async with az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(buffer_bytes=BUFFER_BYTES)
+        ) as publisher:
             gen = torch.Generator().manual_seed(300)
             with torch.no_grad():  # a training step, in bfloat16
                 for p in trainer.parameters():

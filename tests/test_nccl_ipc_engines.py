@@ -116,11 +116,15 @@ class NcclSetup:
         return {"packed": True, "packed_buffer_size_bytes": BUFFER, "packed_num_buffers": 2}
 
 
+#: The deadlines a fleet gets when a test does not choose any.
+DEFAULTS = az.Timeouts()
+
+
 @asynccontextmanager
 async def nccl_fleet(
     monkeypatch: pytest.MonkeyPatch,
     world_sizes: tuple[int, ...] = (2, 1),
-    timeouts: az.Timeouts | None = None,
+    timeouts: az.Timeouts = DEFAULTS,
 ) -> AsyncIterator[NcclSetup]:
     from asyncsync._wire.caps import installed_trainer_api
 
@@ -181,7 +185,7 @@ async def test_nccl_rounds_through_vllms_engine(monkeypatch: pytest.MonkeyPatch)
     async with nccl_fleet(monkeypatch) as setup:
         a, b = setup.fakes
         publisher = az.AsyncWeightPublisher(
-            setup.fleet, backend="nccl", packed_buffer_size_bytes=BUFFER
+            setup.fleet, backend=az.backends.NCCL(packed_buffer_size_bytes=BUFFER)
         )
         assert publisher.backend_name == "nccl"
         async with publisher:
@@ -251,7 +255,9 @@ async def test_nccl_unpacked_broadcasts_each_tensor(monkeypatch: pytest.MonkeyPa
     async with nccl_fleet(monkeypatch, world_sizes=(1,)) as setup:
         (fake,) = setup.fakes
         model = weights(seed=5)
-        async with az.AsyncWeightPublisher(setup.fleet, backend="nccl", packed=False) as pub:
+        async with az.AsyncWeightPublisher(
+            setup.fleet, backend=az.backends.NCCL(packed=False)
+        ) as pub:
             report = await pub.publish(model, version="v")
         assert [tuple(t.shape) for t in setup.hub.sent] == [tuple(t.shape) for t in model.values()]
         assert report.chunks == len(model)
@@ -273,7 +279,7 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
     async with nccl_fleet(monkeypatch) as setup:
         a, b = setup.fakes
         async with az.AsyncWeightPublisher(
-            setup.fleet, backend="nccl", packed_buffer_size_bytes=BUFFER
+            setup.fleet, backend=az.backends.NCCL(packed_buffer_size_bytes=BUFFER)
         ) as publisher:
             await publisher.publish(weights(seed=1), version="v1")
             b.inject("/update_weights", Fault.error(500, "worker refused the update"))
@@ -430,10 +436,12 @@ async def test_other_ranks_run_the_engine_but_never_send(
     install_cuda_on_cpu(monkeypatch)
     handles = install_ipc_handles(monkeypatch)
     source = CountingWeights(weights(seed=1))
-    options: dict[str, Any] = {"allow_insecure_serialization": True} if backend == "ipc" else {}
-    async with az.AsyncWeightPublisher(
-        None, backend=backend, rank=1, world_size=2, **options
-    ) as publisher:
+    options = (
+        az.backends.IPC(allow_insecure_serialization=True)
+        if backend == "ipc"
+        else az.backends.NCCL()
+    )
+    async with az.AsyncWeightPublisher(None, backend=options, rank=1, world_size=2) as publisher:
         report = await publisher.publish(source, version="v1")
         engine = publisher._backend._engine  # type: ignore[attr-defined]
     if api == "engine":
@@ -513,10 +521,9 @@ async def test_ipc_rounds_through_vllms_engine(
     async with ipc_fleet(monkeypatch) as (servers, fleet, handles):
         publisher = az.AsyncWeightPublisher(
             fleet,
-            backend="ipc",
-            allow_insecure_serialization=True,
-            packed=packed,
-            packed_buffer_size_bytes=BUFFER,
+            backend=az.backends.IPC(
+                allow_insecure_serialization=True, packed=packed, packed_buffer_size_bytes=BUFFER
+            ),
         )
         seen: list[tuple[int, int]] = []
         async with publisher:
@@ -557,7 +564,7 @@ async def test_ipc_server_without_insecure_serialization_is_explained(
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     async with ipc_fleet(monkeypatch, count=1) as (servers, fleet, _handles):
         async with az.AsyncWeightPublisher(
-            fleet, backend="ipc", allow_insecure_serialization=True
+            fleet, backend=az.backends.IPC(allow_insecure_serialization=True)
         ) as publisher:
             with pytest.raises(az.PublishError) as caught:
                 await publisher.publish(weights(seed=1), version="v1")
@@ -578,10 +585,10 @@ async def test_ipc_cancelled_round_stops_between_updates(
         fake = servers[0].fake
         gate = asyncio.Event()
         fake.inject("/update_weights", Fault.until(gate))
-        async with az.AsyncWeightPublisher(
-            fleet, backend="ipc", allow_insecure_serialization=True, packed=True,
-            packed_buffer_size_bytes=BUFFER,
-        ) as publisher:  # fmt: skip
+        ipc = az.backends.IPC(
+            allow_insecure_serialization=True, packed=True, packed_buffer_size_bytes=BUFFER
+        )
+        async with az.AsyncWeightPublisher(fleet, backend=ipc) as publisher:
             task = asyncio.create_task(publisher.publish(weights(seed=1), version="v1"))
             async with asyncio.timeout(60):  # only catches a hang
                 while not fake.requests_to("/update_weights"):  # noqa: ASYNC110 - the fake's records

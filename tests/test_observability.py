@@ -96,7 +96,7 @@ async def test_each_module_logs_what_happened_and_never_the_api_key(
     await dead.stop()
     urls = [f.url for f in fakes]
     async with az.Fleet(urls, api_key=SECRET, retry=FAST_RETRY) as fleet:
-        await fleet.version()  # 503 once, then retried
+        await fleet.vllm_version()  # 503 once, then retried
         with pytest.raises(az.PublishError):
             await _publish(fleet, "v1")  # update fails on one server: dirty, rollback
         fleet.mark_clean()
@@ -150,7 +150,7 @@ async def test_hooks_receive_rounds_and_generations(
         with pytest.raises(az.PublishError) as info:
             await _publish(fleet, "v2")
         fleet.mark_clean()
-        routed = await fleet.generate(PROMPT, n=2, max_tokens=3)
+        routed = await fleet.generate_n(PROMPT, n=2, max_tokens=3)
         async with fleet.stream(PROMPT, max_tokens=2) as stream:
             _ = [delta async for delta in stream]
         direct = await fleet.client(urls[0]).generate(PROMPT, max_tokens=1)

@@ -98,7 +98,7 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
     assert model_bytes >= 100e6
     async with (
         az.Fleet([big_server.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER)) as publisher,
     ):
         # When each update_weights call (the server loading a chunk) was in flight.
         in_flight: list[tuple[float, float]] = []
@@ -137,7 +137,7 @@ async def test_large_publish_is_exact_and_keeps_the_loop_responsive(
         assert sum(ticks) > 0, (ticks, in_flight, summary)
         tokens = await _greedy(fleet, big_server.url, 6)
         await asyncio.to_thread(check_greedy, model, PROMPT, tokens, max_new_tokens=6)
-        assert (await fleet.weight_info()).values == {big_server.url: "big-1"}
+        assert (await fleet.weight_info()).values_by_url == {big_server.url: "big-1"}
 
 
 @pytest.mark.asyncio
@@ -155,7 +155,7 @@ async def test_cancelled_publish_leaves_no_active_update(
 
     async with (
         az.Fleet([big_server.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER)) as publisher,
     ):
         before = publisher.version
         task = asyncio.create_task(publisher.publish(model, version="cancelled", progress=progress))
@@ -183,7 +183,8 @@ _KILLED_TRAINER = textwrap.dedent(
     async def main(url, model_dir):
         weights = load_file(model_dir + "/model.safetensors")
         async with az.Fleet([url]) as fleet:
-            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=70 * 1024 * 1024)
+            shm = az.backends.Shm(buffer_bytes=70 * 1024 * 1024)
+            publisher = az.AsyncWeightPublisher(fleet, backend=shm)
             round_ = 0
             while True:
                 round_ += 1

@@ -62,7 +62,7 @@ async def test_published_weights_generate_exactly(
 ) -> None:
     model = _perturbed(tiny_model_dir, seed=1 if api == "engine" else 2)
     version = f"step-{api}"
-    async with az.AsyncWeightPublisher(fleet, api=api) as publisher:  # type: ignore[arg-type]
+    async with az.AsyncWeightPublisher(fleet, _api=api) as publisher:  # type: ignore[arg-type]
         report = await publisher.publish(model, version=version, pause="keep")
         assert publisher.version == version
     assert report.version == version
@@ -126,7 +126,9 @@ async def test_model_larger_than_one_buffer_loads_exactly(
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     buffer_bytes = 300_000
     assert model_bytes > 4 * buffer_bytes
-    async with az.AsyncWeightPublisher(fleet, buffer_bytes=buffer_bytes) as publisher:
+    async with az.AsyncWeightPublisher(
+        fleet, backend=az.backends.Shm(buffer_bytes=buffer_bytes)
+    ) as publisher:
         report = await publisher.publish(model, version="chunked")
     assert report.chunks >= 5
     for url in fleet.urls:

@@ -53,7 +53,9 @@ async def test_zero_copy_publish_generates_exactly_round_after_round(
         az.share_weights(model)
     else:
         model.share_memory()
-    async with az.AsyncWeightPublisher(fleet, zero_copy=True, api=api) as publisher:  # type: ignore[arg-type]
+    async with az.AsyncWeightPublisher(
+        fleet, _api=api, backend=az.backends.Shm(zero_copy=True)
+    ) as publisher:  # type: ignore[arg-type]
         for step in (1, 2):
             _perturb(model, seed=10 * step + len(how))  # the trainer's step, before publish
             report = await publisher.publish(model, version=f"zc-{how}-{step}")

@@ -38,7 +38,7 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
     timeouts = az.Timeouts(connect=60, control=60, update=0.5, generate=60)
     async with (
         az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         started = time.monotonic()
         with pytest.raises(az.PublishError) as info:
@@ -89,7 +89,7 @@ async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more
     timeouts = az.Timeouts(connect=60, control=60, update=1, generate=60)
     async with (
         az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1", pause="keep")
         resumes = len(frozen.requests_to("/resume"))
@@ -127,7 +127,7 @@ async def test_a_round_left_open_by_a_dead_trainer_is_ended_and_retried(
     assert stale.update_active
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         report = await publisher.publish(WEIGHTS, version="v1")
     assert report.version == "v1"
@@ -162,7 +162,7 @@ async def test_finish_failing_on_one_server_keeps_the_others_outcome(
     bad.inject("/finish_weight_update", Fault.error(500, "disk on fire", shape="openai"))
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(WEIGHTS, version="v1")
@@ -189,7 +189,7 @@ async def test_a_failed_pause_touches_no_update_and_resumes_every_server(
     bad.inject("/pause", Fault.error(500, "engine busy", shape="string"))
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(WEIGHTS, version="v1", pause="keep")
@@ -213,7 +213,7 @@ async def test_a_failed_start_ends_the_round_where_it_started(
     bad.inject("/start_weight_update", Fault.error(500, "out of memory"))
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(WEIGHTS, version="v1")
@@ -239,7 +239,7 @@ async def test_a_failed_cache_reset_fails_the_round_after_the_finish(
     bad.inject("/reset_prefix_cache", Fault.error(500, "cache locked", shape="openai"))
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(WEIGHTS, version="v1")
@@ -262,7 +262,7 @@ async def test_a_failed_resume_after_the_commit_is_reported_with_the_version_pub
     bad.inject("/resume", Fault.error(500, "resume refused", shape="string"))
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=1 << 20) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(WEIGHTS, version="v1", pause="wait")
@@ -297,7 +297,7 @@ async def test_a_cancelled_publish_ends_the_round_at_a_chunk_boundary(
         fake.inject("/update_weights", Fault.delay(0.3), times=None)
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=8192) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
     ):
         task = asyncio.create_task(publisher.publish(LAYERS, version="cancelled", pause="keep"))
         await _until(lambda: all(f.requests_to("/update_weights") for f in fakes))
@@ -328,7 +328,7 @@ async def test_input_the_backend_cannot_send_touches_no_server(
 ) -> None:
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.init()
         too_big = {"model.layers.0.w": torch.zeros(2048)}

@@ -7,7 +7,8 @@ import itertools
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 import pytest_asyncio
@@ -16,7 +17,13 @@ import torch
 import asyncsync as az
 from asyncsync._publish.bridge import SyncFleetClient
 from asyncsync._publish.weights import WeightSource
-from asyncsync.backends import SendControl, SendStats, TrainerBackend, register_backend
+from asyncsync.backends import (
+    BackendOptions,
+    SendControl,
+    SendStats,
+    TrainerBackend,
+    register_backend,
+)
 from asyncsync.backends._wire import PROTOCOL_VERSION
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import aborts_received, round_calls, shm_fakes
@@ -41,7 +48,9 @@ async def test_both_trainer_engine_styles_drive_the_same_round(
     order, the version carried by finish, every chunk announced once."""
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, api=api, buffer_bytes=8192) as publisher,  # type: ignore[arg-type]
+        az.AsyncWeightPublisher(
+            fleet, _api=api, backend=az.backends.Shm(buffer_bytes=8192)
+        ) as publisher,  # type: ignore[arg-type]
     ):
         report = await publisher.publish(LAYERS, version="v1", pause="keep")
         assert publisher.version == "v1"
@@ -85,7 +94,7 @@ async def test_the_progress_callback_sees_every_chunk(fakes: list[FakeVLLMServer
     seen: list[tuple[int, int]] = []
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=8192) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
     ):
         report = await publisher.publish(
             LAYERS, version="v1", progress=lambda chunks, nbytes: seen.append((chunks, nbytes))
@@ -104,7 +113,7 @@ async def test_a_factory_is_called_in_the_worker_thread(fakes: list[FakeVLLMServ
 
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=8192) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
     ):
         report = await publisher.publish(materialize, version="v1")
     assert len(threads) == 1
@@ -112,6 +121,14 @@ async def test_a_factory_is_called_in_the_worker_thread(fakes: list[FakeVLLMServ
     assert report.params == len(LAYERS)
     # What the factory returned describes itself: chunk 0 still carries the manifest.
     assert fakes[0].updates[0]["manifest"]["names"] == list(LAYERS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Loopback(BackendOptions):
+    """The made-up transport's options, the way a third-party backend declares them."""
+
+    name: ClassVar[str] = "loopback"
+    group: str = "g"
 
 
 class LoopbackBackend(TrainerBackend):
@@ -122,6 +139,7 @@ class LoopbackBackend(TrainerBackend):
 
     name = "loopback"
     server_backend = "fake"
+    options_class = Loopback
 
     def __init__(
         self, *, rank: int = 0, world_size: int = 1, api: Any = "engine", group: str = "g"
@@ -176,7 +194,7 @@ async def test_a_registered_backend_plugs_into_the_round() -> None:
         FakeVLLMServer(world_size=3, reject_update_keys=["asyncsync_abort"]) as second,
         az.Fleet([first.url, second.url]) as fleet,
     ):
-        publisher = az.AsyncWeightPublisher(fleet, backend="loopback", group="trainers")
+        publisher = az.AsyncWeightPublisher(fleet, backend=Loopback(group="trainers"))
         backend = publisher._backend
         assert isinstance(backend, LoopbackBackend)
         assert publisher.backend_name == "fake"
@@ -218,7 +236,11 @@ async def test_backend_options_are_checked_by_the_backend() -> None:
     with pytest.raises(TypeError, match="it takes: buffer_bytes"):
         az.AsyncWeightPublisher(None, rank=1, world_size=2, master_port=29500)
     with pytest.raises(ValueError, match="buffer_bytes must be >= 4096"):
-        az.AsyncWeightPublisher(None, rank=1, world_size=2, buffer_bytes=100)
-    async with az.AsyncWeightPublisher(None, rank=1, world_size=2, buffer_bytes=1 << 20) as pub:
+        az.AsyncWeightPublisher(
+            None, rank=1, world_size=2, backend=az.backends.Shm(buffer_bytes=100)
+        )
+    async with az.AsyncWeightPublisher(
+        None, rank=1, world_size=2, backend=az.backends.Shm(buffer_bytes=1 << 20)
+    ) as pub:
         assert pub._backend.buffers.buffer_bytes == 1 << 20  # type: ignore[attr-defined]
         assert pub.backend_name == "asyncsync_shm"

@@ -6,7 +6,7 @@ import email.utils
 
 import pytest
 
-from asyncsync import RetryPolicy, ServerError, ServerTimeout, ServerUnavailable, Timeouts
+from asyncsync import RetryPolicy, ServerError, ServerTimeout, ServerUnavailableError, Timeouts
 from asyncsync._http.retry import (
     NO_RETRY,
     backoff_delay,
@@ -38,7 +38,7 @@ def test_policy_validation(kwargs: dict[str, float], message: str) -> None:
 
 def test_which_errors_are_retryable() -> None:
     policy = RetryPolicy()
-    assert is_retryable(ServerUnavailable("refused"), policy)
+    assert is_retryable(ServerUnavailableError("refused"), policy)
     assert is_retryable(ServerError("busy", status=503), policy)
     assert is_retryable(ServerError("slow down", status=429), policy)
     assert not is_retryable(ServerError("bad", status=400), policy)

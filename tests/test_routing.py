@@ -261,7 +261,7 @@ async def test_retried_elsewhere_only_when_the_request_never_arrived(
         c = await fleet.generate(PROMPT, max_tokens=2)
         assert c.server == fakes[0].url
         assert not fleet.state(dead).healthy
-        assert isinstance(fleet.state(dead).last_error, az.ServerUnavailable)
+        assert isinstance(fleet.state(dead).last_error, az.ServerUnavailableError)
     # a request that reached its server and failed there is not resent
     fakes[1].token_delay = 0.05
     async with az.Fleet([fakes[1].url, fakes[2].url]) as fleet:

@@ -40,7 +40,7 @@ async def test_shm_round_payloads_are_plain_json() -> None:
     async with (
         shm_fakes(1) as fakes,
         az.Fleet([fakes[0].url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1", pause="keep")
         bodies = [r for r in fakes[0].requests if r.body]
@@ -121,12 +121,12 @@ async def test_bearer_token_sent_on_every_request_and_never_logged_or_in_an_erro
         async with az.Fleet([fake.url], api_key=TOKEN, timeouts=timeouts, retry=None) as fleet:
             client = fleet.client(fake.url)
             await client.health()
-            await client.version()
+            await client.vllm_version(refresh=True)
             await fleet.generate([1, 2, 3], max_tokens=3)
             async with client.stream([1, 2], max_tokens=3) as stream:
                 async for _ in stream:
                     pass
-            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=4096)
+            publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096))
             await publisher.publish(WEIGHTS, version="v1", pause="wait")
             # Failures of every kind: an error answer, a malformed one, no answer, a
             # dropped connection, a failed round.

@@ -57,7 +57,9 @@ async def test_closing_the_publisher_releases_its_segments() -> None:
         shm_fakes() as fakes,
         az.Fleet([f.url for f in fakes]) as fleet,
     ):
-        async with az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER) as publisher:
+        async with az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(buffer_bytes=BUFFER)
+        ) as publisher:
             await publisher.publish(WEIGHTS, version="v1")
             held = open_segments()
             assert len(held) == 2
@@ -72,7 +74,7 @@ async def test_closing_the_fleet_releases_a_publisher_never_closed() -> None:
     async with shm_fakes() as fakes:
         fleet = az.Fleet([f.url for f in fakes])
         async with fleet:
-            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER)
+            publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER))
             await publisher.publish(WEIGHTS, version="v1")
             assert len(open_segments()) == 2
         # The fleet closed; the publisher object is still referenced here, unclosed.
@@ -83,7 +85,7 @@ async def test_closing_the_fleet_releases_a_publisher_never_closed() -> None:
 @pytest.mark.asyncio
 async def test_a_garbage_collected_publisher_releases_its_segments() -> None:
     async with shm_fakes() as fakes, az.Fleet([f.url for f in fakes]) as fleet:
-        publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=BUFFER)
+        publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER))
         await publisher.publish(WEIGHTS, version="v1")
         assert len(open_segments()) == 2
         del publisher
@@ -140,7 +142,8 @@ _LOOPING_TRAINER = textwrap.dedent(
 
     async def main(urls):
         async with az.Fleet(urls) as fleet:
-            publisher = az.AsyncWeightPublisher(fleet, buffer_bytes=64 * 1024)
+            shm = az.backends.Shm(buffer_bytes=64 * 1024)
+            publisher = az.AsyncWeightPublisher(fleet, backend=shm)
             n = 0
             while True:
                 n += 1
@@ -254,7 +257,7 @@ async def test_zero_copy_allocates_nothing_and_its_memory_goes_with_the_paramete
     async with (
         shm_fakes() as fakes,
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, zero_copy=True) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(zero_copy=True)) as publisher,
     ):
         await publisher.publish(model, version="v1")
         assert open_segments() == [segment]  # no buffers

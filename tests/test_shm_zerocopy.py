@@ -273,7 +273,9 @@ async def test_publish_zero_copy_sends_no_bytes_and_auto_packs_when_it_must() ->
     az.share_weights(model)
     plain = _model(seed=1)
     async with shm_fakes() as fakes, az.Fleet([f.url for f in fakes]) as fleet:
-        async with az.AsyncWeightPublisher(fleet, zero_copy=True) as publisher:
+        async with az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(zero_copy=True)
+        ) as publisher:
             report = await publisher.publish(model, version="v1")
             assert report.params == len(list(model.parameters()))
             # Refused before any server is touched (before the pause, too).
@@ -282,14 +284,18 @@ async def test_publish_zero_copy_sends_no_bytes_and_auto_packs_when_it_must() ->
             assert publisher.version == "v1"
         assert [len(f.updates) for f in fakes] == [1, 1]
         assert all(f.updates[0]["segments"] for f in fakes)
-        async with az.AsyncWeightPublisher(fleet, zero_copy="auto") as publisher:
+        async with az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(zero_copy="auto")
+        ) as publisher:
             await publisher.publish(model, version="v3")
             await publisher.publish(plain, version="v4")  # not shared: packed
         last = [f.updates[-1] for f in fakes]
         assert all(u["segments"] is None and u["segment"] for u in last)
         assert [round_calls(f).count("/start_weight_update") for f in fakes] == [3, 3]
     with pytest.raises(ValueError, match="zero_copy must be True, False or 'auto'"):
-        az.AsyncWeightPublisher(None, rank=1, world_size=2, zero_copy="yes")
+        az.AsyncWeightPublisher(
+            None, rank=1, world_size=2, backend=az.backends.Shm(zero_copy="yes")
+        )
 
 
 @pytest.mark.asyncio
@@ -315,7 +321,9 @@ async def test_weights_modified_while_servers_read_them_fail_the_round(api: str)
         fakes = [first, second]
         async with (
             az.Fleet([f.url for f in fakes]) as fleet,
-            az.AsyncWeightPublisher(fleet, zero_copy=True, api=api) as publisher,  # type: ignore[arg-type]
+            az.AsyncWeightPublisher(
+                fleet, _api=api, backend=az.backends.Shm(zero_copy=True)
+            ) as publisher,  # type: ignore[arg-type]
         ):
             with pytest.raises(az.WeightsModifiedError) as info:
                 await publisher.publish(model, version="v1")

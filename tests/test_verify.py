@@ -80,7 +80,7 @@ async def test_checksums_of_what_every_server_loaded_match_the_trainers() -> Non
     async with (
         receiving_fakes(workers=workers) as (a, b),
         az.Fleet([a.fake.url, b.fake.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         report = await publisher.publish(WEIGHTS, version="v1", verify="checksum")
         assert publisher.version == "v1"
@@ -109,7 +109,7 @@ async def test_a_server_that_loaded_wrong_bytes_fails_the_round_and_is_dirty() -
     async with (
         receiving_fakes(workers=workers) as (a, b),
         az.Fleet([a.fake.url, b.fake.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1")  # not verified: b's error unseen
         with pytest.raises(az.PublishError) as info:
@@ -117,7 +117,7 @@ async def test_a_server_that_loaded_wrong_bytes_fails_the_round_and_is_dirty() -
         err = info.value
         outcome = err.outcomes[b.fake.url]
         assert (outcome.ok, outcome.phase) == (False, "verify")
-        assert isinstance(outcome.error, az.WeightMismatch)
+        assert isinstance(outcome.error, az.WeightMismatchError)
         assert outcome.error.server == b.fake.url
         assert outcome.error.mismatched == ("model.norm.weight",)
         assert "checksum differs for 1 parameter(s): model.norm.weight" in str(err)
@@ -153,13 +153,13 @@ async def test_weights_from_a_factory_are_hashed_as_they_are_packed() -> None:
     async with (
         receiving_fakes(workers=workers) as (a, b),
         az.Fleet([a.fake.url, b.fake.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
             await publisher.publish(factory, version="v1", verify="checksum")
         assert produced == list(WEIGHTS)  # read once
         error = info.value.outcomes[b.fake.url].error
-        assert isinstance(error, az.WeightMismatch)
+        assert isinstance(error, az.WeightMismatchError)
         # k_proj is a part of the fused qkv_proj: that is what the server reports.
         assert error.mismatched == ("model.layers.0.self_attn.qkv_proj.weight",)
         assert info.value.outcomes[a.fake.url].ok
@@ -212,7 +212,7 @@ async def test_a_probe_finds_the_server_whose_generations_differ() -> None:
     async with (
         receiving_fakes() as (a, b),
         az.Fleet([a.fake.url, b.fake.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1", targets=[b.fake.url])
         # a's weights will have been updated once, b's twice: only a matches this probe.
@@ -221,7 +221,7 @@ async def test_a_probe_finds_the_server_whose_generations_differ() -> None:
             await publisher.publish(WEIGHTS, version="v2", verify=checks, pause="keep")
         err = info.value
         error = err.outcomes[b.fake.url].error
-        assert isinstance(error, az.WeightMismatch)
+        assert isinstance(error, az.WeightMismatchError)
         assert error.mismatched == ()
         assert "probe prompt 0, token 0: the server chose" in str(error)
         assert "where the trainer's greedy choice is" in str(error)
@@ -247,7 +247,7 @@ async def test_verify_between_rounds_finds_a_server_changed_since() -> None:
     async with (
         receiving_fakes(workers=[FusingWorker(), FusingWorker()]) as (a, b),
         az.Fleet([a.fake.url, b.fake.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1", verify="checksum")
         found = await publisher.verify(WEIGHTS)
@@ -265,7 +265,7 @@ async def test_impossible_verification_is_refused_before_anything_is_sent() -> N
     async with (
         receiving_fakes() as (a, b),
         az.Fleet([a.fake.url, b.fake.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         with pytest.raises(ValueError, match="verify='probe' needs the weights to be the model"):
             await publisher.publish(WEIGHTS, version="v1", verify="probe")
@@ -281,9 +281,9 @@ async def test_impossible_verification_is_refused_before_anything_is_sent() -> N
     async with (
         FakeVLLMServer(version="0.23.0") as old,
         az.Fleet([old.url]) as fleet,
-        az.AsyncWeightPublisher(fleet, buffer_bytes=4096) as publisher,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
-        with pytest.raises(az.UnsupportedVLLM, match="/weight_checker"):
+        with pytest.raises(az.UnsupportedVLLMError, match="/weight_checker"):
             await publisher.publish(WEIGHTS, version="v1", verify="checksum")
         assert old.requests_to("/start_weight_update") == []
 

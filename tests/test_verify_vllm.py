@@ -104,7 +104,7 @@ async def test_checksum_and_probe_pass_then_find_a_server_corrupted_for_real(
         for url in vllm_fleet.urls:
             outcome = err.outcomes[url]
             assert outcome.phase == "verify", outcome
-            assert isinstance(outcome.error, az.WeightMismatch)
+            assert isinstance(outcome.error, az.WeightMismatchError)
             assert "probe prompt" in str(outcome.error)
         assert set(err.needs_resync) == set(vllm_fleet.urls)
         assert publisher.version == "corrupted"  # the last round that succeeded

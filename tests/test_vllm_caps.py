@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import asyncsync as az
-from asyncsync import UnsupportedVLLM
+from asyncsync import UnsupportedVLLMError
 from asyncsync._wire import caps
 from asyncsync._wire.caps import (
     ProbeError,
@@ -58,7 +58,7 @@ def test_optional_parameters_do_not_change_the_contract() -> None:
 
 
 def test_unknown_engine_contract_names_version_and_signatures() -> None:
-    with pytest.raises(UnsupportedVLLM) as info:
+    with pytest.raises(UnsupportedVLLMError) as info:
         engine_contract(BaseFuture, "0.40.0")
     err = info.value
     assert err.version == "0.40.0"
@@ -73,14 +73,14 @@ def test_client_protocol_per_server_version() -> None:
     assert protocol_for_version("0.23.0") == "0.23"
     assert protocol_for_version("0.27.1") == "0.23"
     assert protocol_for_version("0.32.0") == "0.32"
-    with pytest.raises(UnsupportedVLLM, match="no weight-transfer routes") as info:
+    with pytest.raises(UnsupportedVLLMError, match="no weight-transfer routes") as info:
         protocol_for_version("0.22.1")
     assert info.value.version == "0.22.1"
     assert isinstance(info.value, az.ProtocolError)
 
 
 def test_unsupported_vllm_survives_pickling() -> None:
-    err = UnsupportedVLLM("0.22.0", "no weight transfer", server="http://h:1")
+    err = UnsupportedVLLMError("0.22.0", "no weight transfer", server="http://h:1")
     back = pickle.loads(pickle.dumps(err))
     assert (back.version, back.missing, back.server) == ("0.22.0", "no weight transfer", err.server)
     assert str(back) == str(err)
@@ -111,7 +111,9 @@ def test_server_flags_for_a_token_only_shm_server() -> None:
 def test_a_missing_flag_is_named_with_the_version() -> None:
     options = ServerOptions("0.22.0", frozenset({"--model", "--skip-tokenizer-init"}))
     assert server_flags(options, tokenizer=True, backend=None) == []
-    with pytest.raises(UnsupportedVLLM, match=r"vLLM 0\.22\.0 .*--weight-transfer-config") as info:
+    with pytest.raises(
+        UnsupportedVLLMError, match=r"vLLM 0\.22\.0 .*--weight-transfer-config"
+    ) as info:
         server_flags(options, tokenizer=True, backend="asyncsync_shm")
     assert (
         info.value.missing
@@ -240,7 +242,7 @@ def test_trainer_api_is_read_from_what_vllm_has() -> None:
     assert caps.trainer_api(True, object, "0.32.0") == "engine"
     # Not registered there (NCCL on 0.23-0.27): the engine's static trainer_send_weights.
     assert caps.trainer_api(False, _StaticEngine, "0.27.1") == "callback"
-    with pytest.raises(UnsupportedVLLM, match=r"vLLM 0\.22\.0 .*trainer_send_weights"):
+    with pytest.raises(UnsupportedVLLMError, match=r"vLLM 0\.22\.0 .*trainer_send_weights"):
         caps.trainer_api(False, object, "0.22.0")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "AsyncSyncError",
+    "ClosedError",
     "FleetError",
     "GenerationAborted",
     "GenerationError",
@@ -19,9 +20,9 @@ __all__ = [
     "PublishError",
     "ServerError",
     "ServerTimeout",
-    "ServerUnavailable",
-    "UnsupportedVLLM",
-    "WeightMismatch",
+    "ServerUnavailableError",
+    "UnsupportedVLLMError",
+    "WeightMismatchError",
     "WeightsModifiedError",
 ]
 
@@ -112,8 +113,14 @@ class ServerTimeout(AsyncSyncError, TimeoutError):
     """A call exceeded its deadline (connect, control, update or generate phase)."""
 
 
-class ServerUnavailable(AsyncSyncError):
+class ServerUnavailableError(AsyncSyncError):
     """The server could not be reached (connection refused, reset, DNS, closed client)."""
+
+
+class ClosedError(AsyncSyncError, RuntimeError):
+    """A method of a closed `Fleet`, `AsyncVLLMClient`, `AsyncWeightPublisher` or
+    stream was called: the message names which one. Create a new one (closing is
+    final)."""
 
 
 class ProtocolError(AsyncSyncError):
@@ -121,7 +128,7 @@ class ProtocolError(AsyncSyncError):
     version lacks, a parameter name, shape or dtype mismatch, an unsupported version."""
 
 
-class UnsupportedVLLM(ProtocolError):
+class UnsupportedVLLMError(ProtocolError):
     """The installed or running vLLM lacks something asyncsync needs (found by probing
     it, not by its version number; see docs/versions.md).
 
@@ -252,7 +259,7 @@ def _rebuild_publish(
     return PublishError(message, version=version, outcomes=outcomes, needs_resync=needs_resync)
 
 
-class WeightMismatch(AsyncSyncError):
+class WeightMismatchError(AsyncSyncError):
     """Verification found a server whose weights differ from the trainer's
     (``publish(..., verify=...)``): the message says what differed.
 
@@ -273,8 +280,8 @@ class WeightMismatch(AsyncSyncError):
 
 def _rebuild_mismatch(
     message: str, server: str | None, mismatched: tuple[str, ...]
-) -> WeightMismatch:
-    return WeightMismatch(message, server=server, mismatched=mismatched)
+) -> WeightMismatchError:
+    return WeightMismatchError(message, server=server, mismatched=mismatched)
 
 
 class WeightsModifiedError(PublishError):

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncsync._core.errors import ServerError, ServerTimeout, ServerUnavailable
+from asyncsync._core.errors import ServerError, ServerTimeout, ServerUnavailableError
 from asyncsync._core.types import Phase, ProtocolGeneration
 
 logger = logging.getLogger("asyncsync.fleet")
@@ -109,7 +109,7 @@ def unreachable(error: BaseException, phase: Phase, *, connected: bool = True) -
     a generation that outlived its (caller-chosen) deadline only counts when the
     connection itself was never established (``connected=False``).
     """
-    if isinstance(error, ServerUnavailable):
+    if isinstance(error, ServerUnavailableError):
         return True
     if isinstance(error, ServerTimeout):
         return phase != "generate" or not connected
@@ -185,7 +185,7 @@ def _weight_call_failed(state: ServerState, op: str, error: BaseException) -> No
     """A weight-sync call failed. vLLM drops its active update when an update fails, so
     the server is no longer updating, but its weights are of no known version. A call
     that got no answer may still run when the server thaws: dirty as well."""
-    no_answer = isinstance(error, (ServerTimeout, ServerUnavailable))
+    no_answer = isinstance(error, (ServerTimeout, ServerUnavailableError))
     if op == "start_weight_update":
         if no_answer:
             _dirty(state, f"{op} got no answer: {error}")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.types import Phase
 
-__all__ = ["Timeouts"]
+__all__ = ["DEFAULT_TIMEOUTS", "Timeouts", "check_timeouts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +60,20 @@ class Timeouts:
     def uniform(cls, seconds: float | None) -> Timeouts:
         """The same deadline for every phase (handy in tests)."""
         return cls(connect=seconds, control=seconds, update=seconds, generate=seconds)
+
+
+#: The default deadlines (frozen, so one object serves every client).
+DEFAULT_TIMEOUTS = Timeouts()
+
+
+def check_timeouts(timeouts: object, owner: str) -> Timeouts:
+    """``timeouts`` itself; 0.1's ``timeouts=None`` (the defaults) with a
+    DeprecationWarning (``None`` means "off" elsewhere); TypeError for anything else."""
+    if timeouts is None:
+        warn_deprecated(
+            f"{owner}(timeouts=None)", "no timeouts argument (the defaults)", stacklevel=4
+        )
+        return DEFAULT_TIMEOUTS
+    if not isinstance(timeouts, Timeouts):
+        raise TypeError(f"timeouts must be a Timeouts, got {type(timeouts).__name__}")
+    return timeouts

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import AsyncSyncError, FleetError
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Require",
     "Route",
     "check_require",
+    "pause_mode",
 ]
 
 T = TypeVar("T")
@@ -48,6 +50,19 @@ Route = Literal["auto", "generate", "completions"]
 #: when every target failed), ``"none"`` never raises (inspect the result).
 Require = Literal["all", "any", "none"]
 REQUIRE: tuple[Require, ...] = ("all", "any", "none")
+
+
+def pause_mode(mode: PauseMode | None, owner: str) -> PauseMode:
+    """``mode`` itself, or 0.1's default when none was given (``"abort"``, which drops
+    every request in flight) with a DeprecationWarning."""
+    if mode is None:
+        warn_deprecated(
+            f"{owner}.pause() without a mode",
+            "pause('abort'), pause('wait') or pause('keep')",
+            stacklevel=4,
+        )
+        return "abort"
+    return mode
 
 
 def check_require(require: str) -> Require:
@@ -99,8 +114,9 @@ class FleetResult(Mapping[str, Outcome[T]]):
         return all(o.ok for o in self.outcomes.values())
 
     @property
-    def values(self) -> dict[str, T]:  # type: ignore[override]
-        """Successful servers' values."""
+    def values_by_url(self) -> dict[str, T]:
+        """Successful servers' values, by URL in fleet order (``values()`` is the
+        mapping's own: every outcome)."""
         return {u: o.value for u, o in self.outcomes.items() if o.ok}  # type: ignore[misc]
 
     @property

@@ -11,8 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ProtocolError, ServerError
-from asyncsync._core.types import FleetResult, Outcome, PauseMode, Require, check_require
+from asyncsync._core.types import (
+    FleetResult,
+    Outcome,
+    PauseMode,
+    Require,
+    check_require,
+    pause_mode,
+)
 from asyncsync._fleet.fanout import Plan, fan_out
 from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import VersionHistory
@@ -51,18 +59,26 @@ class FleetControl:
         """``GET /health`` on every target; updates each server's ``healthy``."""
         return await self._fan("health", lambda _p, _u: wire.plan_health(), targets, require)
 
+    async def vllm_version(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[str]:
+        """``GET /version`` on every target: each server's vLLM version, read now."""
+        return await self._fan("vllm_version", lambda _p, _u: wire.plan_version(), targets, require)
+
     async def version(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[str]:
-        """``GET /version`` on every target (read now, not cached)."""
-        return await self._fan("version", lambda _p, _u: wire.plan_version(), targets, require)
+        """Deprecated: `vllm_version`."""
+        warn_deprecated("Fleet.version()", "Fleet.vllm_version()")
+        return await self.vllm_version(targets=targets, require=require)
 
     async def pause(
-        self, mode: PauseMode = "abort", *, clear_cache: bool | None = None,
+        self, mode: PauseMode | None = None, *, clear_cache: bool | None = None,
         targets: _Targets = None, require: Require | None = None,
     ) -> FleetResult[None]:  # fmt: skip
-        """``POST /pause?mode=...`` on every target; marks them paused."""
-        plan = wire.plan_pause(mode, clear_cache)
+        """``POST /pause?mode=...`` on every target; marks them paused. ``mode`` (required):
+        ``"abort"``, ``"wait"`` or ``"keep"`` (see `AsyncVLLMClient.pause`)."""
+        plan = wire.plan_pause(pause_mode(mode, "Fleet"), clear_cache)
         return await self._fan("pause", lambda _p, _u: plan, targets, require)
 
     async def resume(

@@ -28,6 +28,7 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion, PromptScores, RetokenizedWarning, TokenDelta
 from asyncsync._core.errors import (
     AsyncSyncError,
+    ClosedError,
     GenerationAborted,
     GenerationError,
     ProtocolError,
@@ -395,7 +396,7 @@ class CompletionStream:
         if self._resp is not None or self._assembler is not None:
             return
         if self._closed:
-            raise RuntimeError("this CompletionStream is closed")
+            raise ClosedError("this CompletionStream is closed; open a new stream")
         loop = asyncio.get_running_loop()
         while True:
             engine = self._engine = await self._lease.acquire()

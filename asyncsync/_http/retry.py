@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncsync._core.errors import ServerError, ServerTimeout, ServerUnavailable
+from asyncsync._core.errors import ServerError, ServerTimeout, ServerUnavailableError
 
 __all__ = [
     "NO_RETRY",
@@ -73,7 +73,7 @@ def is_retryable(error: BaseException, policy: RetryPolicy) -> bool:
     """Whether ``error`` from an idempotent call is worth another attempt under ``policy``."""
     if isinstance(error, ServerTimeout):
         return policy.retry_timeouts
-    if isinstance(error, ServerUnavailable):
+    if isinstance(error, ServerUnavailableError):
         return True
     if isinstance(error, ServerError):
         return error.status is not None and error.status in policy.retry_statuses

@@ -24,10 +24,11 @@ import yarl
 from asyncsync._core import encoding as _json
 from asyncsync._core.errors import (
     AsyncSyncError,
+    ClosedError,
     ProtocolError,
     ServerError,
     ServerTimeout,
-    ServerUnavailable,
+    ServerUnavailableError,
 )
 from asyncsync._core.state import ServerState, observe
 from asyncsync._core.timeouts import Timeouts
@@ -84,7 +85,7 @@ class Transport:
 
     The session is created on first use, inside the running loop (never at import or
     construction time); a ``session`` passed in is borrowed and never closed. After
-    `aclose`, using the transport raises `ServerUnavailable`.
+    `aclose`, using the transport raises `ServerUnavailableError`.
 
     Args:
         session: an aiohttp session to borrow, or a function of the server URL
@@ -117,7 +118,7 @@ class Transport:
         if callable(self._borrowed):
             try:
                 return self._borrowed(None)
-            except ServerUnavailable:
+            except (ClosedError, ServerUnavailableError):
                 return None
         return self._session
 
@@ -128,7 +129,7 @@ class Transport:
         if session is not None and self.state == "open" and not session.closed:
             return session  # every request asks: the common case first
         if self.state == "closed":
-            raise ServerUnavailable(f"{self._owner} is closed; create a new one", server=server)
+            raise ClosedError(f"{self._owner} is closed; create a new one", server=server)
         borrowed = self._borrowed
         if callable(borrowed):
             self._session = borrowed(server)
@@ -142,9 +143,7 @@ class Transport:
                 timeout=aiohttp.ClientTimeout(total=None),
             )
         if self._session.closed:
-            raise ServerUnavailable(
-                f"the aiohttp session {self._owner} uses is closed", server=server
-            )
+            raise ClosedError(f"the aiohttp session {self._owner} uses is closed", server=server)
         self.state = "open"
         return self._session
 
@@ -428,17 +427,17 @@ def map_error(
             f"no {waiting} within {limit} ({call.phase} deadline)", server=server, route=route
         )
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return ServerUnavailable(f"cannot connect: {exc.os_error}", server=server, route=route)
+        return ServerUnavailableError(f"cannot connect: {exc.os_error}", server=server, route=route)
     if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)) or (
         isinstance(exc, aiohttp.ClientOSError) and exc.errno in _LOST_ERRNOS
     ):
-        return ServerUnavailable(
+        return ServerUnavailableError(
             "connection lost before the response was complete "
             f"({type(exc).__name__}: {exc}); the server may or may not have applied {route}",
             server=server,
             route=route,
         )
-    return ServerUnavailable(
+    return ServerUnavailableError(
         f"request failed: {type(exc).__name__}: {exc}", server=server, route=route
     )
 

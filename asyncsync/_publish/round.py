@@ -167,7 +167,7 @@ class InitCalls:
 
     async def world_sizes(self) -> dict[str, int]:
         result = await self.fleet.get_world_size(targets=self.targets, require="all")
-        return dict(result.values)
+        return dict(result.values_by_url)
 
     def update_deadline(self) -> float | None:
         """The shortest update deadline of the targets (None: some have none)."""

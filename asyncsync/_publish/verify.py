@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._core.errors import WeightMismatch
+from asyncsync._core.errors import WeightMismatchError
 from asyncsync._publish.weights import WeightsLike, WeightSource
 
 if TYPE_CHECKING:
@@ -273,8 +273,8 @@ class Verification:
     def ok(self) -> bool:
         return not self.problems
 
-    def error(self) -> WeightMismatch:
-        return WeightMismatch(
+    def error(self) -> WeightMismatchError:
+        return WeightMismatchError(
             "weights differ from the trainer's: " + "; ".join(self.problems),
             server=self.url,
             mismatched=tuple(self.mismatched),

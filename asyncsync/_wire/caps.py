@@ -17,7 +17,7 @@ version number: the one place that knows how vLLM generations differ (docs/versi
   tests that must not rely on what one generation lacks.
 
 Whatever asyncsync needs and the probe does not find raises
-`UnsupportedVLLM` naming the version and what is missing.
+`UnsupportedVLLMError` naming the version and what is missing.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncsync._core.errors import UnsupportedVLLM
+from asyncsync._core.errors import UnsupportedVLLMError
 
 __all__ = [
     "ENGINE_CONTRACTS",
@@ -84,7 +84,7 @@ def engine_contract(base: type, version: str) -> EngineContract:
     """The contract of vLLM's weight-transfer engine base class ``base``.
 
     Raises:
-        UnsupportedVLLM: the signatures match no contract asyncsync has an adapter for.
+        UnsupportedVLLMError: the signatures match no contract asyncsync has an adapter for.
     """
     init = _required(base.__init__)  # type: ignore[misc]
     receive = _required(getattr(base, "receive_weights", None))
@@ -92,7 +92,7 @@ def engine_contract(base: type, version: str) -> EngineContract:
         if init == want_init and receive == want_receive:
             return contract
     known = "; ".join(f"__init__{i} with receive_weights{r}" for i, r in ENGINE_CONTRACTS.values())
-    raise UnsupportedVLLM(
+    raise UnsupportedVLLMError(
         version,
         f"its WeightTransferEngine takes __init__{init} and receive_weights{receive}, "
         f"a contract asyncsync has no engine adapter for (known: {known})",
@@ -107,7 +107,7 @@ def installed_engine_contract() -> EngineContract:
     try:
         from vllm.distributed.weight_transfer.base import WeightTransferEngine
     except ImportError as exc:
-        raise UnsupportedVLLM(
+        raise UnsupportedVLLMError(
             version, "it has no pluggable weight transfer (vllm.distributed.weight_transfer)"
         ) from exc
     return engine_contract(WeightTransferEngine, version)
@@ -138,13 +138,13 @@ def trainer_api(in_factory: bool, engine: type | None, version: str) -> VLLMTrai
     so the factory wins.
 
     Raises:
-        UnsupportedVLLM: neither API is there.
+        UnsupportedVLLMError: neither API is there.
     """
     if in_factory:
         return "engine"
     if engine is not None and callable(getattr(engine, "trainer_send_weights", None)):
         return "callback"
-    raise UnsupportedVLLM(
+    raise UnsupportedVLLMError(
         version,
         "its trainer factory does not register this transport and its engine has no "
         "static trainer_send_weights (vLLM 0.23 and later have one or the other)",
@@ -156,7 +156,7 @@ def installed_trainer_api(backend: str) -> VLLMTrainerApi:
     ``backend`` (``"nccl"`` or ``"ipc"``).
 
     Raises:
-        UnsupportedVLLM: vLLM is missing, older than 0.23 (no weight transfer), or has
+        UnsupportedVLLMError: vLLM is missing, older than 0.23 (no weight transfer), or has
             neither trainer API.
     """
     import importlib
@@ -165,7 +165,7 @@ def installed_trainer_api(backend: str) -> VLLMTrainerApi:
     try:
         import vllm
     except ImportError as exc:
-        raise UnsupportedVLLM(
+        raise UnsupportedVLLMError(
             "(not installed)",
             f"backend {backend!r} drives vLLM's own trainer engine, and this interpreter "
             "has no vllm package",
@@ -174,7 +174,7 @@ def installed_trainer_api(backend: str) -> VLLMTrainerApi:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UnsupportedVLLM(
+        raise UnsupportedVLLMError(
             version, f"it has no {module_name} (pluggable weight transfer came in vLLM 0.23)"
         ) from exc
     try:
@@ -213,9 +213,9 @@ class ServerOptions:
         return flag in self.options
 
     def require(self, flag: str, purpose: str) -> str:
-        """``flag``, or `UnsupportedVLLM` if the server lacks it."""
+        """``flag``, or `UnsupportedVLLMError` if the server lacks it."""
         if flag not in self.options:
-            raise UnsupportedVLLM(
+            raise UnsupportedVLLMError(
                 self.version, f"its server has no {flag} option (needed for {purpose})"
             )
         return flag

@@ -26,7 +26,7 @@ from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from asyncsync._core import encoding as _json
-from asyncsync._core.errors import ProtocolError, UnsupportedVLLM
+from asyncsync._core.errors import ProtocolError, UnsupportedVLLMError
 from asyncsync._core.types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
 
 __all__ = [
@@ -126,14 +126,14 @@ def protocol_for_version(version: str) -> ProtocolGeneration:
     """The protocol generation of a server reporting ``version`` (``GET /version``).
 
     vLLM >= 0.32 speaks the current protocol; 0.23 up to 0.32 the 0.23 one. Older servers
-    have no weight-transfer routes: `UnsupportedVLLM` (docs/versions.md).
+    have no weight-transfer routes: `UnsupportedVLLMError` (docs/versions.md).
     """
     match = _VERSION_RE.match(version)
     if match is None:
         raise ProtocolError(f"cannot read the vLLM version {version!r}")
     parsed = (int(match.group(1)), int(match.group(2)))
     if parsed < _MIN_SUPPORTED:
-        raise UnsupportedVLLM(version, "it has no weight-transfer routes (vLLM >= 0.23 has)")
+        raise UnsupportedVLLMError(version, "it has no weight-transfer routes (vLLM >= 0.23 has)")
     return "0.32" if parsed >= _CURRENT else "0.23"
 
 
@@ -507,4 +507,13 @@ def normalize_url(base_url: str) -> str:
             f"base_url must be http(s)://host[:port][/path] with no spaces, query or "
             f"fragment, got {base_url!r}"
         )
-    return base_url.rstrip("/")
+    url = base_url.rstrip("/")
+    if url.endswith(("/v1", "/v2", "/inference/v1")):
+        # OpenAI clients take ".../v1"; asyncsync calls routes outside /v1 as well (the RL
+        # routes, /inference/v1/generate), so it takes the server's root.
+        root = url.rsplit("/inference/v1", 1)[0] if url.endswith("/inference/v1") else url[:-3]
+        raise ValueError(
+            f"base_url must be the server's root URL, without {url[len(root):]}: use "
+            f"{root!r}, not {base_url!r} (asyncsync calls routes outside /v1 too)"
+        )
+    return url

@@ -1,17 +1,18 @@
 """Trainer-side transports, behind a registry: name -> backend class.
 
-``AsyncWeightPublisher(fleet, backend="shm", **options)`` looks the name up here and
-creates the class with the publisher's rank, world size and API style plus the
-backend's own options. Adding a transport means adding a module with a
-`TrainerBackend` subclass and one `register_backend` line; the publish round
-does not change. Classes are registered by module path and imported on first use, so
-importing this package (the vLLM plugin does, inside every vLLM process) stays cheap.
+``AsyncWeightPublisher(fleet, backend=Shm(buffer_bytes=...))`` (or the name alone,
+``backend="shm"``, for the defaults) looks the backend up here and creates it with the
+publisher's rank, world size and API style plus the options: `Shm`, `Gloo`,
+`NCCL` and `IPC` are the built-in transports' typed options. Adding a transport means
+adding a module with a `TrainerBackend` subclass (and its options class) and one
+`register_backend` line; the publish round does not change. Classes are registered by
+module path and imported on first use, so importing this package (the vLLM plugin does,
+inside every vLLM process) stays cheap.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from asyncsync._publish.bridge import InitInfo
 from asyncsync.backends._base import (
@@ -21,16 +22,23 @@ from asyncsync.backends._base import (
     TrainerApi,
     TrainerBackend,
 )
+from asyncsync.backends._options import IPC, NCCL, BackendOptions, Gloo, Shm
 
 __all__ = [
+    "IPC",
+    "NCCL",
+    "BackendOptions",
+    "Gloo",
     "InitInfo",
     "RoundCancelled",
     "SendControl",
     "SendStats",
+    "Shm",
     "TrainerApi",
     "TrainerBackend",
     "backend_class",
     "create_backend",
+    "options_for",
     "register_backend",
     "registered_backends",
 ]
@@ -72,16 +80,31 @@ def backend_class(name: str) -> type[TrainerBackend]:
     return entry
 
 
-def create_backend(
-    name: str, *, rank: int, world_size: int, api: TrainerApi, options: dict[str, Any]
-) -> TrainerBackend:
-    """A ``name`` backend; TypeError naming what it accepts for an unknown option."""
-    cls = backend_class(name)
-    accepted = cls.option_names()
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        takes = ", ".join(accepted) or "no options"
+def options_for(backend: str | BackendOptions) -> tuple[str, BackendOptions]:
+    """The registered name and the options ``backend`` stands for: options name their
+    backend; a name stands for its backend's default options."""
+    if isinstance(backend, BackendOptions):
+        name = getattr(type(backend), "name", None)
+        if not isinstance(name, str):
+            raise TypeError(f"{type(backend).__name__} options name no backend (a 'name')")
+        backend_class(name)  # nothing registered under that name: ValueError
+        return name, backend
+    if not isinstance(backend, str):
         raise TypeError(
-            f"backend {name!r} got unknown option(s) {', '.join(unknown)}; it takes: {takes}"
+            "backend must be a registered name or its options (e.g. "
+            f"asyncsync.backends.Shm(...)), got {type(backend).__name__}"
         )
-    return cls(rank=rank, world_size=world_size, api=api, **options)
+    return backend, backend_class(backend).options_class()
+
+
+def create_backend(
+    name: str, options: BackendOptions, *, rank: int, world_size: int, api: TrainerApi
+) -> TrainerBackend:
+    """The backend registered as ``name``, built with ``options``."""
+    cls = backend_class(name)
+    if not isinstance(options, cls.options_class):
+        raise TypeError(
+            f"backend {name!r} takes {cls.options_class.__name__} options, got "
+            f"{type(options).__name__}"
+        )
+    return cls(rank=rank, world_size=world_size, api=api, **options.as_kwargs())

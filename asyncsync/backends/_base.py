@@ -13,14 +13,14 @@ behind that client does the bookkeeping: per-server outcomes, timings, rollback.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from asyncsync._publish.bridge import InitInfo, SyncFleetClient
+from asyncsync.backends._options import BackendOptions
 
 if TYPE_CHECKING:
     from asyncsync._publish.weights import WeightSource
@@ -57,17 +57,19 @@ class SendStats:
 class TrainerBackend(ABC):
     """The trainer side of one transport.
 
-    Subclasses set `name` and `server_backend`, implement `init_info`
-    and `send`, and take their own options as keyword-only ``__init__`` arguments
-    after the common ones (``rank``, ``world_size``, ``api``); ``AsyncWeightPublisher``
-    passes its extra keyword arguments through and `option_names` tells users what
-    a backend accepts.
+    Subclasses set `name`, `server_backend` and `options_class`, implement `init_info`
+    and `send`, and take their options (the fields of `options_class`) as keyword-only
+    ``__init__`` arguments after the common ones (``rank``, ``world_size``, ``api``);
+    ``AsyncWeightPublisher`` passes the options object's fields through.
     """
 
     #: The name ``AsyncWeightPublisher(backend=...)`` looks up, e.g. ``"shm"``.
     name: ClassVar[str]
     #: The vLLM ``--weight-transfer-config`` backend the servers must run.
     server_backend: ClassVar[str]
+    #: Its options (a frozen dataclass whose fields are the keyword-only options of
+    #: ``__init__``); a backend without options keeps the empty base class.
+    options_class: ClassVar[type[BackendOptions]] = BackendOptions
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, api: TrainerApi = "engine") -> None:
         self.rank = rank
@@ -76,13 +78,8 @@ class TrainerBackend(ABC):
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        """The backend-specific keyword options of this class's ``__init__``."""
-        common = set(inspect.signature(TrainerBackend.__init__).parameters)
-        return tuple(
-            name
-            for name, p in inspect.signature(cls.__init__).parameters.items()
-            if name not in common and p.kind is inspect.Parameter.KEYWORD_ONLY
-        )
+        """The names of this backend's options (the fields of `options_class`)."""
+        return tuple(f.name for f in fields(cls.options_class))
 
     @property
     def is_sender(self) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncsync._publish.weights import check_tensor
 from asyncsync.backends._base import RoundCancelled, SendStats
+from asyncsync.backends._options import DEFAULT_BUFFER_BYTES
 from asyncsync.backends._segments import Segment
 from asyncsync.backends._wire import (
     DTYPE_SIZES,
@@ -43,8 +44,6 @@ __all__ = [
     "stream_chunks",
 ]
 
-#: Default size of each of the two shared-memory buffers.
-DEFAULT_BUFFER_BYTES = 256 * 1024 * 1024
 _MIB = 1024 * 1024
 
 #: Delivers one chunk's update_info; returns when every server has loaded it.

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from asyncsync._core.errors import WeightsModifiedError
 from asyncsync._publish.weights import check_tensor
 from asyncsync.backends._base import RoundCancelled, SendStats
+from asyncsync.backends._options import ZeroCopyMode, check_zero_copy_mode
 from asyncsync.backends._segments import SEGMENT_PREFIX
 from asyncsync.backends._shm_pack import SendChunk, dtype_name, plan_chunks
 from asyncsync.backends._wire import (
@@ -66,7 +67,6 @@ __all__ = [
 
 #: ``zero_copy`` option of the shm backend: never (pack), always (every tensor must
 #: live in shared memory), or when every tensor does.
-ZeroCopyMode = bool | str
 
 _HOW = (
     "call asyncsync.share_weights(model) (or model.share_memory()) before publishing, "
@@ -76,11 +76,6 @@ _HOW = (
 
 class NotInSharedMemory(ValueError):
     """A tensor servers cannot read in place (``zero_copy="auto"`` then packs)."""
-
-
-def check_zero_copy_mode(mode: object) -> None:
-    if mode not in (True, False, "auto"):
-        raise ValueError(f"zero_copy must be True, False or 'auto', got {mode!r}")
 
 
 # --------------------------------------------------------------------------- memory

@@ -26,11 +26,12 @@ import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
 from asyncsync.backends._gloo_group import GlooGroup, GlooTimeout, master_address_for
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooInitFields, chunk_extent
+from asyncsync.backends._options import Gloo
 from asyncsync.backends._segments import Segment
 from asyncsync.backends._shm_pack import (
     DEFAULT_BUFFER_BYTES,
@@ -39,6 +40,7 @@ from asyncsync.backends._shm_pack import (
     plan_chunks,
     stream_chunks,
 )
+from asyncsync.backends._trainer_factory import register_trainer_engines
 from asyncsync.backends._wire import ShmUpdateFields
 from asyncsync.backends.shm import StartOnFirstChunk
 
@@ -303,6 +305,7 @@ class GlooBackend(TrainerBackend):
 
     name = "gloo"
     server_backend = GLOO_BACKEND_NAME
+    options_class = Gloo
 
     def __init__(
         self,
@@ -355,9 +358,13 @@ class GlooBackend(TrainerBackend):
 # --------------------------------------------------------------------------- vLLM shape
 @dataclass
 class GlooTrainerInitInfo:
-    """The trainer engine's init info (the fields of vLLM's ``NCCLTrainerInitInfo``
-    that apply, plus ours). ``world_size`` is 1 + the server's world size."""
+    """``asyncsync_gloo`` for vLLM's trainer factory (the fields of vLLM's
+    ``NCCLTrainerInitInfo`` that apply, plus ours). ``world_size`` is 1 + the server's
+    world size; ``master_address`` defaults to the address that routes to the server,
+    ``master_port`` to a free port. Creating one registers asyncsync's engines in vLLM's
+    ``WeightTransferTrainerFactory``."""
 
+    backend: ClassVar[str] = GLOO_BACKEND_NAME
     master_address: str | None = None
     master_port: int | None = None
     world_size: int = 2
@@ -365,6 +372,9 @@ class GlooTrainerInitInfo:
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     create_timeout_s: float = 60.0
     op_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        register_trainer_engines()
 
     @property
     def is_sender(self) -> bool:

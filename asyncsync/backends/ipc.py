@@ -27,6 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi
 from asyncsync.backends._ipc_handles import encode_ipc_update
+from asyncsync.backends._options import (
+    DEFAULT_PACKED_BUFFER_BYTES,
+    INSECURE_SERIALIZATION_OPT_IN,
+    IPC,
+)
 from asyncsync.backends._vllm_drive import (
     EngineClient,
     VllmEngineBackend,
@@ -39,18 +44,6 @@ if TYPE_CHECKING:
     from asyncsync._publish.weights import WeightSource
 
 __all__ = ["INSECURE_SERIALIZATION_OPT_IN", "IpcBackend"]
-
-#: Why ``allow_insecure_serialization=True`` is needed (the error when it is missing).
-INSECURE_SERIALIZATION_OPT_IN = (
-    "backend 'ipc' sends CUDA IPC handles to the servers pickled over HTTP, the only way "
-    "vLLM's IPC engine takes them there; the servers must run with "
-    "VLLM_ALLOW_INSECURE_SERIALIZATION=1, which lets anyone who can reach their RL routes "
-    "run code in them. Keep those routes on a trusted host or network and pass "
-    "allow_insecure_serialization=True to accept this (docs/transports/ipc.md)"
-)
-
-#: vLLM's default staging buffer for the packed mode (1 GiB).
-DEFAULT_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024
 
 
 class IpcBackend(VllmEngineBackend):
@@ -65,6 +58,7 @@ class IpcBackend(VllmEngineBackend):
     """
 
     name = "ipc"
+    options_class = IPC
     server_backend = "ipc"
 
     def __init__(
@@ -79,10 +73,6 @@ class IpcBackend(VllmEngineBackend):
     ) -> None:
         if allow_insecure_serialization is not True:
             raise ValueError(INSECURE_SERIALIZATION_OPT_IN)
-        if packed_buffer_size_bytes < 1:
-            raise ValueError(
-                f"packed_buffer_size_bytes must be >= 1, got {packed_buffer_size_bytes}"
-            )
         super().__init__(rank=rank, world_size=world_size, api=api)
         self.packed = packed
         self.packed_buffer_size_bytes = packed_buffer_size_bytes
@@ -153,9 +143,9 @@ class IpcBackend(VllmEngineBackend):
         if "send_mode" not in fields:
             import vllm
 
-            from asyncsync._core.errors import UnsupportedVLLM
+            from asyncsync._core.errors import UnsupportedVLLMError
 
-            raise UnsupportedVLLM(
+            raise UnsupportedVLLMError(
                 str(getattr(vllm, "__version__", "unknown")),
                 "its IPCTrainerSendWeightsArgs takes no send_mode callback (only its own "
                 "'http'/'ray' modes)",

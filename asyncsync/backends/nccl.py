@@ -38,6 +38,11 @@ from asyncsync.backends._base import (
     TrainerApi,
 )
 from asyncsync.backends._gloo_group import master_address_for
+from asyncsync.backends._options import (
+    DEFAULT_PACKED_BUFFER_BYTES,
+    DEFAULT_PACKED_NUM_BUFFERS,
+    NCCL,
+)
 from asyncsync.backends._vllm_drive import (
     EngineClient,
     VllmEngineBackend,
@@ -55,8 +60,6 @@ __all__ = ["DEFAULT_PACKED_BUFFER_BYTES", "CountingGroup", "NcclBackend", "rank_
 logger = logging.getLogger("asyncsync.publish")
 
 #: vLLM's defaults for the packed broadcast (1 GiB, two buffers).
-DEFAULT_PACKED_BUFFER_BYTES = 1024 * 1024 * 1024
-DEFAULT_PACKED_NUM_BUFFERS = 2
 
 #: Engines and groups whose threads were left blocked in a collective: kept alive (a
 #: destroyed communicator under a running kernel is undefined), never reused.
@@ -137,6 +140,7 @@ class NcclBackend(VllmEngineBackend):
 
     name = "nccl"
     server_backend = "nccl"
+    options_class = NCCL
 
     def __init__(
         self,
@@ -150,11 +154,6 @@ class NcclBackend(VllmEngineBackend):
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
     ) -> None:
-        if packed_buffer_size_bytes < 1 or packed_num_buffers < 1:
-            raise ValueError(
-                "packed_buffer_size_bytes and packed_num_buffers must be >= 1, got "
-                f"{packed_buffer_size_bytes} and {packed_num_buffers}"
-            )
         super().__init__(rank=rank, world_size=world_size, api=api)
         self.master_address = master_address
         self.master_port = master_port

@@ -33,6 +33,7 @@ from asyncsync.backends._base import (
     TrainerApi,
     TrainerBackend,
 )
+from asyncsync.backends._options import Shm
 from asyncsync.backends._shm_pack import (
     DEFAULT_BUFFER_BYTES,
     SendChunk,
@@ -47,6 +48,7 @@ from asyncsync.backends._shm_zerocopy import (
     check_zero_copy_mode,
     place,
 )
+from asyncsync.backends._trainer_factory import register_trainer_engines
 from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields, ShmUpdateFields
 
 if TYPE_CHECKING:
@@ -138,7 +140,16 @@ def send_round(
 # --------------------------------------------------------------------------- 0.3x style
 @dataclass
 class ShmTrainerInitInfo:
-    """Trainer-side init info (vLLM 0.3x ``TrainerInitInfo`` shape)."""
+    """``asyncsync_shm`` for vLLM's trainer factory (vLLM 0.3x ``TrainerInitInfo``
+    shape): this trainer process's ``rank`` (rank 0 sends), the size of each of the two
+    shared-memory buffers, and ``zero_copy`` (``True`` or ``"auto"``: the servers read
+    the trainer's tensors in place, see docs/transports/shm.md). Creating one registers
+    asyncsync's engines in vLLM's ``WeightTransferTrainerFactory``::
+
+        engine = WeightTransferTrainerFactory.trainer_init(
+            ShmTrainerInitInfo(rank=0), client=HTTPVLLMWeightSyncClient(url),
+            source=ModuleSource(model))
+    """
 
     backend: ClassVar[str] = BACKEND_NAME
     rank: int = 0
@@ -148,6 +159,7 @@ class ShmTrainerInitInfo:
 
     def __post_init__(self) -> None:
         check_zero_copy_mode(self.zero_copy)
+        register_trainer_engines()
 
     @property
     def is_sender(self) -> bool:
@@ -273,6 +285,7 @@ class ShmBackend(TrainerBackend):
 
     name = "shm"
     server_backend = BACKEND_NAME
+    options_class = Shm
 
     def __init__(
         self,
@@ -284,7 +297,6 @@ class ShmBackend(TrainerBackend):
         zero_copy: ZeroCopyMode = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, api=api)
-        check_zero_copy_mode(zero_copy)
         self.buffers = ShmBuffers(buffer_bytes)
         self.zero_copy = zero_copy
 

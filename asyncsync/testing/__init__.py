@@ -52,3 +52,6 @@ __all__ = [
     "reference_greedy",
     "reference_logprobs",
 ]
+
+# Errors are named by this public module in tracebacks, not the private one.
+ServerStartError.__module__ = __name__

@@ -92,7 +92,7 @@ class LocalVLLMServer:
     accepts (probed once per install, see docs/versions.md): ``--enable-scale-out`` where
     the server has it (vLLM >= 0.30 serves ``/inference/v1/generate`` only with it; older
     ones always serve it); a flag asyncsync needs and the server lacks raises
-    `UnsupportedVLLM` before anything starts.
+    `UnsupportedVLLMError` before anything starts.
     Startup waits for ``GET /health`` within
     ``startup_timeout`` seconds while checking that the process is alive; on failure a
     `ServerStartError` carries the last lines of the server log. Stopping
@@ -231,7 +231,7 @@ class LocalVLLMServer:
         if self.process is not None:
             raise RuntimeError("LocalVLLMServer already started")
         self.port = self._requested_port or free_port(self.host)
-        command = self.command()  # an UnsupportedVLLM is raised before anything opens
+        command = self.command()  # an UnsupportedVLLMError is raised before anything opens
         if self._log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
             os.close(fd)

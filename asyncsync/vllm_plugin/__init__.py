@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
+from asyncsync.backends._trainer_factory import register_trainer_engines
 from asyncsync.backends._wire import BACKEND_NAME
 
 __all__ = [
@@ -41,7 +42,7 @@ def engine_for_this_vllm() -> tuple[str, str]:
     Chosen by probing vLLM's ``WeightTransferEngine`` base class (its constructor and
     ``receive_weights`` signatures), not by version number: vLLM 0.23-0.24 build engines
     as ``(config, parallel_config, model)``, 0.25 and later as ``(config, vllm_config,
-    device, model)``. An unknown contract raises `UnsupportedVLLM`.
+    device, model)``. An unknown contract raises `UnsupportedVLLMError`.
     """
     from asyncsync._wire.caps import installed_engine_contract
 
@@ -81,19 +82,3 @@ def register() -> None:
             GLOO_BACKEND_NAME, "asyncsync.vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
         )
     register_trainer_engines()
-
-
-def register_trainer_engines() -> None:
-    """Register ``asyncsync_shm`` and ``asyncsync_gloo`` in vLLM's
-    ``WeightTransferTrainerFactory`` (vLLM 0.28+; a no-op before)."""
-    try:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    except ImportError:
-        return
-    registry = WeightTransferTrainerFactory._registry
-    for name, cls in (
-        (BACKEND_NAME, "ShmTrainerWeightTransferEngine"),
-        (GLOO_BACKEND_NAME, "GlooTrainerWeightTransferEngine"),
-    ):
-        if name not in registry:
-            WeightTransferTrainerFactory.register_engine(name, "asyncsync.vllm_plugin.trainer", cls)

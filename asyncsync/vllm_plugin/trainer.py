@@ -6,7 +6,7 @@ the names of their worker engines, so that vLLM's own trainer API drives them wi
 
     from vllm.distributed.weight_transfer import (
         HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory)
-    from asyncsync.vllm_plugin.trainer import GlooTrainerInitInfo
+    from asyncsync.backends.gloo import GlooTrainerInitInfo
 
     engine = WeightTransferTrainerFactory.trainer_init(
         GlooTrainerInitInfo(rank=0, world_size=2),
@@ -15,22 +15,21 @@ the names of their worker engines, so that vLLM's own trainer API drives them wi
     engine.shutdown()
 
 ``ShmTrainerInitInfo(rank=0)`` does the same over shared memory (servers on this host).
+The init infos are the backends' own (`asyncsync.backends.shm.ShmTrainerInitInfo`,
+`asyncsync.backends.gloo.GlooTrainerInitInfo`, re-exported here): creating one
+registers these engines in the factory.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
-from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
-from asyncsync.backends._shm_pack import DEFAULT_BUFFER_BYTES, ShmBuffers
-from asyncsync.backends._shm_zerocopy import ZeroCopyMode, check_zero_copy_mode
-from asyncsync.backends._wire import BACKEND_NAME
-from asyncsync.backends.gloo import GlooTrainerEngine
-from asyncsync.backends.shm import ShmTrainerEngine
-from asyncsync.vllm_plugin import register_trainer_engines
+from asyncsync.backends._shm_pack import ShmBuffers
+from asyncsync.backends._trainer_factory import register_trainer_engines
+from asyncsync.backends.gloo import GlooTrainerEngine, GlooTrainerInitInfo
+from asyncsync.backends.shm import ShmTrainerEngine, ShmTrainerInitInfo
 
 __all__ = [
     "GlooTrainerInitInfo",
@@ -38,35 +37,6 @@ __all__ = [
     "ShmTrainerInitInfo",
     "ShmTrainerWeightTransferEngine",
 ]
-
-
-@dataclass
-class ShmTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
-    """``asyncsync_shm`` for vLLM's trainer factory: the size of each of the two
-    shared-memory buffers, and ``zero_copy`` (``True`` or ``"auto"``: the servers read
-    the trainer's tensors in place, see docs/transports/shm.md)."""
-
-    backend: ClassVar[str] = BACKEND_NAME
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    zero_copy: ZeroCopyMode = False
-
-    def __post_init__(self) -> None:
-        check_zero_copy_mode(self.zero_copy)
-
-
-@dataclass
-class GlooTrainerInitInfo(TrainerInitInfo):  # type: ignore[misc]
-    """``asyncsync_gloo`` for vLLM's trainer factory. ``world_size`` is 1 + the
-    server's world size; ``master_address`` defaults to the address that routes to the
-    server, ``master_port`` to a free port."""
-
-    backend: ClassVar[str] = GLOO_BACKEND_NAME
-    master_address: str | None = None
-    master_port: int | None = None
-    world_size: int = 2
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    create_timeout_s: float = 60.0
-    op_timeout_s: float = 600.0
 
 
 class _AsyncsyncTrainerEngine(TrainerWeightTransferEngine[Any]):  # type: ignore[misc]
