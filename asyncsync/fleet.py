@@ -275,7 +275,20 @@ class Fleet(FleetControl):
     def set_weight_version(self, version: str | None, urls: _Targets = None) -> None:
         """Record ``version`` as the weight version of servers (all when None); a new
         version becomes the fleet's newest (see `current_version`)."""
-        for url in self._members.resolve(urls):
+        targets = self._members.resolve(urls)
+        if version is None:
+            for url in targets:
+                self._members.state(url).record_version(None)
+            self._members.notify()
+            return
+        self._published(version, targets)
+
+    def _published(self, version: str, urls: Iterable[str]) -> None:
+        """``version`` is published on ``urls``: they hold it, and it becomes the fleet's
+        newest (`current_version`). The one writer of a published version: a round's
+        commit, a finish or version update every target answered, and the two methods
+        above all come here."""
+        for url in urls:
             self._members.state(url).record_version(version)
         self._history.record(version)
         self._members.notify()

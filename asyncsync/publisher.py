@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.deprecation import warn_deprecated
-from asyncsync._core.errors import ClosedError, PublishError, UnsupportedVLLMError
+from asyncsync._core.errors import ClosedError, FleetError, PublishError, UnsupportedVLLMError
+from asyncsync._core.types import Outcome
 from asyncsync._publish.bridge import SyncFleetClient
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
@@ -223,8 +224,19 @@ class AsyncWeightPublisher:
         targets: Sequence[str] | None = None,
         check_finite: bool = False,
         verify: VerifyLike | None = None,
+        min_servers: int | Literal["all"] = 1,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
+
+        A round runs to the end on every server that still answers: a server that fails
+        (an error or malformed answer, no answer within the deadline, a refused
+        connection) drops out of the round and is marked dirty (it serves nothing until
+        a later round reaches it), and the others are never aborted because of it. The
+        round is published when at least ``min_servers`` of the targets went through it
+        (``"all"``: every one): the version advances, `PublishReport.lost` names the
+        servers that dropped out and a warning is logged. Fewer: `PublishError`, the
+        version unchanged. A collective transport (gloo, nccl) that loses a server sends
+        the round once more to the others, in a new group (docs/publishing.md).
 
         Bad input is refused with a ValueError/TypeError naming it before any server is
         touched: a version that is not a new non-empty string, no weights, names that
@@ -242,8 +254,8 @@ class AsyncWeightPublisher:
         `WeightMismatchError` naming what differed), is marked dirty, and
         the version stays unchanged. ``PublishReport.verified`` says what was checked.
 
-        Returns a `PublishReport`; raises `PublishError` with
-        per-server outcomes when any server failed (the published version is then
+        Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
+        fewer than ``min_servers`` went through the round (the published version is then
         unchanged) and re-raises cancellation after ending the round everywhere.
         """
         if not isinstance(version, str) or not version:
@@ -265,10 +277,11 @@ class AsyncWeightPublisher:
             if check_finite:
                 weights = await self._finite(weights)
             targets = self._targets(targets)
+            need = _need(min_servers, targets)
             if checks is not None and checks.checksum:
                 await self._check_checksum_route(targets)
             return await self._publish(
-                weights, version, pause, reset_prefix_cache, progress, targets, checks
+                weights, version, pause, reset_prefix_cache, progress, targets, checks, need
             )
 
     async def _check_checksum_route(self, targets: Sequence[str]) -> None:
@@ -296,9 +309,10 @@ class AsyncWeightPublisher:
         publishing: ``how`` takes what ``publish(..., verify=...)`` takes. The trainer's
         digests are taken in the worker thread (the weights are read once). A server
         that does not match is marked dirty in the fleet (generation avoids it until a
-        round succeeds there) and its `Verification` lists what differed; a
-        server that could not be checked raises its error. Runs between rounds (it
-        waits for a running ``publish``)."""
+        round succeeds there) and its `Verification` lists what differed. When some
+        server could not be checked, one `FleetError` carries every server's result
+        (``outcomes``: a `Verification` or the error), after the mismatched ones were
+        marked. Runs between rounds (it waits for a running ``publish``)."""
         checks = as_verify(how, weights)
         assert checks is not None
         if not self.is_sender or self.fleet is None:
@@ -316,13 +330,23 @@ class AsyncWeightPublisher:
                 )
                 expected = digests.expected()
             found = await verify_servers(self.fleet, urls, checks, expected, self._executor)
-        out: dict[str, Verification] = {}
-        for url, result in found.items():
-            if isinstance(result, Exception):
-                raise result
-            out[url] = result
-        self.fleet.mark_dirty([url for url, result in out.items() if not result.ok])
-        return out
+        # Every server that does not match is marked first, whatever else failed.
+        self.fleet.mark_dirty(
+            [url for url, r in found.items() if isinstance(r, Verification) and not r.ok]
+        )
+        errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
+        if errors:
+            raise FleetError(
+                f"verify could not check {len(errors)} of {len(found)} server(s): "
+                + "; ".join(f"{url}: {err}" for url, err in errors.items()),
+                list(errors.values()),
+                operation="verify",
+                outcomes={
+                    url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
+                    for url, r in found.items()
+                },
+            )
+        return {url: r for url, r in found.items() if isinstance(r, Verification)}
 
     async def _finite(self, weights: WeightsLike) -> WeightsLike:
         """Weights whose NaN/Inf are refused: read now (off the loop) when they can be
@@ -345,13 +369,9 @@ class AsyncWeightPublisher:
         progress: bool | ProgressFn | None,
         targets: list[str],
         verify: Verify | None,
+        need: int,
     ) -> PublishReport:
         assert self.fleet is not None
-        seconds: dict[str, float] = {}
-        if not self._initialized:
-            began = time.perf_counter()
-            await self.init(targets=targets)
-            seconds["init"] = time.perf_counter() - began
         # Known up front unless the weights come from a factory (called in the thread):
         # then bad input is refused before the round touches any server.
         source = None if is_factory(weights) else resolve(weights)
@@ -367,17 +387,25 @@ class AsyncWeightPublisher:
             self.fleet,
             targets,
             version=version,
+            need=need,
             pause=pause,
             reset_prefix_cache=reset_prefix_cache,
             abort_info=self._backend.abort_info(),
             published_version=self.version,
-            seconds=seconds,
+            collective=self._backend.collective,
+            # A collective round that lost a server is sent again, once: not a one-shot
+            # stream, and not with other ranks, which iterate the weights once (their
+            # collectives, an FSDP all-gather, would wait for rank 0 forever).
+            resendable=(source is None or source.reiterable) and self.world_size == 1,
             verify=verify,
             digests=digests,
         )
+        init = None if self._initialized else lambda: self._init_servers(round_)
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests), self._executor
+                _SendJob(self._backend, weights, source, reporter, digests),
+                self._executor,
+                init,
             )
         except PublishError as exc:
             _hooks.publish_failed(version, exc)
@@ -389,6 +417,17 @@ class AsyncWeightPublisher:
         self.last_report = report
         _hooks.published(report)
         return report
+
+    async def _init_servers(self, round_: PublishRound) -> None:
+        """The backend's init in the worker thread, through the round (a server that
+        fails there drops out like in any phase)."""
+        client = SyncFleetClient.on_running_loop(round_, cancel=threading.Event())
+        await run_to_the_end(
+            asyncio.get_running_loop().run_in_executor(self._executor, self._backend.init, client)
+        )
+        # Servers that missed it dropped out; the backends' sends init again for a
+        # changed set of servers (a new group), so a later round reaches them.
+        self._initialized = True
 
     async def _publish_non_sender(self, weights: WeightsLike, version: str) -> PublishReport:
         began = time.perf_counter()
@@ -468,6 +507,19 @@ def _from_keywords(
         f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
     )
     return dataclasses.replace(options, **keywords), api
+
+
+def _need(min_servers: object, targets: Sequence[str]) -> int:
+    """How many of ``targets`` a round needs (``min_servers``), or ValueError."""
+    if min_servers == "all":
+        return len(targets)
+    if not isinstance(min_servers, int) or isinstance(min_servers, bool) or min_servers < 1:
+        raise ValueError(f"min_servers must be an int >= 1 or 'all', got {min_servers!r}")
+    if min_servers > len(targets):
+        raise ValueError(
+            f"min_servers={min_servers} but the round targets {len(targets)} server(s)"
+        )
+    return min_servers
 
 
 def _check_arguments(

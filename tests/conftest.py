@@ -47,10 +47,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind() -> Iterator[None]:
     """After the whole suite, no asyncsync segment of this process or of any process it
-    started may remain in /dev/shm."""
+    started may remain in /dev/shm, nor a ring buffer of a vLLM server it started (the
+    suite kills some: their ~400 MiB of /dev/shm each must go with them)."""
     from asyncsync.backends._segments import leaked_segments, sweep_stale_segments
+    from asyncsync.testing._server import leftover_ring_buffers
 
     yield
+    assert leftover_ring_buffers() == []
     assert leaked_segments(pid=os.getpid()) == []
     # Processes the suite started (trainer ranks, killed trainers) are gone: none of their
     # segments may be left either (the killed-trainer test sweeps its own on purpose).

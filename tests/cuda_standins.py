@@ -145,6 +145,11 @@ class Released(RuntimeError):
     """The test released a broadcast that could never complete."""
 
 
+def _port(init_info: Any) -> Any:
+    """The group an init names (its master port)."""
+    return init_info.get("master_port") if isinstance(init_info, dict) else None
+
+
 class NcclHub:
     """What the stand-in communicators of one test share: which servers' workers joined
     a broadcast, and what rank 0 broadcast."""
@@ -169,7 +174,7 @@ class NcclHub:
 
         def hook(info: Any) -> None:
             parse(**info)
-            group = fake.init_infos[-1].get("master_port") if fake.init_infos else None
+            group = _port(fake.init_infos[-1]) if fake.init_infos else None
             with self.cv:
                 self.joined[fake.url] = (time.monotonic(), group)
                 self.cv.notify_all()
@@ -177,8 +182,13 @@ class NcclHub:
         return hook
 
     def _all_joined(self, group: Any) -> bool:
-        """Every server's worker joined ``group``'s broadcast since its latest start."""
-        for fake in self.fakes:
+        """Every worker of ``group`` (the servers whose latest init named it) joined its
+        broadcast since its latest start: a group rebuilt without a server completes
+        without it, as NCCL's would."""
+        members = [f for f in self.fakes if f.init_infos and _port(f.init_infos[-1]) == group]
+        if not members:
+            return False
+        for fake in members:
             starts = fake.requests_to("/start_weight_update")
             at, joined_group = self.joined.get(fake.url, (-1.0, None))
             if not starts or joined_group != group or at < starts[-1].at:

@@ -203,7 +203,7 @@ def test_a_failed_round_raises_publish_error(fakes: list[FakeVLLMServer]) -> Non
         blocking.WeightPublisher(fleet) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
-            publisher.publish(weights, version="v1", progress=False)
+            publisher.publish(weights, version="v1", progress=False, min_servers="all")
         assert info.value.outcomes[fakes[1].url].phase == "update"
         assert fakes[1].url in info.value.needs_resync
         assert publisher.version is None

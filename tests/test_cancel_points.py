@@ -213,6 +213,7 @@ async def test_publish_cancelled_at_a_seeded_point(seed: int) -> None:
         for server in (a, b):
             check_servers_told_the_truth(point, fleet, server)
         assert publisher.version in ({"v0", "v1"} if point.warm else {None, "v1"}), point
+        assert fleet.current_version == publisher.version, point  # one fact, never two
         if publisher.version == "v1":  # committed before the cancel landed (at resume)
             assert all(s.weight_version == "v1" for s in fleet.servers)
             assert not any(s.dirty for s in fleet.servers)

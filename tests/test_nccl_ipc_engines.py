@@ -13,6 +13,7 @@ computes its own NCCL rank from the offset asyncsync sent and loads the weights.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -273,9 +274,9 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A server that refuses ``/update_weights`` never joins the broadcast: vLLM's engine
-    stays blocked in it, as with NCCL. The round fails at once with that server's error
-    (the loop's error reaches the engine's thread and comes back out of ``publish``);
-    the next round builds a new group and is exact."""
+    stays blocked in it, as with NCCL. A round that needs both servers fails at once
+    with that server's error (the loop's error reaches the engine's thread and comes
+    back out of ``publish``); the next round builds a new group and is exact."""
     async with nccl_fleet(monkeypatch) as setup:
         a, b = setup.fakes
         async with az.AsyncWeightPublisher(
@@ -284,7 +285,7 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
             await publisher.publish(weights(seed=1), version="v1")
             b.inject("/update_weights", Fault.error(500, "worker refused the update"))
             with pytest.raises(az.PublishError) as caught:
-                await publisher.publish(weights(seed=2), version="v2")
+                await publisher.publish(weights(seed=2), version="v2", min_servers="all")
             outcomes = caught.value.outcomes
             assert outcomes[b.url].phase == "update"
             assert not outcomes[b.url].ok
@@ -309,27 +310,80 @@ async def test_nccl_refused_update_fails_the_round_without_hanging(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("route", ["/start_weight_update", "/update_weights"])
+async def test_nccl_lost_server_is_left_out_of_a_new_group_in_the_same_publish(
+    monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """The collective cannot go on without a lost server: the round ends the survivor's
+    update, builds a new group without the lost one (a new init and rendezvous) and
+    sends the whole round again to the survivor, inside the same ``publish``. The next
+    round brings the lost server back into a group of both."""
+    async with nccl_fleet(monkeypatch) as setup:
+        a, b = setup.fakes
+        async with az.AsyncWeightPublisher(
+            setup.fleet, backend=az.backends.NCCL(packed_buffer_size_bytes=BUFFER)
+        ) as publisher:
+            await publisher.publish(weights(seed=1), version="v1")
+            b.inject(route, Fault.error(500, "refused"))
+            setup.hub.sent.clear()
+            model = weights(seed=2)
+            report = await publisher.publish(model, version="v2")
+            assert (report.version, report.attempts) == ("v2", 2)
+            assert (report.servers, report.lost) == ([a.url], [b.url])
+            assert report.outcomes[b.url].phase == route.strip("/").split("_")[0]
+            assert publisher.version == setup.fleet.current_version == "v2"
+            assert held(setup.fleet, a) == "v2"
+            assert setup.fleet.state(b.url).dirty
+            assert [e["world_size"] for e in setup.hub.endpoints] == [4, 3]  # 1+2+1, 1+2
+            assert a.init_infos[-1]["master_port"] == setup.hub.endpoints[-1]["master_port"]
+            # Only the second attempt's broadcasts completed (the first never did).
+            for loaded in nccl_workers_load(setup, a):
+                assert_loaded(loaded, model)
+            assert not a.update_active
+            # The next round: a group of both again, both exact.
+            b.clear_faults()
+            setup.hub.sent.clear()
+            model = weights(seed=3)
+            report = await publisher.publish(model, version="v3")
+            assert (report.lost, report.attempts) == ([], 1)
+        assert [e["world_size"] for e in setup.hub.endpoints] == [4, 3, 4]
+        for fake in (a, b):
+            assert held(setup.fleet, fake) == "v3"
+            for loaded in nccl_workers_load(setup, fake):
+                assert_loaded(loaded, model)
+
+
+@pytest.mark.asyncio
 async def test_nccl_frozen_server_fails_the_round_at_the_update_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A server that never answers ``/update_weights`` never joins the broadcast either:
-    the round fails with its ServerTimeout at the fleet's update deadline (3 s here;
-    control's is 60 s, so the phase is the update's), and the trainer is not left in the
-    broadcast."""
+    """A server that never answers ``/update_weights`` never joins the broadcast either.
+    A round that needs both fails with its ServerTimeout at the fleet's update deadline
+    (3 s here; control's is 60 s, so the phase is the update's), and the trainer is not
+    left in the broadcast; with the default ``min_servers=1`` the same round goes on in
+    a new group without it."""
     timeouts = az.Timeouts(connect=5, control=60, update=3, generate=60)
     async with nccl_fleet(monkeypatch, timeouts=timeouts) as setup:
         a, b = setup.fakes
         b.inject("/update_weights", Fault.hang(), times=None)
         async with az.AsyncWeightPublisher(setup.fleet, backend="nccl") as publisher:
             with pytest.raises(az.PublishError) as caught:
-                await publisher.publish(weights(seed=1), version="v1")
-        outcome = caught.value.outcomes[b.url]
-        assert outcome.phase == "update"
-        assert isinstance(outcome.error, az.ServerTimeout)
-        assert caught.value.outcomes[a.url].ok  # it took the update; the round ended it
-        assert setup.hub.sent == []  # the broadcast never completed
-        assert not a.update_active
-        assert publisher.version is None
+                await publisher.publish(weights(seed=1), version="v1", min_servers="all")
+            outcome = caught.value.outcomes[b.url]
+            assert outcome.phase == "update"
+            assert isinstance(outcome.error, az.ServerTimeout)
+            assert caught.value.outcomes[a.url].ok  # it took the update; the round ended it
+            assert setup.hub.sent == []  # the broadcast never completed
+            assert not a.update_active
+            assert publisher.version is None
+            began = time.monotonic()
+            report = await publisher.publish(weights(seed=2), version="v2")
+            # b is known unhealthy: it is probed (it answers /health) and included; its
+            # update times out once (3 s), then the group of a alone takes the round.
+            assert time.monotonic() - began < 30
+            assert (report.servers, report.lost, report.attempts) == ([a.url], [b.url], 2)
+            assert held(setup.fleet, a) == "v2"
+            assert not a.update_active
 
 
 @pytest.mark.asyncio
@@ -339,7 +393,7 @@ async def test_nccl_failed_start_reaches_publish(monkeypatch: pytest.MonkeyPatch
         b.inject("/start_weight_update", Fault.error(500, "start refused"))
         async with az.AsyncWeightPublisher(setup.fleet, backend="nccl") as publisher:
             with pytest.raises(az.PublishError) as caught:
-                await publisher.publish(weights(seed=1), version="v1")
+                await publisher.publish(weights(seed=1), version="v1", min_servers="all")
             assert caught.value.outcomes[b.url].phase == "start"
             assert "start refused" in str(caught.value)
             assert setup.hub.sent == []  # nothing was broadcast

@@ -59,8 +59,11 @@ def recorder() -> Iterator[Recorder]:
 
 
 async def _publish(fleet: az.Fleet, version: str) -> az.PublishReport:
+    """A round that needs every server (a failure fails it)."""
     async with az.AsyncWeightPublisher(fleet) as publisher:
-        return await publisher.publish({"w": torch.ones(8)}, version=version, progress=False)
+        return await publisher.publish(
+            {"w": torch.ones(8)}, version=version, progress=False, min_servers="all"
+        )
 
 
 # ---------------------------------------------------------------------- logging

@@ -1,5 +1,9 @@
 """Publishing rounds against protocol-faithful fakes that misbehave on purpose: every
-phase of a round failing in turn, cancellation, bad input."""
+phase of a round failing in turn, cancellation, bad input.
+
+Most rounds here need both servers (``min_servers="all"``): what a failed round leaves
+behind is the subject. tests/test_fault_matrix.py has the partial rounds (one server
+lost, the round published on the others)."""
 
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
     ):
         started = time.monotonic()
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v1", pause="wait")
+            await publisher.publish(WEIGHTS, version="v1", pause="wait", min_servers="all")
         assert time.monotonic() - started < 60  # ended by update's 0.5 s, not by a 60 s one
         err = info.value
         assert isinstance(err.outcomes[hung.url].error, az.ServerTimeout)
@@ -98,7 +102,7 @@ async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more
             frozen.inject(route, Fault.hang())
         started = time.monotonic()
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v2", pause="keep")
+            await publisher.publish(WEIGHTS, version="v2", pause="keep", min_servers="all")
         assert time.monotonic() - started < 30  # one 1 s deadline, not a 60 s one
         outcome = info.value.outcomes[frozen.url]
         assert (outcome.phase, type(outcome.error)) == ("start", az.ServerTimeout)
@@ -165,17 +169,18 @@ async def test_finish_failing_on_one_server_keeps_the_others_outcome(
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v1")
+            await publisher.publish(WEIGHTS, version="v1", min_servers="all")
         err = info.value
         assert err.outcomes[good.url].ok
         assert not err.outcomes[bad.url].ok
         assert err.outcomes[bad.url].phase == "finish"
         assert "disk on fire" in str(err)
-        assert publisher.version is None  # not every server finished
-        assert fleet.state(good.url).weight_version == "v1"  # but this one did
-        assert not fleet.state(good.url).dirty
+        assert publisher.version is fleet.current_version is None  # not enough finished
+        # This one did: it holds the round's weights, of no published version (dirty).
+        assert fleet.state(good.url).weight_version == "v1"
+        assert fleet.state(good.url).dirty
         assert fleet.state(bad.url).dirty
-        assert err.needs_resync == (bad.url,)
+        assert err.needs_resync == (good.url, bad.url)
         # Only the server whose finish failed still held the update: it alone is ended.
         assert aborts_received(bad) == [ABORT]
         assert aborts_received(good) == []
@@ -192,14 +197,16 @@ async def test_a_failed_pause_touches_no_update_and_resumes_every_server(
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v1", pause="keep")
+            await publisher.publish(WEIGHTS, version="v1", pause="keep", min_servers="all")
         err = info.value
         assert err.outcomes[bad.url].phase == "pause"
         assert "engine busy" in str(err.outcomes[bad.url].error)
         assert err.outcomes[good.url].ok
-        assert err.needs_resync == ()
+        # The server that failed is dirty (its pause may still run); the other one was
+        # never started: it keeps its weights, clean.
+        assert err.needs_resync == (bad.url,)
         assert publisher.version is None
-        assert not any(s.dirty for s in fleet.servers)
+        assert [s.dirty for s in fleet.servers] == [False, True]
     # No update was started anywhere; both servers were resumed.
     assert round_calls(good) == ["/pause", "/resume"]
     assert round_calls(bad) == ["/pause", "/resume"]
@@ -216,15 +223,16 @@ async def test_a_failed_start_ends_the_round_where_it_started(
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v1")
+            await publisher.publish(WEIGHTS, version="v1", min_servers="all")
         err = info.value
         assert err.outcomes[bad.url].phase == "start"
         assert "out of memory" in str(err)
         assert err.outcomes[good.url].ok
-        # The server that started holds an open update until the abort: it is dirty.
-        assert err.needs_resync == (good.url,)
+        # The server that started held an open update until the abort, the other one
+        # failed: both are dirty.
+        assert err.needs_resync == (good.url, bad.url)
         assert fleet.state(good.url).dirty
-        assert not fleet.state(bad.url).dirty
+        assert fleet.state(bad.url).dirty
         assert publisher.version is None
     assert round_calls(good) == ["/start_weight_update", "abort"]
     assert round_calls(bad) == ["/start_weight_update"]
@@ -242,20 +250,21 @@ async def test_a_failed_cache_reset_fails_the_round_after_the_finish(
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v1")
+            await publisher.publish(WEIGHTS, version="v1", min_servers="all")
         err = info.value
         assert err.outcomes[bad.url].phase == "reset_prefix_cache"
         assert "cache locked" in str(err)
-        # Every server finished v1 (no update is left open, nobody is dirty), but stale
-        # KV blocks may remain on one of them: the round is not reported as published.
-        assert publisher.version is None
-        assert err.needs_resync == ()
+        # Every server finished v1 (no update is left open), but stale KV blocks may
+        # remain on one of them: the round is not published, and both hold weights of
+        # no published version (dirty) until a later round.
+        assert publisher.version is fleet.current_version is None
+        assert err.needs_resync == (good.url, bad.url)
         assert [s.weight_version for s in fleet.servers] == ["v1", "v1"]
     assert aborts_received(good) == aborts_received(bad) == []
     assert good.finished == bad.finished == 1
 
 
-async def test_a_failed_resume_after_the_commit_is_reported_with_the_version_published(
+async def test_a_failed_resume_after_the_commit_loses_that_server_only(
     fakes: list[FakeVLLMServer],
 ) -> None:
     good, bad = fakes
@@ -264,19 +273,22 @@ async def test_a_failed_resume_after_the_commit_is_reported_with_the_version_pub
         az.Fleet([f.url for f in fakes]) as fleet,
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v1", pause="wait")
-        err = info.value
-        assert err.outcomes[bad.url].phase == "resume"
-        assert err.outcomes[good.url].ok
-        assert "published version stays 'v1'" in str(err)
-        # Every server finished the round: the version is published all the same.
-        assert publisher.version == "v1"
+        # Every server finished the round: it is published, even when it needs both.
+        report = await publisher.publish(WEIGHTS, version="v1", pause="wait", min_servers="all")
+        assert publisher.version == fleet.current_version == report.version == "v1"
+        assert report.lost == [bad.url]
+        assert report.servers == [good.url]
+        assert report.outcomes[bad.url].phase == "resume"
+        assert "resume refused" in str(report.outcomes[bad.url].error)
         assert [s.weight_version for s in fleet.servers] == ["v1", "v1"]
-        assert not any(s.dirty for s in fleet.servers)
-        assert err.needs_resync == ()
-        assert fleet.state(bad.url).paused  # still paused: the caller decides
+        # The one that stays paused is out of routing until a round resumes it.
+        assert fleet.state(bad.url).paused
+        assert fleet.state(bad.url).dirty
         assert not fleet.state(good.url).paused
+        assert fleet.routing_reasons() == {good.url: None, bad.url: "dirty"}
+        bad.clear_faults()
+        await publisher.publish(WEIGHTS, version="v2")
+        assert not any(s.paused or s.dirty for s in fleet.servers)
     assert aborts_received(bad) == []
 
 

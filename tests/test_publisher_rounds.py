@@ -217,7 +217,7 @@ async def test_a_registered_backend_plugs_into_the_round() -> None:
         # the servers' engine refuses (an unknown key), clearing its active update.
         second.inject("/update_weights", Fault.error(500, "broadcast timed out"))
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(weights, version="v2")
+            await publisher.publish(weights, version="v2", min_servers="all")
         assert info.value.outcomes[second.url].phase == "update"
         assert [r.json["update_info"] for r in first.requests_to("/update_weights")][-1] == {
             "asyncsync_abort": True

@@ -18,6 +18,7 @@ from asyncsync.testing import (
     check_greedy,
     process_group_members,
 )
+from asyncsync.testing._server import ring_buffers_of
 from tests.conftest import VLLMFleet
 
 pytestmark = pytest.mark.vllm
@@ -139,10 +140,16 @@ def test_stop_leaves_nothing_behind_even_after_outside_kill(tiny_model_dir: Path
         assert not _port_is_free(server.host, port)
         members = process_group_members(pgid)
         assert len(members) >= 2, members  # API server plus the renamed engine core
+        rings = set(server.ring_buffers)
+        assert rings, "vLLM's ring buffers between its processes were not found"
+        assert rings <= ring_buffers_of(members)
         os.kill(pgid, signal.SIGKILL)  # only the leader: its children are orphaned
         time.sleep(0.5)
     assert server.process is None
     assert process_group_members(pgid) == []
+    # Nor its ring buffers in /dev/shm (a server SIGKILLed whole leaves them all: the
+    # fault-cell tests do that, and the session checks that none is left at its end).
+    assert not any((Path("/dev/shm") / name).exists() for name in rings)
     assert _port_is_free(server.host, port)
     assert server.log_path.is_file()
 

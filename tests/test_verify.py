@@ -22,7 +22,7 @@ import torch
 import asyncsync as az
 from asyncsync import blocking
 from asyncsync._publish.verify import Verification, compare_checksums
-from asyncsync.testing import FakeVLLMServer
+from asyncsync.testing import FakeVLLMServer, Fault
 from asyncsync.testing._fake import FakeLM
 from tests.publish_fakes import ShmWorker, receiving_fakes, round_calls
 
@@ -104,7 +104,7 @@ async def test_checksums_of_what_every_server_loaded_match_the_trainers() -> Non
 
 
 @pytest.mark.asyncio
-async def test_a_server_that_loaded_wrong_bytes_fails_the_round_and_is_dirty() -> None:
+async def test_a_server_that_loaded_wrong_bytes_drops_out_of_the_round_dirty() -> None:
     workers = [FusingWorker(), FusingWorker(corrupt={"model.norm.weight"})]
     async with (
         receiving_fakes(workers=workers) as (a, b),
@@ -112,20 +112,17 @@ async def test_a_server_that_loaded_wrong_bytes_fails_the_round_and_is_dirty() -
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1")  # not verified: b's error unseen
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(model_weights(1), version="v2", verify="checksum")
-        err = info.value
-        outcome = err.outcomes[b.fake.url]
-        assert (outcome.ok, outcome.phase) == (False, "verify")
+        report = await publisher.publish(model_weights(1), version="v2", verify="checksum")
+        outcome = report.outcomes[b.fake.url]
+        assert (outcome.ok, outcome.phase, outcome.dirty) == (False, "verify", True)
         assert isinstance(outcome.error, az.WeightMismatchError)
         assert outcome.error.server == b.fake.url
         assert outcome.error.mismatched == ("model.norm.weight",)
-        assert "checksum differs for 1 parameter(s): model.norm.weight" in str(err)
-        assert b.fake.url in str(err)
-        assert err.outcomes[a.fake.url].ok
-        # The version is unchanged; b is dirty (generation avoids it), a holds v2.
-        assert publisher.version == "v1"
-        assert err.needs_resync == (b.fake.url,)
+        assert "checksum differs for 1 parameter(s): model.norm.weight" in str(outcome.error)
+        assert report.outcomes[a.fake.url].ok
+        # Published on a alone; b is dirty (generation avoids it).
+        assert publisher.version == fleet.current_version == "v2"
+        assert (report.servers, report.lost) == ([a.fake.url], [b.fake.url])
         assert fleet.state(b.fake.url).dirty
         assert fleet.routing_reasons()[b.fake.url] == "dirty"
         assert not fleet.state(a.fake.url).dirty
@@ -156,7 +153,7 @@ async def test_weights_from_a_factory_are_hashed_as_they_are_packed() -> None:
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
     ):
         with pytest.raises(az.PublishError) as info:
-            await publisher.publish(factory, version="v1", verify="checksum")
+            await publisher.publish(factory, version="v1", verify="checksum", min_servers=2)
         assert produced == list(WEIGHTS)  # read once
         error = info.value.outcomes[b.fake.url].error
         assert isinstance(error, az.WeightMismatchError)
@@ -217,17 +214,15 @@ async def test_a_probe_finds_the_server_whose_generations_differ() -> None:
         await publisher.publish(WEIGHTS, version="v1", targets=[b.fake.url])
         # a's weights will have been updated once, b's twice: only a matches this probe.
         checks = az.Verify(probe=fake_lm_probe(a.fake.lm.vocab_size, generation=1))
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(WEIGHTS, version="v2", verify=checks, pause="keep")
-        err = info.value
-        error = err.outcomes[b.fake.url].error
+        report = await publisher.publish(WEIGHTS, version="v2", verify=checks, pause="keep")
+        error = report.outcomes[b.fake.url].error
         assert isinstance(error, az.WeightMismatchError)
         assert error.mismatched == ()
         assert "probe prompt 0, token 0: the server chose" in str(error)
         assert "where the trainer's greedy choice is" in str(error)
-        assert err.outcomes[a.fake.url].ok
-        assert err.needs_resync == (b.fake.url,)
-        assert publisher.version == "v1"
+        assert report.outcomes[a.fake.url].ok
+        assert report.lost == [b.fake.url]
+        assert publisher.version == "v2"
         assert fleet.state(b.fake.url).dirty
         # The probe generated, so the paused servers were resumed first, once.
         for server in (a, b):
@@ -258,6 +253,30 @@ async def test_verify_between_rounds_finds_a_server_changed_since() -> None:
         assert found[b.fake.url].mismatched == ["model.layers.0.mlp.down_proj.weight"]
         assert fleet.state(b.fake.url).dirty
         assert not fleet.state(a.fake.url).dirty
+
+
+@pytest.mark.asyncio
+async def test_verify_marks_every_mismatch_and_reports_every_server_in_one_error() -> None:
+    """One server changed since the round, one that cannot be checked (it answers the
+    checker with an error), one fine: the mismatched one is marked dirty before the
+    error is raised, and that one error carries all three results."""
+    workers = [FusingWorker(), FusingWorker(), FusingWorker()]
+    async with (
+        receiving_fakes(workers=workers) as (fine, changed, unreachable),
+        az.Fleet([s.fake.url for s in (fine, changed, unreachable)]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
+    ):
+        await publisher.publish(WEIGHTS, version="v1")
+        changed.worker.loaded["model.norm.weight"][0] += 1.0
+        unreachable.fake.inject("/weight_checker", Fault.error(503, "checker down"))
+        with pytest.raises(az.FleetError, match=r"could not check 1 of 3") as info:
+            await publisher.verify(WEIGHTS)
+        outcomes = info.value.outcomes
+        assert outcomes[fine.fake.url].value.ok
+        assert outcomes[changed.fake.url].value.mismatched == ["model.norm.weight"]
+        assert "checker down" in str(outcomes[unreachable.fake.url].error)
+        assert info.value.failed == (unreachable.fake.url,)
+        assert [s.dirty for s in fleet.servers] == [False, True, False]
 
 
 @pytest.mark.asyncio

@@ -41,6 +41,8 @@ class FleetControl:
     _members: Members
     _transport: Transport
     _history: VersionHistory
+    #: `Fleet._published`: the one writer of a published version
+    _published: Callable[[str, Iterable[str]], None]
 
     async def _fan(
         self, op: str, plan: Plan[T], targets: _Targets, require: Require | None, **kw: bool
@@ -209,15 +211,24 @@ class FleetControl:
         require: Require | None = None,
     ) -> FleetResult[None]:  # fmt: skip
         """``POST /finish_weight_update`` on every target. On success the server is clean
-        and records ``weight_version``; on failure it is marked ``dirty``."""
-        result: FleetResult[None] = await self._fan(
+        and records ``weight_version``; on failure it is marked ``dirty``. When every
+        target finished, ``weight_version`` is published (`Fleet.current_version`)."""
+        result = await self._finish(weight_version, targets=targets, require=require)
+        self._record_if_all(result, weight_version)
+        return result
+
+    async def _finish(
+        self, weight_version: str | None, *, targets: _Targets = None,
+        require: Require | None = "none",
+    ) -> FleetResult[None]:  # fmt: skip
+        """The finish fan-out alone: a publish round publishes its version itself, once
+        the whole round went through (`Fleet._published`)."""
+        return await self._fan(
             "finish_weight_update",
             lambda p, _u: wire.plan_finish_weight_update(p, weight_version),
             targets,
             require,
         )
-        self._record_if_all(result, weight_version)
-        return result
 
     async def shutdown_weight_transfer_engine(
         self, *, targets: _Targets = None, require: Require | None = None
@@ -231,10 +242,10 @@ class FleetControl:
         )
 
     def _record_if_all(self, result: FleetResult[Any], version: str | None) -> None:
-        """A version every targeted server now holds becomes the fleet's newest."""
+        """A version every targeted server now holds is published (by hand: the control
+        routes called directly, not by a round)."""
         if result.ok and version is not None:
-            self._history.record(version)
-            self._members.notify()
+            self._published(version, result.succeeded)
 
 
 def _rejected(outcome: Outcome[Any]) -> Outcome[Any]:

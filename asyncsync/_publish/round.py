@@ -1,14 +1,23 @@
 """One weight-sync round across a fleet, as named phases run by a round object.
 
-The phases, in order: ``pause``? -> ``start`` -> ``update`` (once per payload) ->
-``finish`` -> ``reset_prefix_cache``? -> ``verify``? -> ``resume``? (resume also after a
-failure; before ``verify`` when a probe must generate).
-Start, update and finish are driven by the backend's blocking send in a worker thread
-(vLLM's trainer engines do so), through a `SyncFleetClient`
-whose calls land on this round's phase methods; the round runs the other phases around
-the send. `PublishRound` holds everything a round knows: per-server outcomes
-(the phase a server failed in), each phase's seconds, which servers hold an open update
-(for the rollback) and which were paused. Rollback and commit each happen in one place.
+The phases, in order: ``init`` (the publisher's first round) -> ``probe`` (servers
+known to be unhealthy) -> ``pause``? -> ``start`` -> ``update`` (once per payload) ->
+``finish`` -> ``reset_prefix_cache``? -> ``verify``? -> commit -> ``resume``? (resume
+also after a failure; before ``verify`` when a probe must generate). Start, update and
+finish are driven by the backend's blocking send in a worker thread (vLLM's trainer
+engines do so), through a `SyncFleetClient` whose calls land on this round's phase
+methods; the round runs the other phases around the send.
+
+A round is partial: each phase fans out to the servers still in the round (``live``),
+and a server that fails there (an error answer, a malformed one, no answer, a refused
+connection) drops out: it is marked dirty and never sent anything more in this round,
+while the others go on. The round is published (`commit`) when at least ``need``
+servers went through every phase; below that it fails at once (`rollback`, then
+`PublishError`), leaving the version unchanged. Per-server transports (shm, ipc) just go
+on without the lost server. A collective transport (gloo, nccl) cannot: a lost member
+breaks the collective. There the round stops the send, ends the survivors' updates and
+sends the whole round once more to the survivors, whose backend builds a new group
+without the lost servers (see `PublishRound.send`).
 """
 
 from __future__ import annotations
@@ -16,12 +25,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._core.errors import (
@@ -29,10 +37,12 @@ from asyncsync._core.errors import (
     FleetError,
     PublishError,
     ServerTimeout,
+    ServerUnavailableError,
     WeightsModifiedError,
 )
-from asyncsync._core.types import Outcome
+from asyncsync._core.types import FleetResult, Outcome
 from asyncsync._publish.bridge import InitInfo, SyncFleetClient, UpdateInfo
+from asyncsync._publish.report import SECONDS_ORDER, Phase, PublishReport, ServerOutcome
 from asyncsync._publish.verify import TrainerDigests, Verification, Verify, verify_servers
 from asyncsync.backends._base import RoundCancelled, SendStats
 
@@ -56,38 +66,14 @@ PauseMode = Literal["keep", "wait", "abort"]
 
 logger = logging.getLogger("asyncsync.publish")
 
-#: The order of ``PublishReport.seconds`` (optional phases only when they ran).
-_SECONDS_ORDER = (
-    "init",
-    "pause",
-    "start",
-    "pack",
-    "transfer",
-    "finish",
-    "reset_prefix_cache",
-    "verify",
-    "resume",
-)
-
 #: What the worker thread runs for a round: the backend's send through the client.
 SendJob = Callable[[SyncFleetClient, threading.Event], SendStats]
+#: A phase's fan-out to the servers still in the round.
+_Call = Callable[[list[str]], Awaitable[FleetResult[Any]]]
 
-
-class Phase(StrEnum):
-    """The named phases of a round (``ServerOutcome.phase`` holds one)."""
-
-    PAUSE = "pause"
-    START = "start"
-    UPDATE = "update"
-    FINISH = "finish"
-    RESET_PREFIX_CACHE = "reset_prefix_cache"
-    VERIFY = "verify"
-    RESUME = "resume"
-
-    @property
-    def seconds_key(self) -> str:
-        """Its key in ``PublishReport.seconds`` (the update fan-outs are "transfer")."""
-        return "transfer" if self is Phase.UPDATE else self.value
+#: vLLM's worker failures wrap the cause: "Call to collective_rpc method failed: Worker
+#: failed with error '<cause>', please check the stack trace above for the root cause".
+_WORKER_CAUSE = re.compile(r"Worker failed with error '(.*)', please check", re.S)
 
 
 def is_stale_round_error(error: object) -> bool:
@@ -102,76 +88,34 @@ def is_stale_round_error(error: object) -> bool:
     return "already active" in str(error)
 
 
-@dataclass
-class ServerOutcome:
-    """What happened on one server during a round."""
-
-    url: str
-    ok: bool
-    phase: str | None = None
-    error: BaseException | None = None
-    dirty: bool = False
-
-    def __repr__(self) -> str:
-        if self.ok:
-            return f"<ServerOutcome {self.url} ok>"
-        return f"<ServerOutcome {self.url} failed at {self.phase}: {self.error!s}>"
+class _TooFew(FleetError):
+    """Fewer servers than the round needs are left: the round fails. A `FleetError` of
+    the lost servers' errors, so that a backend that explains a server's error (the
+    error reaches it in the worker thread) sees them."""
 
 
-@dataclass
-class PublishReport:
-    """The figures of one successful round."""
-
-    version: str
-    servers: list[str]
-    bytes: int
-    chunks: int
-    params: int
-    seconds: dict[str, float]
-    outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
-    #: what ``verify=`` found on each server (empty when the round did not verify)
-    verified: dict[str, Verification] = field(default_factory=dict)
-
-    @property
-    def total_seconds(self) -> float:
-        return self.seconds.get("total", 0.0)
-
-    @property
-    def gb_per_s(self) -> float:
-        """Payload bytes per second of the whole round (pack + transfer + finish)."""
-        total = self.total_seconds
-        return self.bytes / total / 1e9 if total > 0 else 0.0
-
-    def __str__(self) -> str:
-        phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
-        return (
-            f"published {self.version!r} to {len(self.servers)} server(s): "
-            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
-            f"({phases})"
-        )
-
-
-def _rate(gb_per_s: float) -> str:
-    return f"{gb_per_s:.2f} GB/s" if gb_per_s >= 0.1 else f"{gb_per_s * 1000:.1f} MB/s"
+class _Regroup(Exception):
+    """A collective transport lost a server: the send stops, to go again without it."""
 
 
 class InitCalls:
-    """The fan-outs a backend may make outside a round (its init, world sizes)."""
+    """The fan-outs a backend may make outside a round's phases (its init, world sizes),
+    to the servers in the round (``live``)."""
 
     def __init__(self, fleet: Fleet, targets: Sequence[str]) -> None:
         self.fleet = fleet
-        self.targets = list(targets)
+        self.live = list(targets)
 
     async def init(self, init_info: InitInfo) -> None:
-        await self.fleet.init_weight_transfer_engine(init_info, targets=self.targets, require="all")
+        await self.fleet.init_weight_transfer_engine(init_info, targets=self.live, require="all")
 
     async def world_sizes(self) -> dict[str, int]:
-        result = await self.fleet.get_world_size(targets=self.targets, require="all")
+        result = await self.fleet.get_world_size(targets=self.live, require="all")
         return dict(result.values_by_url)
 
     def update_deadline(self) -> float | None:
-        """The shortest update deadline of the targets (None: some have none)."""
-        limits = [self.fleet.client(url).timeouts.update for url in self.targets]
+        """The shortest update deadline of the servers (None: some have none)."""
+        limits = [self.fleet.client(url).timeouts.update for url in self.live]
         known = [x for x in limits if x is not None]
         return min(known) if known and len(known) == len(limits) else None
 
@@ -188,9 +132,13 @@ class InitCalls:
 class PublishRound(InitCalls):
     """One round: its phases, timings, per-server outcomes, rollback and commit.
 
-    ``abort_info`` is the backend's update that ends an open update on a server (see
-    ``TrainerBackend.abort_info``). ``published_version`` is the version every target
-    holds; `commit` advances it, and only when every target finished.
+    ``need``: how many servers must go through the whole round for it to be published
+    (``publish(min_servers=...)``). ``collective``: the backend's payloads are
+    collectives across every server (a lost server breaks them). ``resendable``: the
+    weights can be iterated again (a collective round is then sent again once without
+    a lost server). ``abort_info`` is the backend's update that ends an open update on a
+    server (``TrainerBackend.abort_info``). ``published_version`` is the last published
+    version; `commit` advances it.
     """
 
     def __init__(
@@ -199,16 +147,23 @@ class PublishRound(InitCalls):
         targets: Sequence[str],
         *,
         version: str,
+        need: int,
         pause: PauseMode | None,
         reset_prefix_cache: bool,
         abort_info: Mapping[str, Any],
         published_version: str | None,
+        collective: bool = False,
+        resendable: bool = True,
         seconds: dict[str, float] | None = None,
         verify: Verify | None = None,
         digests: TrainerDigests | None = None,
     ) -> None:
         super().__init__(fleet, targets)
+        self.targets = list(targets)
         self.version = version
+        self.need = need
+        self.collective = collective
+        self.resendable = resendable
         self.pause_mode = pause
         self.reset_cache = reset_prefix_cache
         self.abort_info = abort_info
@@ -217,29 +172,35 @@ class PublishRound(InitCalls):
         self.outcomes = {url: ServerOutcome(url, ok=True) for url in self.targets}
         #: servers holding this round's (or a stale round's) active update
         self.open: set[str] = set()
+        #: servers this round's start was sent to: on a failure they hold weights of no
+        #: published version (dirty), finished or not
+        self.touched: set[str] = set()
         #: servers a pause was attempted on (resumed whatever happens), from the start
         #: those an earlier round left paused (its rollback skips a server that did not
         #: answer: this round resumes it once it answers again)
         self.paused: list[str] = [url for url in self.targets if fleet.state(url).paused]
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
-        #: servers that finished this round, and those whose prefix cache was reset
-        #: after it (a finished server whose reset is unconfirmed may reuse KV blocks of
-        #: the old weights: the rollback resets it again, or leaves it dirty)
-        self.finished: set[str] = set()
-        self.cache_reset: set[str] = set()
-        #: what to check after the finish, the trainer's digests, what was found
+        #: a collective attempt lost a server; `attempts` is 2 once it was sent again
+        self.regroup = False
+        self.attempts = 1
         self.verify = verify
         self.digests = digests
         self.verified: dict[str, Verification] = {}
 
     # ------------------------------------------------------------------ the round
-    async def run(self, job: SendJob, executor: Executor) -> PublishReport:
-        """pause? -> send (start, update(s), finish) -> reset_prefix_cache? -> commit ->
-        resume?; on any failure: rollback, then the error."""
+    async def run(
+        self, job: SendJob, executor: Executor, init: Callable[[], Awaitable[None]] | None = None
+    ) -> PublishReport:
+        """init? -> probe -> pause? -> send (start, update(s), finish) ->
+        reset_prefix_cache? -> verify? -> commit -> resume?; too few servers left:
+        rollback, then the error."""
         began = time.perf_counter()
         logger.info("publishing %r to %d server(s)", self.version, len(self.targets))
         try:
+            if init is not None:
+                await self._init(init)
+            await self.probe()
             if self.pause_mode is not None:
                 await self.pause()
             stats = await self.send(job, executor)
@@ -252,15 +213,19 @@ class PublishRound(InitCalls):
             await run_to_the_end(self.rollback())
             if self._passes_through(exc):
                 raise
-            raise self.error(exc) from exc
+            raise self.error(exc) from self._root_cause(exc)
         self.commit()
-        logger.info("published %r to %s", self.version, ", ".join(self.targets))
-        if self.paused:
-            try:  # a cancel meanwhile is re-raised once every server answered
-                await run_to_the_end(self.resume())
-            except AsyncSyncError as exc:  # reported, but the version stays published
-                raise self.error(exc) from exc
+        await run_to_the_end(self.wind_down())
         return self.report(stats, time.perf_counter() - began)
+
+    def _root_cause(self, exc: BaseException) -> BaseException:
+        """What made the round fail: too few servers left means the first lost one's
+        error (a one-server round's is the server's own)."""
+        if isinstance(exc, _TooFew | _Regroup):
+            for outcome in self.outcomes.values():
+                if outcome.error is not None:
+                    return outcome.error
+        return exc
 
     def _passes_through(self, exc: BaseException) -> bool:
         """Cancellation, and bad input refused before any server's start, are raised
@@ -270,18 +235,76 @@ class PublishRound(InitCalls):
         return isinstance(exc, ValueError | TypeError) and not self.start_attempted
 
     # ------------------------------------------------------------------ phases
+    async def _init(self, init: Callable[[], Awaitable[None]]) -> None:
+        """The backend's init (the publisher's first round). A collective transport that
+        lost a server here has no group: the first send builds one for those left."""
+        try:
+            await self._timed(Phase.INIT, init)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | _TooFew):
+                raise
+            if not self.regroup:
+                raise
+            self.regroup = False
+
+    async def init(self, init_info: InitInfo) -> None:
+        await self._phase(
+            Phase.INIT,
+            lambda live: self.fleet.init_weight_transfer_engine(
+                init_info, targets=live, require="none"
+            ),
+        )
+
+    async def world_sizes(self) -> dict[str, int]:
+        result = await self._phase(
+            Phase.INIT, lambda live: self.fleet.get_world_size(targets=live, require="none")
+        )
+        return {url: result[url].unwrap() for url in self.live}
+
+    async def probe(self) -> None:
+        """Servers last seen unhealthy answer ``/health`` (control deadline) or drop
+        out now, before anything waits an update deadline for them."""
+        unhealthy = [url for url in self.live if not self.fleet.state(url).healthy]
+        if unhealthy:
+            await self._phase(
+                Phase.PROBE,
+                lambda _live: self.fleet.health(targets=unhealthy, require="none"),
+            )
+
     async def pause(self) -> None:
         assert self.pause_mode is not None
         mode = self.pause_mode
         # resumed even if the pause fails midway
-        self.paused.extend(url for url in self.targets if url not in self.paused)
+        self.paused.extend(url for url in self.live if url not in self.paused)
         await self._phase(
-            Phase.PAUSE, lambda: self.fleet.pause(mode, targets=self.targets, require="all")
+            Phase.PAUSE, lambda live: self.fleet.pause(mode, targets=live, require="none")
         )
 
     async def send(self, job: SendJob, executor: Executor) -> SendStats:
-        """The backend's blocking send in the worker thread. Cancelling stops it at the
-        next chunk boundary; the thread is never abandoned mid-chunk."""
+        """The backend's blocking send in the worker thread. A collective transport that
+        lost a server is sent again, once, to the servers left (the backend builds a new
+        group for them: `InitCalls.world_sizes` now names only those)."""
+        try:
+            return await self._send_once(job, executor)
+        except BaseException as exc:
+            if not self._may_regroup(exc):
+                raise
+        self.attempts, self.regroup = 2, False
+        logger.warning(
+            "round %r: the collective lost %s; sending it again to %s in a new group",
+            self.version, ", ".join(self.lost()), ", ".join(self.live),
+        )  # fmt: skip
+        await self._end_updates([url for url in sorted(self.open) if url in self.live])
+        return await self._send_once(job, executor)
+
+    def _may_regroup(self, exc: BaseException) -> bool:
+        if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt | RoundCancelled | _TooFew):
+            return False
+        return self.regroup and self.attempts == 1 and self.resendable
+
+    async def _send_once(self, job: SendJob, executor: Executor) -> SendStats:
+        """One run of the send. Cancelling stops it at the next chunk boundary; the
+        thread is never abandoned mid-chunk."""
         cancel = threading.Event()
         client = SyncFleetClient.on_running_loop(self, cancel=cancel, version=self.version)
         future = asyncio.get_running_loop().run_in_executor(executor, job, client, cancel)
@@ -295,211 +318,215 @@ class PublishRound(InitCalls):
 
     async def start(self) -> None:
         self.start_attempted = True
-        await self._phase(Phase.START, self._start_everywhere)
+        await self._phase(Phase.START, self._start_on)
 
-    async def _start_everywhere(self) -> None:
-        try:
-            await self.fleet.start_weight_update(targets=self.targets, require="all")
-        except FleetError as exc:
-            self.open.update(exc.succeeded)
-            stale = [u for u in exc.failed if is_stale_round_error(_error_of(exc, u))]
-            if not stale or len(stale) != len(exc.failed):
-                raise
-            await self._restart_stale(stale)
-        self.open.update(self.targets)
-
-    async def _restart_stale(self, stale: list[str]) -> None:
-        """End the rounds an earlier trainer left open there, then start this one."""
+    async def _start_on(self, live: list[str]) -> FleetResult[None]:
+        """Start on ``live``; a server still holding a round an earlier trainer left
+        open has that round ended, then is started again."""
+        self.touched.update(live)
+        result = await self.fleet.start_weight_update(targets=live, require="none")
+        self.open.update(result.succeeded)
+        stale = [u for u in result.failed if is_stale_round_error(result[u].error)]
+        if not stale:
+            return result
         self.fleet.mark_dirty(stale)
         await self._end_updates(stale)
-        await self.fleet.start_weight_update(targets=stale, require="all")
+        again = await self.fleet.start_weight_update(targets=stale, require="none")
+        self.open.update(again.succeeded)
+        return FleetResult(result.operation, {**result.outcomes, **again.outcomes})
 
     async def update(self, update_info: UpdateInfo) -> None:
         await self._phase(
             Phase.UPDATE,
-            lambda: self.fleet.update_weights(update_info, targets=self.targets, require="all"),
+            lambda live: self.fleet.update_weights(update_info, targets=live, require="none"),
         )
 
     async def finish(self, weight_version: str | None) -> None:
-        try:
-            await self._phase(
-                Phase.FINISH,
-                lambda: self.fleet.finish_weight_update(
-                    weight_version, targets=self.targets, require="all"
-                ),
-            )
-        except FleetError as exc:
-            self.open.difference_update(exc.succeeded)  # those hold the new version
-            self.finished.update(exc.succeeded)
-            raise
-        self.open.difference_update(self.targets)
-        self.finished.update(self.targets)
+        await self._phase(Phase.FINISH, lambda live: self._finish_on(live, weight_version))
+
+    async def _finish_on(self, live: list[str], weight_version: str | None) -> FleetResult[None]:
+        result = await self.fleet._finish(weight_version, targets=live)
+        self.open.difference_update(result.succeeded)  # those hold the round's weights
+        return result
 
     async def reset_prefix_cache(self) -> None:
-        try:
-            await self._phase(
-                Phase.RESET_PREFIX_CACHE,
-                lambda: self.fleet.reset_prefix_cache(targets=self.targets, require="all"),
-            )
-        except FleetError as exc:
-            self.cache_reset.update(exc.succeeded)
-            raise
-        self.cache_reset.update(self.targets)
+        await self._phase(
+            Phase.RESET_PREFIX_CACHE,
+            lambda live: self.fleet.reset_prefix_cache(targets=live, require="none"),
+        )
 
     async def verify_weights(self, executor: Executor) -> None:
-        """Check every target against the trainer; a server that does not match (or
-        cannot be checked) fails the round there. A probe generates, so paused servers
-        are resumed first."""
+        """Check every server left against the trainer; one that does not match (or
+        cannot be checked) drops out. A probe generates, so paused servers are resumed
+        first."""
         assert self.verify is not None
         verify = self.verify
         if verify.probe is not None and self.paused:
-            await self.resume()
+            await self.fleet.resume(targets=self.paused, require="none")
             self.paused = []  # resumed: neither the commit nor a rollback resumes again
-        await self._phase(Phase.VERIFY, lambda: self._verify_everywhere(verify, executor))
+        await self._phase(Phase.VERIFY, lambda live: self._verify_on(live, verify, executor))
 
-    async def _verify_everywhere(self, verify: Verify, executor: Executor) -> None:
+    async def _verify_on(
+        self, live: list[str], verify: Verify, executor: Executor
+    ) -> FleetResult[None]:
         expected = self.digests.expected() if self.digests is not None else {}
-        results = await verify_servers(self.fleet, self.targets, verify, expected, executor)
+        results = await verify_servers(self.fleet, live, verify, expected, executor)
         self.verified = {url: r for url, r in results.items() if isinstance(r, Verification)}
-        errors: dict[str, Exception] = {}
+        outcomes: dict[str, Outcome[None]] = {}
         for url, found in results.items():
-            if isinstance(found, Exception):
-                errors[url] = found
-            elif not found.ok:
-                errors[url] = found.error()
-        if errors:
-            outcomes: dict[str, Outcome[None]] = {
-                url: Outcome(url, error=errors.get(url)) for url in self.targets
-            }
-            raise FleetError(
-                f"verify failed on {len(errors)} of {len(self.targets)} server(s)",
-                list(errors.values()),
-                operation="verify",
-                outcomes=outcomes,
-            )
+            error = found if isinstance(found, Exception) else (None if found.ok else found.error())
+            outcomes[url] = Outcome(url, error=error)
+        return FleetResult("verify", outcomes)
 
-    async def resume(self) -> None:
-        await self._phase(
-            Phase.RESUME, lambda: self.fleet.resume(targets=self.paused, require="all")
-        )
+    # ------------------------------------------------------------------ who is left
+    async def _phase(self, phase: Phase, call: _Call) -> FleetResult[Any]:
+        """One fan-out of ``phase`` to the servers left: its seconds added, the servers
+        it failed on dropped (`_drop`)."""
+        result: FleetResult[Any] = await self._timed(phase, lambda: call(list(self.live)))
+        self._drop(phase, result)
+        return result
 
-    async def _phase(self, phase: Phase, call: Callable[[], Awaitable[Any]]) -> None:
-        """Run one fan-out of ``phase``: add its seconds, record the servers it failed on."""
+    async def _timed(self, phase: Phase, call: Callable[[], Awaitable[T]]) -> T:
         began = time.perf_counter()
         try:
-            await call()
-        except BaseException as exc:
-            self._record(phase, exc)
-            raise
+            return await call()
         finally:
             key, seconds = phase.seconds_key, time.perf_counter() - began
             self.seconds[key] = self.seconds.get(key, 0.0) + seconds
             logger.debug("round %r: %s took %.4f s", self.version, phase.value, seconds)
 
-    def _record(self, phase: Phase, exc: BaseException) -> None:
-        """Mark the servers ``exc`` failed on (every target, unless it is a fleet error
-        naming them) as failed at ``phase``; a server keeps its first failure."""
-        if isinstance(exc, FleetError):
-            failures = {url: _error_of(exc, url) or exc for url in exc.failed}
-        else:
-            failures = dict.fromkeys(self.targets, exc)
-        for url, error in failures.items():
-            if url in self.outcomes and self.outcomes[url].ok:
-                self.outcomes[url] = ServerOutcome(url, ok=False, phase=phase, error=error)
+    def _drop(self, phase: Phase, result: FleetResult[Any]) -> None:
+        """The servers ``phase`` failed on leave the round. In a collective transport's
+        init or update, a server that answered an error while another gave no answer
+        is the collective's casualty, not lost: it stays for the round sent again."""
+        failed = [url for url in result.failed if url in self.live]
+        if not failed:
+            return
+        collective = self.collective and phase in (Phase.INIT, Phase.START, Phase.UPDATE)
+        lost = failed
+        if collective and phase in (Phase.INIT, Phase.UPDATE):
+            silent = [url for url in failed if _no_answer(result[url].error)]
+            lost = silent or failed
+        for url in lost:
+            self._lose(url, phase, result[url].error or RuntimeError("failed"))
+        if len(self.live) < self.need:
+            raise _TooFew(
+                f"{len(self.live)} server(s) left after {phase.value}, {self.need} needed",
+                [result[url].error or RuntimeError("failed") for url in lost],
+                operation=phase.value,
+                outcomes={url: result[url] for url in failed},
+            )
+        if collective:
+            self.regroup = True
+            raise _Regroup(f"the collective lost {', '.join(lost)} at {phase.value}")
+
+    def _lose(self, url: str, phase: Phase, error: BaseException) -> None:
+        """``url`` drops out at ``phase``: dirty, sent nothing more in this round."""
+        self.live.remove(url)
+        self.outcomes[url] = ServerOutcome(url, ok=False, phase=phase, error=error, dirty=True)
+        self.fleet.mark_dirty([url])
+
+    def lost(self) -> list[str]:
+        """The servers that dropped out, in fleet order."""
+        return [url for url in self.targets if not self.outcomes[url].ok]
+
+    def _timed_out(self, url: str) -> bool:
+        """Whether ``url``'s failure in this round was a deadline (no answer)."""
+        return isinstance(self.outcomes[url].error, ServerTimeout)
 
     # ------------------------------------------------------------------ ends
+    def commit(self) -> None:
+        """Enough servers went through the round: the version is published on them."""
+        self.fleet._published(self.version, self.live)
+        self.published_version = self.version
+
+    async def wind_down(self) -> None:
+        """After the commit: end the updates lost servers may still hold (those that
+        answer), resume the paused ones; a server that does not resume drops out."""
+        lost = self.lost()
+        await self._end_updates(
+            [u for u in sorted(self.open) if u in lost and not self._timed_out(u)]
+        )
+        resumable = [url for url in self.paused if not self._timed_out(url)]
+        if resumable:
+            result: FleetResult[None] = await self._timed(
+                Phase.RESUME, lambda: self.fleet.resume(targets=resumable, require="none")
+            )
+            for url in result.failed:
+                if url in self.live:
+                    self._lose(url, Phase.RESUME, result[url].error or RuntimeError("failed"))
+        lost = self.lost()
+        if lost:
+            logger.warning(
+                "published %r to %s; lost %s (dirty until a round reaches them)",
+                self.version, ", ".join(self.live) or "no server", ", ".join(lost),
+            )  # fmt: skip
+        else:
+            logger.info("published %r to %s", self.version, ", ".join(self.live))
+
     async def rollback(self) -> None:
-        """Leave no server with an active update, reset the prefix cache of servers that
-        finished (their KV blocks were computed with the old weights), mark every server
-        the round reached dirty (a frozen server whose start got no answer included: it
-        may run the start when it thaws; a finished one whose cache reset failed too),
-        and resume the paused ones that answer."""
-        # A server whose call timed out is not sent the abort: it would wait another
-        # deadline for a server that is frozen or overloaded. It stays dirty (below), and
-        # the next round ends whatever update it still holds (is_stale_round_error).
-        answering = [url for url in sorted(self.open) if not self._timed_out(url)]
-        if answering:
-            await self._end_updates(answering)
-        await self._reset_finished_caches()
-        reached = [  # or a weight-sync call got no answer there (_state.observe)
-            url
-            for url, outcome in self.outcomes.items()
-            if url in self.open
-            or outcome.phase in (Phase.UPDATE, Phase.FINISH, Phase.VERIFY)
-            or self.fleet.state(url).dirty
-            or self._stale_cache(url)
-        ]
+        """The round cannot be published: leave no answering server with an active
+        update, mark every server the round started dirty (finished or not, they hold
+        weights of no published version; a frozen server whose start got no answer
+        included: it may run the start when it thaws) and resume the paused ones that
+        answer. A server whose call timed out is sent nothing more: it would wait
+        another deadline; the next round ends whatever update it still holds
+        (`is_stale_round_error`) and resumes it."""
+        await self._end_updates([u for u in sorted(self.open) if not self._timed_out(u)])
+        reached = [u for u in self.targets if u in self.touched or self.outcomes[u].dirty]
         for url in reached:
             self.outcomes[url].dirty = True
         if reached:
             logger.warning("round %r left %s dirty", self.version, ", ".join(reached))
-        self.fleet.mark_dirty(reached)
-        # Nor is it resumed, for the same reason: it is recorded as paused (its pause may
-        # still run) and dirty, so nothing is routed to it, until the next round that
-        # reaches it resumes it.
+            self.fleet.mark_dirty(reached)
+        for url in self.paused:
+            if self._timed_out(url):
+                self.fleet.state(url).paused = True  # its pause may still run
         resumable = [url for url in self.paused if not self._timed_out(url)]
-        for url in set(self.paused) - set(resumable):
-            self.fleet.state(url).paused = True
         if resumable:
-            try:
-                await self.fleet.resume(targets=resumable, require="all")
-            except FleetError as exc:
-                self._record(Phase.RESUME, exc)
-
-    def _timed_out(self, url: str) -> bool:
-        """Whether ``url``'s failure in this round was a deadline (no answer)."""
-        outcome = self.outcomes.get(url)
-        return outcome is not None and isinstance(outcome.error, ServerTimeout)
-
-    def _stale_cache(self, url: str) -> bool:
-        """``url`` finished this round, but its prefix-cache reset is unconfirmed."""
-        return self.reset_cache and url in self.finished and url not in self.cache_reset
-
-    async def _reset_finished_caches(self) -> None:
-        """The round failed or was cancelled after some servers finished and before
-        their cache reset was confirmed: reset them now (a failure leaves them dirty)."""
-        stale = [u for u in self.targets if self._stale_cache(u) and not self._timed_out(u)]
-        if stale:
-            result = await self.fleet.reset_prefix_cache(targets=stale, require="none")
-            self.cache_reset.update(result.succeeded)
+            result = await self.fleet.resume(targets=resumable, require="none")
+            for url in result.failed:
+                if self.outcomes[url].ok:
+                    self.outcomes[url] = ServerOutcome(
+                        url, ok=False, phase=Phase.RESUME, error=result[url].error
+                    )
 
     async def _end_updates(self, urls: list[str]) -> None:
         """End the active update on ``urls`` with the backend's abort update. A rejection
         is the expected answer (the server then holds no active update); a server that
         accepted it, or did not answer, stays dirty."""
-        await self.fleet.update_weights(
+        if not urls:
+            return
+        result = await self.fleet.update_weights(
             self.abort_info, targets=urls, require="none", expect_failure=True
         )
-
-    def commit(self) -> None:
-        """Every target finished: the version is published, whatever resume does next."""
-        self.fleet.mark_clean(self.targets)
-        self.fleet.set_weight_version(self.version, self.targets)
-        self.published_version = self.version
+        self.open.difference_update(result.succeeded)
 
     def report(self, stats: SendStats, total: float) -> PublishReport:
         measured = {"start": 0.0, "transfer": 0.0, "finish": 0.0, **self.seconds}
         measured["pack"] = stats.pack_seconds
-        seconds = {key: measured[key] for key in _SECONDS_ORDER if key in measured}
+        seconds = {key: measured[key] for key in SECONDS_ORDER if key in measured}
         seconds["total"] = total
         return PublishReport(
             version=self.version,
-            servers=list(self.targets),
+            servers=list(self.live),
             bytes=stats.bytes,
             chunks=stats.chunks,
             params=stats.params,
             seconds=seconds,
             outcomes=self.outcomes,
             verified=self.verified,
+            lost=self.lost(),
+            attempts=self.attempts,
         )
 
     def error(self, exc: BaseException) -> PublishError:
         failed = [o for o in self.outcomes.values() if not o.ok]
         dirty = [o.url for o in self.outcomes.values() if o.dirty]
-        lines = "; ".join(f"{o.url} failed at {o.phase}: {o.error}" for o in failed) or str(exc)
+        lines = "; ".join(f"{o.url} failed at {o.phase}: {cause(o.error)}" for o in failed)
         message = (
-            f"publishing version {self.version!r} failed ({lines}); published version "
-            f"stays {self.published_version!r}"
+            f"publishing version {self.version!r} failed ({lines or cause(exc)}); "
+            f"published version stays {self.published_version!r}"
         )
         if isinstance(exc, WeightsModifiedError):  # the trainer's fault, typed as such
             return WeightsModifiedError(
@@ -512,6 +539,24 @@ class PublishRound(InitCalls):
         return PublishError(
             message, version=self.version, outcomes=self.outcomes, needs_resync=dirty
         )
+
+
+def cause(error: BaseException | None) -> str:
+    """An error in a sentence that leads with its cause: vLLM's worker failures are
+    unwrapped (the wrapper stays in the error itself)."""
+    if error is None:
+        return "unknown error"
+    text = error.message if isinstance(error, AsyncSyncError) else str(error)
+    found = _WORKER_CAUSE.search(text)
+    if found is None:
+        return str(error)
+    where = f" [{error.server} {error.route}]" if isinstance(error, AsyncSyncError) else ""
+    return f"{found[1]}{where} (the worker's error; vLLM's full text is in the outcome)"
+
+
+def _no_answer(error: BaseException | None) -> bool:
+    """The call got no answer: a deadline, or the connection was refused or lost."""
+    return isinstance(error, ServerTimeout | ServerUnavailableError)
 
 
 async def run_to_the_end(awaitable: Awaitable[T]) -> T:
@@ -536,7 +581,3 @@ async def run_to_the_end(awaitable: Awaitable[T]) -> T:
 
 def _name(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _error_of(exc: FleetError, url: str) -> BaseException | None:
-    return getattr(exc.outcomes.get(url), "error", None)

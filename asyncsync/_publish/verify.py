@@ -404,8 +404,11 @@ async def verify_servers(
             return exc
         return result
 
-    found = await asyncio.gather(*(one(url) for url in targets))
-    return dict(zip(targets, found, strict=True))
+    async with asyncio.TaskGroup() as group:
+        tasks = {
+            url: group.create_task(one(url), name=f"asyncsync:verify:{url}") for url in targets
+        }
+    return {url: task.result() for url, task in tasks.items()}
 
 
 async def _probe(

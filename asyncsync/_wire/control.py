@@ -513,7 +513,7 @@ def normalize_url(base_url: str) -> str:
         # routes, /inference/v1/generate), so it takes the server's root.
         root = url.rsplit("/inference/v1", 1)[0] if url.endswith("/inference/v1") else url[:-3]
         raise ValueError(
-            f"base_url must be the server's root URL, without {url[len(root):]}: use "
+            f"base_url must be the server's root URL, without {url[len(root) :]}: use "
             f"{root!r}, not {base_url!r} (asyncsync calls routes outside /v1 too)"
         )
     return url

@@ -70,6 +70,10 @@ class TrainerBackend(ABC):
     #: Its options (a frozen dataclass whose fields are the keyword-only options of
     #: ``__init__``); a backend without options keeps the empty base class.
     options_class: ClassVar[type[BackendOptions]] = BackendOptions
+    #: Whether each payload is a collective across every server's workers (a lost
+    #: server breaks it: the round is sent again without it, in a new group), rather
+    #: than something each server loads on its own.
+    collective: ClassVar[bool] = False
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, api: TrainerApi = "engine") -> None:
         self.rank = rank

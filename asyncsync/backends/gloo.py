@@ -306,6 +306,7 @@ class GlooBackend(TrainerBackend):
     name = "gloo"
     server_backend = GLOO_BACKEND_NAME
     options_class = Gloo
+    collective = True
 
     def __init__(
         self,

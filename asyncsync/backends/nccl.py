@@ -141,6 +141,7 @@ class NcclBackend(VllmEngineBackend):
     name = "nccl"
     server_backend = "nccl"
     options_class = NCCL
+    collective = True
 
     def __init__(
         self,

@@ -57,6 +57,27 @@ def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+#: Where vLLM's shared-memory ring buffers live (``multiprocessing.shared_memory``
+#: names them ``psm_<hex>``; the API server, engine core and workers talk through them).
+_SHM_DIR = Path("/dev/shm")
+_RING_BUFFER = "psm_"
+
+
+def ring_buffers_of(pids: list[int]) -> set[str]:
+    """The vLLM ring buffers (``/dev/shm/psm_*``) that processes ``pids`` map."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone meanwhile, or not Linux
+            continue
+        for line in maps.splitlines():
+            path = line.rsplit(" ", 1)[-1]
+            if path.startswith(f"{_SHM_DIR}/{_RING_BUFFER}"):
+                found.add(path.rsplit("/", 1)[-1])
+    return found
+
+
 def process_group_members(pgid: int) -> list[int]:
     """PIDs of live (non-zombie) processes in process group ``pgid`` (Linux /proc)."""
     members: list[int] = []
@@ -79,6 +100,16 @@ def process_group_members(pgid: int) -> list[int]:
         if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(entry.name))
     return members
+
+
+#: Every ring buffer a LocalVLLMServer of this process saw (tests check that none is
+#: left behind: `leftover_ring_buffers`).
+_RING_BUFFERS_SEEN: set[str] = set()
+
+
+def leftover_ring_buffers() -> list[str]:
+    """The vLLM ring buffers of servers this process started that still exist."""
+    return sorted(n for n in _RING_BUFFERS_SEEN if (_SHM_DIR / n).exists())
 
 
 class LocalVLLMServer:
@@ -157,6 +188,9 @@ class LocalVLLMServer:
         self._log_file: Any = None
         self.process: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
+        #: vLLM's ring buffers in /dev/shm this server's processes mapped (removed by
+        #: `astop` when a server killed from outside left them behind)
+        self.ring_buffers: set[str] = set()
         self.options: ServerOptions | None = None
 
     # ----------------------------------------------------------------- properties
@@ -285,7 +319,15 @@ class LocalVLLMServer:
             await asyncio.shield(self.astop())
             raise
         self.startup_seconds = time.monotonic() - started
+        self._note_ring_buffers(self.process.pid)
         return self
+
+    def _note_ring_buffers(self, pgid: int) -> None:
+        """Remember the ring buffers the server's processes map now (vLLM creates them
+        at start-up); `astop` removes whatever of them a killed server left."""
+        found = ring_buffers_of(process_group_members(pgid))
+        self.ring_buffers |= found
+        _RING_BUFFERS_SEEN.update(found)
 
     async def astop(self) -> None:
         """Terminate the server's process group and wait for every member to exit."""
@@ -294,6 +336,7 @@ class LocalVLLMServer:
             return
         pgid = proc.pid
         try:
+            self._note_ring_buffers(pgid)  # if it is still alive
             self._signal_group(pgid, signal.SIGTERM)
             deadline = time.monotonic() + self.stop_timeout
             # Polling: no event tells when the last member of a process group exits.
@@ -309,6 +352,16 @@ class LocalVLLMServer:
         finally:
             self._close_log()
             self.process = None
+            self._remove_ring_buffers()
+
+    def _remove_ring_buffers(self) -> None:
+        """Every process of the group is gone: the ring buffers it mapped are garbage
+        (vLLM removes them on a clean exit, not when it is killed: ~400 MiB of
+        RAM-backed /dev/shm per server)."""
+        for name in sorted(self.ring_buffers):
+            with contextlib.suppress(FileNotFoundError):
+                (_SHM_DIR / name).unlink()
+        self.ring_buffers.clear()
 
     @staticmethod
     def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -1,0 +1,125 @@
+"""What a round reports: its named phases, each server's outcome, the round's figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from asyncsync._publish.verify import Verification
+
+__all__ = ["SECONDS_ORDER", "Phase", "PublishReport", "ServerOutcome"]
+
+#: The order of ``PublishReport.seconds`` (optional phases only when they ran).
+SECONDS_ORDER = (
+    "init",
+    "probe",
+    "pause",
+    "start",
+    "pack",
+    "transfer",
+    "finish",
+    "reset_prefix_cache",
+    "verify",
+    "resume",
+)
+
+
+class Phase(StrEnum):
+    """The named phases of a round (``ServerOutcome.phase`` holds one)."""
+
+    INIT = "init"
+    PROBE = "probe"
+    PAUSE = "pause"
+    START = "start"
+    UPDATE = "update"
+    FINISH = "finish"
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    VERIFY = "verify"
+    RESUME = "resume"
+
+    @property
+    def seconds_key(self) -> str:
+        """Its key in ``PublishReport.seconds`` (the update fan-outs are "transfer")."""
+        return "transfer" if self is Phase.UPDATE else self.value
+
+
+@dataclass
+class ServerOutcome:
+    """What happened on one server during a round.
+
+    Attributes:
+        url: the server.
+        ok: it went through the whole round (it holds the round's weights).
+        phase: the phase it failed in (None when ok).
+        error: why (None when ok).
+        dirty: it holds weights of no published version and serves nothing until a
+            later round finishes there.
+    """
+
+    url: str
+    ok: bool
+    phase: str | None = None
+    error: BaseException | None = None
+    dirty: bool = False
+
+    def __repr__(self) -> str:
+        if self.ok:
+            return f"<ServerOutcome {self.url} ok>"
+        return f"<ServerOutcome {self.url} failed at {self.phase}: {self.error!s}>"
+
+
+@dataclass
+class PublishReport:
+    """The figures of one published round.
+
+    Attributes:
+        version: the version published.
+        servers: the servers that hold it now, in fleet order.
+        lost: the servers that dropped out of the round, in fleet order (their errors
+            are in ``outcomes``); each is dirty until a later round reaches it.
+        bytes: payload bytes sent (of the last attempt).
+        chunks: payloads sent (of the last attempt).
+        params: tensors published.
+        seconds: per phase (``init``, ``probe``, ``pause``, ``start``, ``pack``,
+            ``transfer``, ``finish``, ``reset_prefix_cache``, ``verify``, ``resume``,
+            as they ran) and ``total``.
+        outcomes: every targeted server's `ServerOutcome`.
+        verified: what ``verify=`` found on each server (empty when the round did not
+            verify).
+        attempts: 2 when a collective transport (gloo, nccl) lost a server and the round
+            was sent again to the others in a new group; else 1.
+    """
+
+    version: str
+    servers: list[str]
+    bytes: int
+    chunks: int
+    params: int
+    seconds: dict[str, float]
+    outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
+    verified: dict[str, Verification] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    attempts: int = 1
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds.get("total", 0.0)
+
+    @property
+    def gb_per_s(self) -> float:
+        """Payload bytes per second of the whole round (pack + transfer + finish)."""
+        total = self.total_seconds
+        return self.bytes / total / 1e9 if total > 0 else 0.0
+
+    def __str__(self) -> str:
+        phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
+        lost = f"; lost {', '.join(self.lost)}" if self.lost else ""
+        return (
+            f"published {self.version!r} to {len(self.servers)} server(s){lost}: "
+            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
+            f"({phases})"
+        )
+
+
+def _rate(gb_per_s: float) -> str:
+    return f"{gb_per_s:.2f} GB/s" if gb_per_s >= 0.1 else f"{gb_per_s * 1000:.1f} MB/s"
