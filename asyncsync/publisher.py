@@ -239,33 +239,22 @@ class AsyncWeightPublisher:
         the round once more to the others, in a new group (docs/publishing.md).
 
         Bad input is refused with a ValueError/TypeError naming it before any server is
-        touched: a version that is not a new non-empty string, no weights, names that
-        are not strings or repeat, values that are not dense tensors with data, and
-        what the backend cannot carry. ``check_finite=True`` also reads every tensor
-        (off the event loop) and refuses NaN/Inf; weights from a factory or a one-shot
-        stream are checked as they are packed (a bad tensor after the first chunk then
-        fails the round like any other error).
+        touched: a version that is not new, no weights, names that are not strings or
+        repeat, values that are not dense tensors, what the backend cannot carry.
+        ``check_finite=True`` also reads every tensor (off the event loop) and refuses
+        NaN/Inf (weights from a factory or a one-shot stream: as they are packed).
 
         ``verify`` (opt-in) checks every server against the trainer once it finished:
         ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
         it sent), ``"probe"`` (greedy generations scored by the published module's own
-        forward pass) or a `Verify` with both or other settings. A server that
-        does not match fails the round there (``phase="verify"``, a
-        `WeightMismatchError` naming what differed), is marked dirty, and
-        the version stays unchanged. ``PublishReport.verified`` says what was checked.
+        forward pass) or a `Verify`. A server that does not match drops out at
+        ``phase="verify"`` (a `WeightMismatchError` naming what differed).
 
         Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
         fewer than ``min_servers`` went through the round (the published version is then
         unchanged) and re-raises cancellation after ending the round everywhere.
         """
-        if not isinstance(version, str) or not version:
-            raise ValueError(f"version must be a non-empty string, got {version!r}")
-        if version == self.version:
-            raise ValueError(
-                f"version {version!r} is already published; every round needs a new version"
-            )
-        if pause not in (None, "keep", "wait", "abort"):
-            raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
+        _check_round(version, self.version, pause)
         checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -507,6 +496,17 @@ def _from_keywords(
         f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
     )
     return dataclasses.replace(options, **keywords), api
+
+
+def _check_round(version: object, published: str | None, pause: object) -> None:
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"version must be a non-empty string, got {version!r}")
+    if version == published:
+        raise ValueError(
+            f"version {version!r} is already published; every round needs a new version"
+        )
+    if pause not in (None, "keep", "wait", "abort"):
+        raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
 
 
 def _need(min_servers: object, targets: Sequence[str]) -> int:
