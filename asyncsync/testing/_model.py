@@ -88,8 +88,15 @@ _CORPUS = (
 _CORPUS_WORDS = _CORPUS.split()
 
 
-def _build_tokenizer(vocab_size: int) -> Any:
+def _build_tokenizer(vocab_size: int, chat: bool = False) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials, extra_lines = list(_SPECIAL_TOKENS), []
+    if chat:
+        from asyncsync.testing._chat import CHAT_SPECIAL_TOKENS, chat_corpus
+
+        specials += CHAT_SPECIAL_TOKENS
+        extra_lines = chat_corpus() * 4
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -97,12 +104,13 @@ def _build_tokenizer(vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=list(_SPECIAL_TOKENS),
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # Permutations of the corpus give enough distinct pairs for all merges.
     lines = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
+    lines += extra_lines
     tok.train_from_iterator(lines, trainer=trainer)
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
@@ -122,6 +130,7 @@ def make_tiny_model(
     tokenizer: bool = True,
     arch: TinyArch = "qwen2",
     dtype: TinyDtype = "float32",
+    chat_template: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny, deterministic, transformers-compatible causal LM to ``path``.
@@ -136,6 +145,12 @@ def make_tiny_model(
     dtype of the saved weights (``"bfloat16"`` rounds the float32 initialisation, so the
     same seed gives the same model in both). ``overrides`` replace entries of the
     architecture's config (e.g. ``hidden_size=512`` for a larger model in benchmarks).
+    ``chat_template=True`` makes a chat model: ``<|im_start|>``/``<|im_end|>`` special
+    tokens (``<|im_end|>`` is its EOS), a ChatML-style template with hermes tool calls
+    in ``tokenizer_config.json``, a context of `CHAT_CONTEXT` positions, and weights
+    fine-tuned for a few hundred steps (seconds) so that greedy decoding calls the
+    weather tool on a user turn and answers its result (``asyncsync.testing._chat``;
+    serve it with ``LocalVLLMServer(..., tool_call_parser="hermes")``).
     Requires ``torch`` and ``transformers`` (the ``asyncsync[server]`` extra).
 
     Returns the model directory as a `Path`.
@@ -148,9 +163,13 @@ def make_tiny_model(
     unknown = set(overrides) - set(base)
     if unknown:
         raise TypeError(f"make_tiny_model: unknown {arch} config overrides {sorted(unknown)}")
+    if chat_template and not tokenizer:
+        raise ValueError("make_tiny_model: chat_template=True needs tokenizer=True")
     import torch
 
-    cfg = {**base, **overrides}
+    chat = {"eos_token_id": 4, "vocab_size": 1024, "max_position_embeddings": CHAT_CONTEXT}
+    chat = chat if chat_template else {}
+    cfg = {**base, **chat, **overrides}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -162,24 +181,35 @@ def make_tiny_model(
             model = model_class(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
+    fast = _fast_tokenizer(cfg, chat_template) if tokenizer else None
+    if chat_template:
+        from asyncsync.testing._chat import add_chat
+
+        model = add_chat(model, fast, seed)
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     model.generation_config.do_sample = False
     model.save_pretrained(out, safe_serialization=True)
-
-    if tokenizer:
-        from transformers import PreTrainedTokenizerFast
-
-        tok = _build_tokenizer(int(cfg["vocab_size"]))
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token="<|bos|>",
-            eos_token="<|endoftext|>",
-            pad_token="<|pad|>",
-            model_max_length=int(cfg["max_position_embeddings"]),
-        )
+    if fast is not None:
         fast.save_pretrained(out)
     return out
+
+
+#: The context (``max_position_embeddings``) of a chat model: tool schemas in the system
+#: prompt and a few turns need more than the plain model's 512 positions.
+CHAT_CONTEXT = 1024
+
+
+def _fast_tokenizer(cfg: dict[str, Any], chat: bool) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_build_tokenizer(int(cfg["vocab_size"]), chat),
+        bos_token="<|bos|>",
+        eos_token="<|im_end|>" if chat else "<|endoftext|>",
+        pad_token="<|pad|>",
+        model_max_length=int(cfg["max_position_embeddings"]),
+    )
 
 
 def _config_and_class(arch: TinyArch, cfg: dict[str, Any]) -> tuple[Any, Any]:

@@ -148,6 +148,9 @@ class LocalVLLMServer:
             e.g. ``"1"`` or ``"0-3"``). Give servers sharing a small machine different
             cores: two servers bound to the same core slow each other down many times.
         log_path: where the server's stdout/stderr go (a temp file by default).
+        tool_call_parser: parse tool calls in chat answers with this vLLM parser
+            (``"hermes"`` for `make_tiny_model`'s chat model): adds
+            ``--enable-auto-tool-choice --tool-call-parser NAME``.
     """
 
     def __init__(
@@ -166,6 +169,7 @@ class LocalVLLMServer:
         dtype: str = "float32",
         cpu_cores: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0, got {startup_timeout!r}")
@@ -184,6 +188,7 @@ class LocalVLLMServer:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.cpu_cores = cpu_cores
+        self.tool_call_parser = tool_call_parser
         self._log_path = Path(log_path) if log_path is not None else None
         self._log_file: Any = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -240,6 +245,8 @@ class LocalVLLMServer:
         cmd += server_flags(
             self.options, tokenizer=self.tokenizer, backend=self.weight_transfer_backend
         )
+        if self.tool_call_parser is not None:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
         cmd += list(self.extra_args)
         return cmd
 

@@ -1,0 +1,252 @@
+"""A tiny model that chats: a ChatML-style template with hermes tool calls, and a few
+steps of supervised fine-tuning that teach it one tool call.
+
+`make_tiny_model(..., chat_template=True)` calls `add_chat` after building the
+model: the tokenizer gets ``<|im_start|>``/``<|im_end|>`` (the end of a turn, and the
+model's EOS), ``tokenizer_config.json`` gets `CHAT_TEMPLATE`, and the weights are
+fine-tuned (seeded, deterministic on one machine) so that greedy decoding
+
+- answers a user turn with a call of `WEATHER_TOOL`:
+  `TOOL_CALL_TEXT` (compact JSON: the template re-renders it with spaces, so the
+  sampled text and its re-rendering differ, as they do for real models), and
+- answers the tool's result with `ANSWER_TEXT`,
+
+whatever the system prompt and the tool descriptions say. A vLLM server started with
+``--enable-auto-tool-choice --tool-call-parser hermes`` parses the call
+(``LocalVLLMServer(tool_call_parser="hermes")``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+__all__ = [
+    "ANSWER_TEXT",
+    "CHAT_SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+    "THINKING_CHAT_TEMPLATE",
+    "TOOL_CALL_TEXT",
+    "WEATHER_TOOL",
+    "add_chat",
+    "chat_corpus",
+]
+
+#: The chat model's extra special tokens: a turn opens with the first and ends with the
+#: second (the model's EOS).
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+#: The one tool the chat model calls (OpenAI's ``tools`` shape).
+WEATHER_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+#: The same tool as openai-agents' ``function_tool`` describes it (strict JSON schema).
+_STRICT_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "properties": {"city": {"title": "City", "type": "string"}},
+            "required": ["city"],
+            "title": "get_weather_args",
+            "type": "object",
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+
+#: What the model samples for a user turn (its hermes tool call, compact JSON).
+TOOL_CALL_TEXT = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+#: What the model samples after the tool's result.
+ANSWER_TEXT = "It is sunny in Paris."
+
+
+def _template(think: bool) -> str:
+    """ChatML with hermes tool calls (Qwen2.5's layout). Every newline is written out
+    (``'\\n'`` in a string), none comes from the template's own layout: Jinja's
+    whitespace control is easy to get wrong. With ``think``, assistant turns after the
+    last user turn open with an empty ``<think>`` block and earlier ones do not (as
+    Qwen3's template strips earlier reasoning): the render of a conversation is then
+    not an extension of the render of its beginning once a new user turn arrives."""
+    head = (
+        "{% set ns = namespace(last_user=-1) %}"
+        "{% for m in messages %}{% if m.role == 'user' %}"
+        "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+        "{% if tools %}{{ '<|im_start|>system\\n' }}"
+        "{% if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}"
+        "{{ '# Tools\\n<tools>' }}"
+        "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+        '{{ \'\\n</tools>\\nCall one with <tool_call>\\n{"name": ..., "arguments": ...}'
+        "\\n</tool_call><|im_end|>\\n' }}"
+        "{% elif messages[0].role == 'system' %}"
+        "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+        "{% endif %}"
+    )
+    thinking = (
+        "{% if loop.index0 > ns.last_user %}{{ '\\n<think>\\n\\n</think>\\n' }}{% endif %}"
+        if think
+        else ""
+    )
+    body = (
+        "{% for message in messages %}"
+        "{% if message.role == 'system' and loop.first %}"
+        "{% elif message.role == 'user' or message.role == 'system' %}"
+        "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{% elif message.role == 'assistant' %}{{ '<|im_start|>assistant' }}" + thinking + ""
+        "{% if message.content %}{{ '\\n' + message.content }}{% endif %}"
+        "{% for call in message.tool_calls or [] %}"
+        "{% set f = call.function if call.function is defined else call %}"
+        '{{ \'\\n<tool_call>\\n{"name": "\' + f.name + \'", "arguments": \' }}'
+        "{{ (f.arguments if f.arguments is string else (f.arguments | tojson)) + '}' }}"
+        "{{ '\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+        "{% elif message.role == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+        "{{ '<|im_start|>user' }}{% endif %}"
+        "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+        "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}"
+        "{{ '<|im_end|>\\n' }}{% endif %}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    return head + body
+
+
+#: The chat model's template: ChatML with hermes ``<tool_call>`` JSON, tool results as
+#: ``<tool_response>`` in a user turn.
+CHAT_TEMPLATE = _template(think=False)
+#: The same with an empty ``<think>`` block on assistant turns after the last user turn
+#: only: not prefix-stable across a new user turn (pass it per request with
+#: ``chat_template=`` to a server started with ``--trust-request-chat-template``).
+THINKING_CHAT_TEMPLATE = _template(think=True)
+
+
+def chat_corpus() -> list[str]:
+    """Lines added to the tokenizer's training corpus of a chat model, so that the
+    template's markup and JSON take few tokens."""
+    return [
+        json.dumps(WEATHER_TOOL),
+        json.dumps(_STRICT_TOOL),
+        TOOL_CALL_TEXT,
+        ANSWER_TEXT,
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "<tool_response>\n</tool_response> # Tools\n<tools>\n</tools>",
+        '{"type": "function", "function": {"name": "description": "parameters": '
+        '"properties": "required": "string" "object" "strict": true false null}}',
+        "What is the weather in Paris? You are a helpful assistant.",
+    ]
+
+
+#: Words the training conversations' varying parts are drawn from.
+_WORDS = (  # noqa: SIM905 - a sentence reads better than a list of words
+    "the agent calls tools and answers questions about the weather in a city you are a "
+    "helpful assistant reply briefly use the tool when asked be precise policy trainer "
+    "python asyncio weights server fleet"
+).split()
+
+_SFT_STEPS = 240
+_SFT_BATCH = 8
+_SFT_LR = 1e-2
+
+
+def _conversations(
+    rng: random.Random,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """One training conversation in two prefixes, and its tool: up to the user turn (the
+    model calls the tool next) and up to the tool's result (the model answers next).
+    System prompt, tool description and question vary, so that only the shape decides."""
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+
+    tool = json.loads(json.dumps(rng.choice((WEATHER_TOOL, _STRICT_TOOL))))
+    tool["function"]["description"] = rng.choice((words(2, 8), "The weather in a city."))
+    first: list[dict[str, Any]] = []
+    if rng.random() < 0.7:
+        first.append({"role": "system", "content": words(3, 12)})
+    question = "What is the weather in Paris?"
+    if rng.random() < 0.5:
+        question = f"{words(1, 5)} {question}"
+    first.append({"role": "user", "content": question})
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    second = [
+        *first,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": call}],
+        },
+        {"role": "tool", "content": rng.choice(["sunny", "sunny, 21 C", words(1, 4)])},
+    ]
+    return first, second, tool
+
+
+def _examples(tokenizer: Any, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target ids) pairs rendered with `CHAT_TEMPLATE`."""
+    rng = random.Random(seed)
+    call_ids = tokenizer.encode(TOOL_CALL_TEXT + "<|im_end|>", add_special_tokens=False)
+    answer_ids = tokenizer.encode(ANSWER_TEXT + "<|im_end|>", add_special_tokens=False)
+    out: list[tuple[list[int], list[int]]] = []
+    while len(out) < count:
+        first, second, tool = _conversations(rng)
+        for messages, target in ((first, call_ids), (second, answer_ids)):
+            prompt = tokenizer.apply_chat_template(
+                messages, tools=[tool], add_generation_prompt=True, tokenize=True
+            )
+            prompt = list(getattr(prompt, "input_ids", prompt))
+            if isinstance(prompt[0], list):  # a batch of one
+                prompt = prompt[0]
+            out.append((prompt, list(target)))
+    return out
+
+
+def _fine_tune(model: Any, examples: list[tuple[list[int], list[int]]], seed: int) -> None:
+    """Supervised fine-tuning on the targets only (loss masked on the prompts)."""
+    import torch
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=_SFT_LR)
+    model.train()
+    for _ in range(_SFT_STEPS):
+        batch = rng.sample(examples, min(_SFT_BATCH, len(examples)))
+        width = max(len(p) + len(t) for p, t in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        for row, (prompt, target) in enumerate(batch):
+            seq = prompt + target
+            ids[row, : len(seq)] = torch.tensor(seq)
+            labels[row, len(prompt) : len(seq)] = torch.tensor(target)
+        loss = model(input_ids=ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def add_chat(model: Any, tokenizer: Any, seed: int) -> Any:
+    """Give ``tokenizer`` the chat template and teach ``model`` the tool call; returns
+    the fine-tuned model (the caller saves both)."""
+    tokenizer.chat_template = CHAT_TEMPLATE
+    examples = _examples(tokenizer, 96, seed)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the same result on every machine of a kind, and no
+        _fine_tune(model, examples, seed)  # fight with servers for the cores
+    finally:
+        torch.set_num_threads(threads)
+    return model
