@@ -39,7 +39,13 @@ from asyncsync._core.types import FleetResult, Outcome
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._generation.engine import CompletionStream
 from asyncsync._http.retry import RetryPolicy
+from asyncsync._rollout import openai_client as _openai_client  # noqa: F401  # registers fleet.openai
+from asyncsync._rollout.chat import ChatFallbackWarning, ChatSession, ChatTurn
+from asyncsync._rollout.chat_reply import ChatReply
+from asyncsync._rollout.gateway import ChatGateway
+from asyncsync._rollout.prefix import PrefixReport, UnstablePrefixError
 from asyncsync._rollout.trajectory import Trajectory
+from asyncsync._wire.chat import ChatRequestError
 from asyncsync._wire.control import WeightComparison
 from asyncsync._wire.generation import (
     GenerateOptions,
@@ -68,6 +74,12 @@ __all__ = [
     "AsyncSyncError",
     "AsyncVLLMClient",
     "AsyncWeightPublisher",
+    "ChatFallbackWarning",
+    "ChatGateway",
+    "ChatReply",
+    "ChatRequestError",
+    "ChatSession",
+    "ChatTurn",
     "ClosedError",
     "Completion",
     "CompletionStream",
@@ -78,6 +90,7 @@ __all__ = [
     "GenerationAborted",
     "GenerationError",
     "Outcome",
+    "PrefixReport",
     "PromptScores",
     "ProtocolError",
     "PublishError",
@@ -97,6 +110,7 @@ __all__ = [
     "Timeouts",
     "TokenDelta",
     "Trajectory",
+    "UnstablePrefixError",
     "UnsupportedVLLMError",
     "Verification",
     "Verify",

@@ -48,6 +48,15 @@ __all__ = ["Fleet"]
 T = TypeVar("T")
 _Targets = Iterable[str] | None
 
+#: `Fleet.openai`'s implementation, which lives in the rollout layer above this one
+#: (asyncsync._rollout.openai_client registers it when asyncsync is imported).
+_CHAT_CLIENT: list[Callable[..., Any]] = []
+
+
+def register_chat_client(factory: Callable[..., Any]) -> None:
+    """Register `Fleet.openai`'s implementation (asyncsync does, on import)."""
+    _CHAT_CLIENT[:] = [factory]
+
 
 class Fleet(FleetControl, FleetVersions):
     """Many vLLM servers driven concurrently; an async context manager.
@@ -387,6 +396,16 @@ class Fleet(FleetControl, FleetVersions):
             routed=True,
         )  # fmt: skip
         return await self._dispatch.routed(send, GenerationEngine.score, ids, top_k, send)
+
+    def openai(self, session: Any, **options: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
+        in-process (an httpx transport, no socket): for agent code that takes a client
+        object. ``session``: a `ChatSession`, or a session id (the fleet's own session
+        of that id, `ChatSession.of`). ``options`` go to ``AsyncOpenAI``. Needs the
+        ``asyncsync[openai]`` extra; docs/agents.md."""
+        if not _CHAT_CLIENT:  # pragma: no cover - registered by `import asyncsync`
+            raise RuntimeError("fleet.openai() is registered by `import asyncsync`")
+        return _CHAT_CLIENT[0](self, session, **options)
 
     def _options(
         self, options: Mapping[str, Any], n: int, where: str

@@ -55,6 +55,15 @@ EXPECTED_PUBLIC = {
     "__version__",
     "backends",
     "share_weights",
+    # chat sessions and the gateway (docs/agents.md)
+    "ChatFallbackWarning",
+    "ChatGateway",
+    "ChatReply",
+    "ChatRequestError",
+    "ChatSession",
+    "ChatTurn",
+    "PrefixReport",
+    "UnstablePrefixError",
 }
 
 
