@@ -6,9 +6,9 @@ model: the tokenizer gets ``<|im_start|>``/``<|im_end|>`` (the end of a turn, an
 model's EOS), ``tokenizer_config.json`` gets `CHAT_TEMPLATE`, and the weights are
 fine-tuned (seeded, deterministic on one machine) so that greedy decoding
 
-- answers a user turn with a call of `WEATHER_TOOL`:
-  `TOOL_CALL_TEXT` (compact JSON: the template re-renders it with spaces, so the
-  sampled text and its re-rendering differ, as they do for real models), and
+- answers a user turn with a call of `WEATHER_TOOL`: `TOOL_CALL_TEXT` (its arguments
+  compact JSON: the template re-renders them with spaces, so the sampled text and its
+  re-rendering differ, as they do for real models), and
 - answers the tool's result with `ANSWER_TEXT`,
 
 whatever the system prompt and the tool descriptions say. A vLLM server started with
@@ -24,6 +24,7 @@ from typing import Any
 
 __all__ = [
     "ANSWER_TEXT",
+    "CHAT_MARKUP_TOKENS",
     "CHAT_SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
     "THINKING_CHAT_TEMPLATE",
@@ -36,6 +37,10 @@ __all__ = [
 #: The chat model's extra special tokens: a turn opens with the first and ends with the
 #: second (the model's EOS).
 CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+#: Markup the chat model's tokenizer holds as one token each (plain text, not special:
+#: they decode into the text the tool parser reads), as real hermes models do.
+CHAT_MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 #: The one tool the chat model calls (OpenAI's ``tools`` shape).
 WEATHER_TOOL: dict[str, Any] = {
@@ -68,8 +73,11 @@ _STRICT_TOOL: dict[str, Any] = {
     },
 }
 
-#: What the model samples for a user turn (its hermes tool call, compact JSON).
-TOOL_CALL_TEXT = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
+#: What the model samples for a user turn: the hermes envelope exactly as vLLM's hermes
+#: structural tag enforces it for ``strict`` tools (openai-agents' default), the
+#: arguments as compact JSON, which the template re-renders with spaces: the sampled text
+#: and its re-rendering differ, as they do for real models.
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
 #: What the model samples after the tool's result.
 ANSWER_TEXT = "It is sunny in Paris."
 
@@ -156,7 +164,7 @@ _WORDS = (  # noqa: SIM905 - a sentence reads better than a list of words
     "python asyncio weights server fleet"
 ).split()
 
-_SFT_STEPS = 240
+_SFT_STEPS = 300
 _SFT_BATCH = 8
 _SFT_LR = 1e-2
 

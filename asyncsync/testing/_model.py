@@ -91,12 +91,13 @@ _CORPUS_WORDS = _CORPUS.split()
 def _build_tokenizer(vocab_size: int, chat: bool = False) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    specials, extra_lines = list(_SPECIAL_TOKENS), []
+    specials, extra_lines, markup = list(_SPECIAL_TOKENS), [], []
     if chat:
-        from asyncsync.testing._chat import CHAT_SPECIAL_TOKENS, chat_corpus
+        from asyncsync.testing._chat import CHAT_MARKUP_TOKENS, CHAT_SPECIAL_TOKENS, chat_corpus
 
         specials += CHAT_SPECIAL_TOKENS
         extra_lines = chat_corpus() * 4
+        markup = list(CHAT_MARKUP_TOKENS)
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -112,6 +113,8 @@ def _build_tokenizer(vocab_size: int, chat: bool = False) -> Any:
     lines = [" ".join(_CORPUS_WORDS[i:] + _CORPUS_WORDS[:i]) for i in range(len(_CORPUS_WORDS))]
     lines += extra_lines
     tok.train_from_iterator(lines, trainer=trainer)
+    if markup:
+        tok.add_tokens(markup)  # one id each, decoded as text (not special)
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
         # Every id the model can emit must decode: pad the vocabulary with named tokens.
