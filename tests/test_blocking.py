@@ -257,6 +257,7 @@ _NOT_MIRRORED = {
     "tokenizer",
     "if_busy",
     "api",
+    "openai",  # an openai.AsyncOpenAI: its requests run on the caller's own loop
 }
 
 

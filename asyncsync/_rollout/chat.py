@@ -35,6 +35,7 @@ from asyncsync._rollout.prefix import (
     ON_UNSTABLE,
     OnUnstable,
     PrefixReport,
+    PrefixStatus,
     UnstablePrefixError,
     align_end,
     closing_after,
@@ -346,7 +347,7 @@ class ChatSession:
         reason = (
             "the template renders the earlier turns differently now"
             if d1 is not None
-            else "the template renders the last assistant turn differently with the new messages"
+            else "the template renders the conversation so far differently once new messages follow"
         )
         return await self._unstable(url, full, history, request, position, None, reason)
 
@@ -494,7 +495,7 @@ class ChatSession:
         return _Plan(prompt, _forked("first", rendered), rendered, request, True)
 
 
-def _forked(status: Any, rendered: Rendered) -> PrefixReport:
+def _forked(status: PrefixStatus, rendered: Rendered) -> PrefixReport:
     return PrefixReport(status, bridge=tuple(rendered.token_ids))
 
 

@@ -87,7 +87,9 @@ class ChatReply:
     """One chat turn's answer (see the module docstring).
 
     Attributes:
-        id, model, created: as in an OpenAI chat completion.
+        id: the completion's id (the server's request id).
+        model: the served model's name.
+        created: Unix time of the answer.
         choices: one `ChatChoice`.
         usage: `ChatUsage`.
         completion: the generation behind it (`Completion`: exact ids, logprobs,

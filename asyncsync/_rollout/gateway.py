@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import ipaddress
 import logging
 import warnings
@@ -211,9 +212,11 @@ class ChatGateway:
 
     Args:
         fleet: the open `Fleet` the sessions generate on.
-        host, port: where to listen (``port=0``: a free port, see `port`).
-        tools, on_unstable: defaults of the sessions the gateway creates
-            (see `ChatSession`).
+        host: the address to listen on (loopback by default).
+        port: the port (``0``: a free one; the chosen one is `port` once started).
+        tools: the default ``tools`` of the sessions the gateway creates.
+        on_unstable: ``on_unstable`` of the sessions the gateway creates (see
+            `ChatSession`).
         api_key: when set, every request must carry it as a bearer token (401 else).
     """
 
@@ -231,6 +234,7 @@ class ChatGateway:
         self.host = host
         self._requested_port = port
         self.port: int | None = None
+        """The port listened on (None until started)."""
         self._tools = tools
         self._on_unstable: OnUnstable = on_unstable
         self._api_key = api_key
@@ -307,9 +311,8 @@ class ChatGateway:
     async def _serve(self, request: web.Request) -> web.StreamResponse:
         from aiohttp import web
 
-        if (
-            self._api_key is not None
-            and request.headers.get("Authorization") != f"Bearer {self._api_key}"
+        if self._api_key is not None and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), f"Bearer {self._api_key}".encode()
         ):
             answer = _error(
                 401, "missing or wrong API key", "invalid_request_error", code="invalid_api_key"

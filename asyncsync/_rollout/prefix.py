@@ -38,6 +38,7 @@ __all__ = [
     "ON_UNSTABLE",
     "OnUnstable",
     "PrefixReport",
+    "PrefixStatus",
     "UnstablePrefixError",
     "align_end",
     "closing_after",
