@@ -143,6 +143,10 @@ def test_derender_gets_the_ids_without_the_one_it_stopped_on() -> None:
     stopped = generate_response_of(_completion([7, 8, EOS], "stop"))["choices"][0]
     assert stopped["token_ids"] == [7, 8]
     assert len(stopped["logprobs"]["content"]) == 2
+    # Both vLLM generations' shapes: 0.32 reads token_id, 0.27.1 requires token (its
+    # "token_id:N" placeholder, which its derender resolves with the tokenizer).
+    entry = stopped["logprobs"]["content"][0]
+    assert entry == {"token_id": 7, "token": "token_id:7", "logprob": -0.5, "top_logprobs": []}
     truncated = generate_response_of(_completion([7, 8], "length"))["choices"][0]
     assert truncated["token_ids"] == [7, 8]
     on_string = generate_response_of(_completion([7, 8], "stop", "STOP"))["choices"][0]

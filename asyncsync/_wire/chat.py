@@ -221,14 +221,20 @@ def generate_response_of(completion: Completion) -> dict[str, Any]:
         choice["logprobs"] = {
             "content": [
                 {
-                    "token_id": tok,
-                    "logprob": lp,
-                    "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top.items()],
+                    **_logprob_entry(tok, lp),
+                    "top_logprobs": [_logprob_entry(t, v) for t, v in top.items()],
                 }
                 for tok, lp, top in zip(ids, logprobs, tops, strict=True)
             ]
         }
     return {"request_id": completion.request_id or "chatcmpl-asyncsync", "choices": [choice]}
+
+
+def _logprob_entry(token_id: int, logprob: float) -> dict[str, Any]:
+    """One logprob of a derender body in both vLLM generations' shapes: 0.32 reads the
+    integer ``token_id``; 0.27.1 requires ``token``, which it resolves from its
+    ``"token_id:N"`` placeholder. Each ignores the other's field."""
+    return {"token_id": token_id, "token": f"token_id:{token_id}", "logprob": logprob}
 
 
 def derender_body(
