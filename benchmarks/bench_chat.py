@@ -150,7 +150,8 @@ async def pieces(fleet: az.Fleet, url: str, model: str, repeat: int = 20) -> dic
         began = time.perf_counter()
         await fresh.create(messages, temperature=0)
         out["turn"].append(time.perf_counter() - began)
-    return {k: statistics.median(v) for k, v in out.items()}
+    medians = {k: statistics.median(v) for k, v in out.items()}
+    return {**medians, "call_tokens": len(first.token_ids), "answer_tokens": len(second.token_ids)}
 
 
 async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
@@ -232,7 +233,9 @@ def main() -> None:
     )
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     results, pieces_ = az.run(measure(args))
+    load_after = os.getloadavg()[0]
     rows, ratios = table(results)
     names = list(results["1"]["runs"])
     gateway_vs_session = ratios["1"][names[2]] / ratios["1"][names[1]]
@@ -241,9 +244,11 @@ def main() -> None:
         BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}, {'uvloop' if uvloop_enabled() else 'asyncio'} "
-        f"loop, JSON: {_json.BACKEND}. One vLLM-CPU server (the tiny chat model, hermes tool "
+        f"loop, JSON: {_json.BACKEND}; 1-minute load average {load_before:.1f} before, "
+        f"{load_after:.1f} after. One vLLM-CPU server (the tiny chat model, hermes tool "
         "parser; its threads on one core, the client on the other). An episode is the same "
-        "two-turn tool loop (a tool call of 26 tokens, then an answer of 7) at temperature 0; "
+        f"two-turn tool loop (a tool call of {pieces_['call_tokens']:.0f} sampled tokens, then "
+        f"an answer of {pieces_['answer_tokens']:.0f}) at temperature 0; "
         f"{ROUNDS} interleaved rounds per case and concurrency, the median round; latency is "
         "the median episode's time per turn, throughput turns per second.",
         "",
