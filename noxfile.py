@@ -119,6 +119,7 @@ def unit(session: nox.Session) -> None:
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        "psutil>=5.9",  # tests/test_load_vllm.py's resource counts (collected here too)
     )
     session.run(
         "python",
