@@ -13,6 +13,7 @@ a missing half of a pair, NaN/Inf.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import re
@@ -53,9 +54,11 @@ def _config_dict(config: Any) -> dict[str, Any]:
         raise TypeError(
             f"the adapter's config must be a peft.LoraConfig or a dict, got {type(config).__name__}"
         )
-    for key, value in list(out.items()):  # sets (target_modules) are not JSON
+    for key, value in list(out.items()):  # sets (target_modules) and enums are not JSON
         if isinstance(value, set | frozenset):
             out[key] = sorted(value)
+        elif isinstance(value, enum.Enum):
+            out[key] = value.value
     out.setdefault("peft_type", "LORA")
     return out
 
