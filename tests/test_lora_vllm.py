@@ -180,7 +180,7 @@ async def test_partial_lora_rounds(lora_server: LocalVLLMServer, lora_model_dir:
         assert not fleet.state(fake.url).dirty  # its base weights are untouched
         c = await _greedy(fleet, PROMPT, lora="part")
         assert c.server == lora_server.url
-        with pytest.raises(az.PublishError, match="failed at load_lora.*stays .p1."):
+        with pytest.raises(az.PublishError, match=r"failed at load_lora.*stays .p1."):
             await publisher.publish_lora("part", adapter, version="p2", min_servers="all")
         assert fleet._adapters.current("part") == "p1"
         models = (await fleet.models(targets=[lora_server.url])).values_by_url
