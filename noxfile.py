@@ -247,6 +247,7 @@ BENCHMARKS = {
     "publish": "benchmarks/bench_publish.py",
     "transports": "benchmarks/bench_transports.py",
     "generate": "benchmarks/bench_generate.py",
+    "small_rounds": "benchmarks/bench_small_rounds.py",
 }
 
 
@@ -262,10 +263,13 @@ def bench(session: nox.Session) -> None:
     - transports: gloo beside shm on the same 199 MB model, one and two servers.
     - generate: asyncsync's generate path against bare aiohttp and openai's AsyncOpenAI
       (a fast fake server at concurrency 256, and 1,000 generations on a real server).
+    - small_rounds: delta rounds beside full ones over shm and gloo (a bfloat16 model
+      trained with Adam at lr 1e-6), a LoRA round beside a full round of its base, and
+      generation with --enable-lora beside without.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast")
+    install_with_server(session, "server,fast,lora,delta")
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

@@ -335,6 +335,10 @@ class Fleet(_Closing[az.Fleet]):
     compare_weights = blocking_method(az.Fleet.compare_weights)
     get_world_size = blocking_method(az.Fleet.get_world_size)
     reset_prefix_cache = blocking_method(az.Fleet.reset_prefix_cache)
+    load_lora_adapter = blocking_method(az.Fleet.load_lora_adapter)
+    unload_lora_adapter = blocking_method(az.Fleet.unload_lora_adapter)
+    models = blocking_method(az.Fleet.models)
+    lora_limits = blocking_method(az.Fleet.lora_limits)
     init_weight_transfer_engine = blocking_method(az.Fleet.init_weight_transfer_engine)
     start_weight_update = blocking_method(az.Fleet.start_weight_update)
     update_weights = blocking_method(az.Fleet.update_weights)
@@ -380,6 +384,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
     init = blocking_method(az.AsyncWeightPublisher.init)
     publish = blocking_method(az.AsyncWeightPublisher.publish)
+    publish_lora = blocking_method(az.AsyncWeightPublisher.publish_lora)
     verify = blocking_method(az.AsyncWeightPublisher.verify)
 
     @property

@@ -20,6 +20,7 @@ from asyncsync._core.errors import ClosedError, ServerUnavailableError
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import Require, Route, check_require
+from asyncsync._fleet.adapters import AdapterTable
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
 from asyncsync._fleet.members import Members
@@ -130,7 +131,11 @@ class Fleet(FleetControl, FleetVersions):
         self._members = Members()
         self._history = VersionHistory()
         self._policy = RoutingPolicy(max_staleness, admission_timeout)
-        self._dispatch = Dispatcher(self._members, self._history, self._policy, self._probe)
+        #: LoRA adapters published through this fleet and who holds them
+        self._adapters = AdapterTable()
+        self._dispatch = Dispatcher(
+            self._members, self._history, self._policy, self._probe, self._adapters
+        )
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
         self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
@@ -219,6 +224,7 @@ class Fleet(FleetControl, FleetVersions):
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
         self._dispatch.sessions.drop_server(url)
+        self._adapters.forget(url)
         if owned:
             await client.aclose()
         return client.server_state

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,8 @@ from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, FleetError, PublishError, UnsupportedVLLMError
 from asyncsync._core.types import Outcome
 from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
+from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
     InitCalls,
@@ -140,6 +143,10 @@ class AsyncWeightPublisher:
         self._closed = False
         self.version: str | None = None
         self.last_report: PublishReport | None = None
+        #: the LoRA adapters this publisher published (`publish_lora`), made on first use
+        self._lora: LoraRounds | None = None
+        #: the record of a delta chain (`publish(..., delta=True)`), made on first use
+        self._chain: DeltaChain | None = None
         if fleet is not None:
             fleet._on_close(self._release)
 
@@ -182,6 +189,12 @@ class AsyncWeightPublisher:
         buffers too."""
         async with self._lock:
             self._closed = True
+            if (
+                self._lora is not None
+                and self.fleet is not None
+                and self.fleet._transport.state == "open"
+            ):
+                await self._lora.close()  # unloads, then removes what no server needs
             self._backend.close()
             if self._own_executor:
                 self._executor.shutdown(wait=False)
@@ -225,6 +238,7 @@ class AsyncWeightPublisher:
         check_finite: bool = False,
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
+        delta: bool = False,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
@@ -235,24 +249,25 @@ class AsyncWeightPublisher:
         round is published when at least ``min_servers`` of the targets went through it
         (``"all"``: every one): the version advances, `PublishReport.lost` names the
         servers that dropped out and a warning is logged. Fewer: `PublishError`, the
-        version unchanged. A collective transport (gloo, nccl) that loses a server sends
-        the round once more to the others, in a new group (docs/publishing.md).
+        version unchanged. A collective transport that loses a server sends the round
+        again to the others, in a new group (docs/publishing.md).
 
         Bad input is refused with a ValueError/TypeError naming it before any server is
         touched: a version that is not new, no weights, names that are not strings or
-        repeat, values that are not dense tensors, what the backend cannot carry.
-        ``check_finite=True`` also reads every tensor (off the event loop) and refuses
-        NaN/Inf (weights from a factory or a one-shot stream: as they are packed).
+        repeat, values that are not dense tensors, what the backend cannot carry;
+        ``check_finite=True`` also refuses NaN/Inf (read off the loop; streams as packed).
 
         ``verify`` (opt-in) checks every server against the trainer once it finished:
         ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
         it sent), ``"probe"`` (greedy generations scored by the published module's own
         forward pass) or a `Verify`. A server that does not match drops out at
-        ``phase="verify"`` (a `WeightMismatchError` naming what differed).
+        ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
+        (shm, gloo) sends only what changed since the version every target acknowledged
+        (else a full round); `PublishReport.delta` says what (docs/delta.md).
 
         Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
-        fewer than ``min_servers`` went through the round (the published version is then
-        unchanged) and re-raises cancellation after ending the round everywhere.
+        fewer than ``min_servers`` went through the round (the version stays), and
+        re-raises cancellation after ending the round everywhere.
         """
         _check_round(version, self.version, pause)
         checks = as_verify(verify, weights)
@@ -269,9 +284,8 @@ class AsyncWeightPublisher:
             need = _need(min_servers, targets)
             if checks is not None and checks.checksum:
                 await self._check_checksum_route(targets)
-            return await self._publish(
-                weights, version, pause, reset_prefix_cache, progress, targets, checks, need
-            )
+            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta)
+            return await self._publish(weights, version, *args)
 
     async def _check_checksum_route(self, targets: Sequence[str]) -> None:
         """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
@@ -359,10 +373,13 @@ class AsyncWeightPublisher:
         targets: list[str],
         verify: Verify | None,
         need: int,
+        delta: bool = False,
     ) -> PublishReport:
         assert self.fleet is not None
-        # Known up front unless the weights come from a factory (called in the thread):
-        # then bad input is refused before the round touches any server.
+        self._chain, chain = chain_round(
+            self._chain, delta, self.backend, self.options, targets, version
+        )
+        # Known up front unless a factory (called in the thread) makes them: checked there.
         source = None if is_factory(weights) else resolve(weights)
         if source is not None:
             check_weights(source)
@@ -372,40 +389,69 @@ class AsyncWeightPublisher:
         )
         # The trainer's digests are taken as the tensors are packed (streams included).
         digests = TrainerDigests(verify.dtype) if verify is not None and verify.checksum else None
+        # A collective round that lost a server is sent again, once: not a one-shot
+        # stream, and not with other ranks, which iterate the weights once (their
+        # collectives, an FSDP all-gather, would wait for rank 0 forever).
+        resendable = (source is None or source.reiterable) and self.world_size == 1
         round_ = PublishRound(
-            self.fleet,
-            targets,
-            version=version,
-            need=need,
-            pause=pause,
-            reset_prefix_cache=reset_prefix_cache,
-            abort_info=self._backend.abort_info(),
-            published_version=self.version,
-            collective=self._backend.collective,
-            # A collective round that lost a server is sent again, once: not a one-shot
-            # stream, and not with other ranks, which iterate the weights once (their
-            # collectives, an FSDP all-gather, would wait for rank 0 forever).
-            resendable=(source is None or source.reiterable) and self.world_size == 1,
-            verify=verify,
-            digests=digests,
-        )
+            self.fleet, targets, version=version, need=need, pause=pause,
+            reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
+            published_version=self.version, collective=self._backend.collective,
+            resendable=resendable, verify=verify, digests=digests,
+        )  # fmt: skip
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests),
+                _SendJob(self._backend, weights, source, reporter, digests, chain),
                 self._executor,
                 init,
             )
-        except PublishError as exc:
-            _hooks.publish_failed(version, exc)
+        except BaseException as exc:
+            if chain is not None:
+                chain.failed()  # the next round of the chain is a full one
+            if isinstance(exc, PublishError):
+                _hooks.publish_failed(version, exc)
             raise
         finally:
             self.version = round_.published_version
             if bar is not None:
                 bar.close()
+        if chain is not None:
+            chain.done(report)
         self.last_report = report
         _hooks.published(report)
+        if self._lora is not None:  # servers that lost their adapters get them again
+            await self._lora.after_base_round(report.servers)
         return report
+
+    async def publish_lora(
+        self, name: str, adapter: Any, *, version: str, config: Any = None, base: Any = None,
+        targets: Sequence[str] | None = None, min_servers: int | Literal["all"] = 1,
+        shared_dir: str | os.PathLike[str] | None = None,
+    ) -> PublishReport:  # fmt: skip
+        """Publish a LoRA adapter as ``version`` of adapter ``name`` on every (targeted)
+        server; generate with it through ``fleet.generate(..., lora=name)``.
+
+        ``adapter``: a ``peft.PeftModel`` (the ``lora`` extra), or a mapping of LoRA
+        tensors in peft's names with ``config`` (a ``LoraConfig`` or its dict) and
+        optionally ``base``, the module it adapts. Bad adapters are refused with a
+        ValueError naming the tensor before any server is touched. Written once, off
+        the loop, into a new directory on this host's tmpfs (``shared_dir``: one every
+        server can read, required for servers on other hosts), loaded on every target
+        at once; partial rounds as `publish` (``min_servers``, `PublishReport.lost`,
+        `PublishError`). Servers: ``LocalVLLMServer(..., lora=True)``; docs/lora.md."""
+        if self._lock.locked() and self.if_busy == "raise":
+            raise RuntimeError("a publish is already running (if_busy='raise')")
+        async with self._lock:
+            if self._closed or self.fleet is None or not self.is_sender:
+                raise ClosedError("publish_lora needs an open publisher of rank 0 (with the fleet)")
+            urls = self._targets(targets)
+            need = _need(min_servers, urls)
+            self._lora = self._lora or LoraRounds(self.fleet, self._executor)
+            return await self._lora.publish(
+                name, adapter, version=version, targets=urls, need=need, config=config,
+                base=base, shared_dir=shared_dir,
+            )  # fmt: skip
 
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
@@ -439,7 +485,7 @@ class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "digests", "on_chunk", "source", "weights")
+    __slots__ = ("backend", "chain", "digests", "on_chunk", "source", "weights")
 
     def __init__(
         self,
@@ -448,12 +494,14 @@ class _SendJob:
         source: WeightSource | None,
         on_chunk: ProgressFn | None,
         digests: TrainerDigests | None = None,
+        chain: ChainRound | None = None,
     ) -> None:
         self.backend = backend
         self.weights = weights
         self.source = source
         self.on_chunk = on_chunk
         self.digests = digests
+        self.chain = chain
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
@@ -462,6 +510,8 @@ class _SendJob:
             check_weights(source)
         if self.digests is not None:
             source = DigestTap(source, self.digests)
+        if self.chain is not None and client is not None:
+            source = self.chain.source(source)  # the patches (or a full round) to send
         try:
             return self.backend.send(source, client, SendControl(cancel, self.on_chunk))
         finally:

@@ -69,6 +69,10 @@ class Completion:
             version when the request was sent and when it completed.
         staleness: versions behind the fleet's newest version at completion (the oldest
             version among this completion's tokens); None when unknown or not via a fleet.
+        lora: the LoRA adapter it was generated with (``Fleet.generate(..., lora=...)``),
+            None for the base model.
+        lora_versions: spans over output tokens of the adapter's version (exact: each
+            adapter version is a model of its own on the server); empty without one.
     """
 
     prompt_token_ids: list[int]
@@ -89,6 +93,8 @@ class Completion:
     admitted_version: str | None = None
     completed_version: str | None = None
     staleness: int | None = None
+    lora: str | None = None
+    lora_versions: tuple[WeightVersionSpan, ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -119,6 +125,15 @@ class Completion:
         if not versions and not self.token_ids:
             return self.completed_version
         return None
+
+    @property
+    def lora_token_versions(self) -> list[str | None]:
+        """The adapter version of each generated token (None without an adapter)."""
+        out: list[str | None] = [None] * len(self.token_ids)
+        for span in self.lora_versions:
+            for i in range(max(span.start, 0), min(span.end, len(out))):
+                out[i] = span.version
+        return out
 
     @property
     def aborted(self) -> bool:

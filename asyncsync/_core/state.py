@@ -27,9 +27,19 @@ logger = logging.getLogger("asyncsync.fleet")
 __all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 
 #: Why a server is skipped by routing; the first four are the server's own state
-#: (`ServerState.unfit`), the others depend on the fleet and the request.
+#: (`ServerState.unfit`), the others depend on the fleet and the request (the last two:
+#: a generation with ``lora=name`` and a server without that adapter's recent versions).
 Reason = Literal[
-    "unhealthy", "dirty", "updating", "paused", "stale", "unknown_version", "below_min", "busy"
+    "unhealthy",
+    "dirty",
+    "updating",
+    "paused",
+    "stale",
+    "unknown_version",
+    "below_min",
+    "busy",
+    "no_adapter",
+    "stale_adapter",
 ]
 
 #: Operations that change a server's weights.

@@ -46,6 +46,7 @@ from asyncsync.backends._wire import (
     validate_chunk_layout,
     validate_segments_layout,
 )
+from asyncsync.vllm_plugin._mirror import Mirror
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
@@ -156,6 +157,8 @@ class _Round:
     received: set[str] = field(default_factory=set)
     loaded_any: bool = False
     complete: bool = False
+    #: a delta chain's round: ``"mirror"`` (a full round kept in the mirror) or ``"delta"``
+    delta: str | None = None
 
 
 class BufferViews:
@@ -259,6 +262,8 @@ class ShmReceiver:
         self.round: _Round | None = None
         self._mappings: dict[tuple[str, int], _Mapping] = {}
         self._used_this_round: set[tuple[str, int]] = set()
+        #: the checkpoint copy of delta rounds (`asyncsync.vllm_plugin._mirror`)
+        self.mirror = Mirror()
 
     # ------------------------------------------------------------------ rounds
     def begin_round(self) -> None:
@@ -281,6 +286,7 @@ class ShmReceiver:
         except BaseException as exc:
             loaded = self.round is not None and self.round.loaded_any
             self.round = None
+            self.mirror.abandon()
             if restore is not None:
                 restore()
             self.release_after_failure()
@@ -320,9 +326,11 @@ class ShmReceiver:
                     "(was start_weight_update called, or did an earlier chunk fail?)"
                 )
             manifest = update.round_manifest()
+            delta_manifest = self.mirror.begin(update.delta)  # a refused delta: no change
+            manifest = delta_manifest or manifest
             if manifest is not None:
                 self._check_manifest(manifest)
-            self.round = _Round(update.round, manifest)
+            self.round = _Round(update.round, manifest, delta=self.mirror.mode)
         rnd = self.round
         if update.round != rnd.round_id:
             raise ShmFormatError(
@@ -362,6 +370,10 @@ class ShmReceiver:
         ):
             if name in rnd.received:
                 raise ShmFormatError(f"parameter {name!r} sent twice in round {rnd.round_id!r}")
+            if rnd.delta == "delta":  # a patch payload of a tensor the manifest names
+                if rnd.manifest is None or name not in rnd.manifest:
+                    raise ShmFormatError(f"parameter {name!r} is not in the delta's manifest")
+                continue
             if rnd.manifest is not None:
                 if name not in rnd.manifest:
                     raise ShmFormatError(f"parameter {name!r} is not in the round's manifest")
@@ -371,7 +383,10 @@ class ShmReceiver:
                 self.table.check(name, dtype_name, tuple(shape))
 
     def _check_complete(self, rnd: _Round, names: list[str]) -> None:
-        """At the last chunk, before it loads anything: every expected parameter came."""
+        """At the last chunk, before it loads anything: every expected parameter came
+        (a delta round sends only what changed: the mirror holds the rest)."""
+        if rnd.delta == "delta":
+            return
         pending = rnd.received | set(names)
         expected: list[str] = (
             list(rnd.manifest.names)
@@ -410,6 +425,17 @@ class ShmReceiver:
                 strict=True,
             )
         ]
+        if rnd.delta == "delta":  # patch the mirror; the last chunk reloads all of it
+            for name, payload in views:
+                self.mirror.apply(name, payload)
+            del views, where
+            if update.last:
+                rnd.loaded_any = True
+                load_weights(self.mirror.views())
+            return
+        if rnd.delta == "mirror":
+            for name, view in views:
+                self.mirror.keep(name, view)
         rnd.loaded_any = True
         load_weights(views)
         del views, where
@@ -440,10 +466,12 @@ class ShmReceiver:
                 raise ShmFormatError("finish_weight_update called but no update arrived")
             return
         if not rnd.complete:
+            self.mirror.abandon()
             raise ShmFormatError(
                 f"round {rnd.round_id!r} finished before its last chunk "
                 f"({len(rnd.received)} parameters received)"
             )
+        self.mirror.commit()
 
     # ------------------------------------------------------------------ helpers
     def _check_manifest(self, manifest: Manifest) -> None:
