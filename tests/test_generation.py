@@ -194,7 +194,12 @@ def test_fleet_and_client_take_the_same_generation_options() -> None:
     import inspect
     from typing import get_type_hints
 
-    routing = {"session_id", "min_version", "admission_timeout"}
+    routing = {
+        "session_id",
+        "min_version",
+        "admission_timeout",
+        "lora",
+    }  # the fleet routes by these
     client_opts = get_type_hints(az.GenerateOptions, include_extras=True)
     fleet_opts = get_type_hints(az.RoutedGenerateOptions, include_extras=True)
     assert client_opts == {k: v for k, v in fleet_opts.items() if k not in routing}
