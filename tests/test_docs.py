@@ -76,6 +76,19 @@ def test_names_used_exist(path: Path) -> None:
     assert not missing, f"{_rel(path)} names what asyncsync does not export: {missing}"
 
 
+#: A path on one machine (a home, a work folder; an example's /tmp is fine): the docs
+#: describe the project, its files and its own scripts, not the machine they were
+#: written on.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|root|Users|mnt)/\S*")
+PROJECT_TEXT = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")])
+
+
+@pytest.mark.parametrize("path", PROJECT_TEXT, ids=_rel)
+def test_docs_name_no_machine_paths(path: Path) -> None:
+    found = MACHINE_PATH.findall(path.read_text())
+    assert not found, f"{_rel(path)} names paths of one machine: {found}"
+
+
 def test_reference_pages_cover_the_public_api() -> None:
     reference = (ROOT / "docs" / "reference" / "asyncsync.md").read_text()
     documented = set(re.findall(r"^::: asyncsync\.(\w+)$", reference, re.M))
