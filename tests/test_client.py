@@ -246,10 +246,38 @@ async def test_version_specific_options_are_rejected(fake32: FakeVLLMServer) -> 
     assert [r.path for r in fake32.requests] == ["/version"]
 
 
+def documented_error(pattern: str) -> str:
+    """The error docs/client.md quotes after ``pattern`` (a regex ending where the quoted
+    text's backtick opens), its line breaks undone."""
+    found = re.search(pattern + r"\s*`([^`]+)`", CLIENT_DOCS.read_text())
+    assert found is not None, f"docs/client.md no longer quotes an error after {pattern!r}"
+    return " ".join(found[1].split())
+
+
+def as_documented(err: BaseException, server: str) -> str:
+    """What a user sees of ``err`` (``Class: str(err)``), with the docs' example address in
+    place of the test server's."""
+    return f"{type(err).__name__}: {err}".replace(server, "http://127.0.0.1:8003")
+
+
 async def test_unsupported_version() -> None:
     async with FakeVLLMServer(version="0.10.2") as fake, az.AsyncVLLMClient(fake.url) as client:
-        with pytest.raises(az.ProtocolError, match=r"not supported.*>= 0\.23"):
+        with pytest.raises(az.UnsupportedVLLMError) as info:
             await client.start_weight_update()
+    err = info.value
+    assert isinstance(err, az.ProtocolError)
+    assert (err.version, err.server) == ("0.10.2", fake.url)
+    assert fake.requests_to("/start_weight_update") == []  # refused before it was sent
+    # What docs/client.md says an older server raises, word for word.
+    assert as_documented(err, fake.url) == documented_error(r"Older servers raise")
+
+
+async def test_a_route_the_server_lacks_reads_as_documented(fake23: FakeVLLMServer) -> None:
+    async with az.AsyncVLLMClient(fake23.url) as client:
+        with pytest.raises(az.ProtocolError) as info:
+            await client.weight_info()
+    documented = documented_error(r"\| a route this vLLM lacks \|")
+    assert as_documented(info.value, fake23.url) == documented
 
 
 async def test_worker_failure_becomes_server_error(fake32: FakeVLLMServer) -> None:

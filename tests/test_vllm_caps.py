@@ -1,4 +1,4 @@
-"""Capability probing (asyncsync/_vllm_caps.py): the engine contract read from vLLM's
+"""Capability probing (asyncsync/_wire/caps.py): the engine contract read from vLLM's
 base class, the server options read from vLLM's own parser, a running server's features
 read from its answers; what is missing is named in a typed error."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import re
 import stat
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ from asyncsync._wire.caps import (
     probe_server_options,
     server_flags,
 )
+
+VERSIONS_DOCS = Path(__file__).resolve().parents[1] / "docs" / "versions.md"
 
 
 # The worker-side base classes' signatures, as vLLM's wheels declare them.
@@ -115,10 +118,15 @@ def test_a_missing_flag_is_named_with_the_version() -> None:
         UnsupportedVLLMError, match=r"vLLM 0\.22\.0 .*--weight-transfer-config"
     ) as info:
         server_flags(options, tokenizer=True, backend="asyncsync_shm")
-    assert (
-        info.value.missing
-        == "its server has no --weight-transfer-config option (needed for weight transfer)"
+    assert (info.value.version, info.value.missing) == (
+        "0.22.0",
+        "its server has no --weight-transfer-config option (needed for weight transfer)",
     )
+    # The example docs/versions.md quotes, word for word.
+    documented = re.search(r"raises `asyncsync.UnsupportedVLLMError`.*?for example\s+`([^`]+)`",
+                           VERSIONS_DOCS.read_text(), re.S)  # fmt: skip
+    assert documented is not None
+    assert " ".join(documented[1].split()) == str(info.value)
 
 
 def _interpreter(tmp_path: Path, body: str) -> str:
