@@ -89,6 +89,20 @@ def test_docs_name_no_machine_paths(path: Path) -> None:
     assert not found, f"{_rel(path)} names paths of one machine: {found}"
 
 
+#: A file of this repository named in the text (``asyncsync/_wire/caps.py``,
+#: ``tests/test_docs.py``); ``NAME`` stands for any name.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:asyncsync|tests|scripts|examples|benchmarks|docs)/[\w./-]+\.(?:py|ipynb|md))\b"
+)
+
+
+@pytest.mark.parametrize("path", PROJECT_TEXT, ids=_rel)
+def test_files_named_in_the_docs_exist(path: Path) -> None:
+    named = {p for p in REPO_PATH.findall(path.read_text()) if "NAME" not in p}
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"{_rel(path)} names files that do not exist: {missing}"
+
+
 def test_reference_pages_cover_the_public_api() -> None:
     reference = (ROOT / "docs" / "reference" / "asyncsync.md").read_text()
     documented = set(re.findall(r"^::: asyncsync\.(\w+)$", reference, re.M))
