@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,8 +26,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 import asyncsync as az
 from asyncsync import blocking
 from asyncsync._core.portal import shared_portal
-from asyncsync.testing import FakeVLLMServer, Fault
+from asyncsync.testing import FakeVLLMServer, Fault, RecordedRequest
 from tests.publish_fakes import like_the_shm_engine, round_calls
+from tests.waiting import wait_until_blocking
 
 PROMPT = [5, 6, 7, 8]
 
@@ -224,26 +225,22 @@ def test_an_interrupt_cancels_the_call_on_the_portal(fakes: list[FakeVLLMServer]
 
 
 def _interrupt_a_held_generation(fake: FakeVLLMServer) -> None:
+    main = threading.main_thread().ident
+    assert main is not None
+    assert main == threading.get_ident()
+
+    def interrupt_once_it_arrives(request: RecordedRequest) -> None:
+        if request.path == "/inference/v1/generate":  # held there: Ctrl-C now
+            signal.pthread_kill(main, signal.SIGINT)
+
     with blocking.Fleet([fake.url], retry=None) as fleet:
-        main = threading.main_thread().ident
-        assert main == threading.get_ident()
-        timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            fleet.generate(PROMPT, max_tokens=2)
-        timer.join()
-        _wait_until(lambda: fleet.state(fake.url).outstanding == 0)
-
-
-def _wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:
-    done = threading.Event()
-    deadline = threading.Timer(within, done.set)
-    deadline.start()
-    try:
-        while not condition():
-            assert not done.wait(0.02), "condition not reached in time"
-    finally:
-        deadline.cancel()
+        fake.on_request = interrupt_once_it_arrives
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                fleet.generate(PROMPT, max_tokens=2)
+        finally:
+            fake.on_request = None
+        wait_until_blocking(lambda: fleet.state(fake.url).outstanding == 0)
 
 
 # ---------------------------------------------------------------------- the surface

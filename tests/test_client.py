@@ -14,6 +14,7 @@ import pytest_asyncio
 
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault
+from tests.waiting import arrived, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -439,10 +440,7 @@ async def test_hang_times_out_within_the_deadline(fake32: FakeVLLMServer) -> Non
     assert info.value.route == "/update_weights"
     assert 0.3 <= elapsed < 60  # not before the update deadline; long before control's
     # The hung handler saw its client go away: the connection was closed.
-    for _ in range(100):
-        if fake32.cancelled:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: bool(fake32.cancelled))
     assert fake32.cancelled == ["/update_weights"]
 
 
@@ -566,17 +564,11 @@ async def test_cancelled_call_closes_its_connection(fake32: FakeVLLMServer) -> N
     fake32.inject("/pause", Fault.hang())
     async with az.AsyncVLLMClient(fake32.url) as client:
         task = asyncio.create_task(client.pause("abort"))
-        for _ in range(200):
-            if fake32.requests_to("/pause"):
-                break
-            await asyncio.sleep(0.01)
+        await arrived(fake32, "/pause")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if fake32.cancelled:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: bool(fake32.cancelled))
         assert fake32.cancelled == ["/pause"]
         await client.resume()  # the client is still usable
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
-import time
 import typing
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
@@ -18,6 +17,7 @@ import pytest_asyncio
 import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync.testing import FakeVLLMServer, Fault
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -32,13 +32,6 @@ UPDATE_INFO = {
 async def fakes() -> AsyncIterator[list[FakeVLLMServer]]:
     async with AsyncExitStack() as stack:
         yield [await stack.enter_async_context(FakeVLLMServer()) for _ in range(3)]
-
-
-async def _wait_for(predicate: Callable[[], bool], within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_round_fans_out_and_tracks_state(fakes: list[FakeVLLMServer]) -> None:
@@ -370,7 +363,7 @@ async def test_cancelled_fanout_leaves_no_tasks_and_no_connections(
     async with az.Fleet([f.url for f in fakes]) as fleet:
         await fleet.start_weight_update()
         task = asyncio.create_task(fleet.update_weights(UPDATE_INFO))
-        await _wait_for(lambda: all(f.requests_to("/update_weights") for f in fakes))
+        await wait_until(lambda: all(f.requests_to("/update_weights") for f in fakes))
         assert all(s.outstanding == 1 for s in fleet.servers)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -383,11 +376,11 @@ async def test_cancelled_fanout_leaves_no_tasks_and_no_connections(
         # Servers cancelled mid-update hold weights of unknown version.
         assert all(s.dirty for s in fleet.servers)
         # Each server saw its client hang up: the in-flight connections were closed.
-        await _wait_for(lambda: all(f.cancelled == ["/update_weights"] for f in fakes))
+        await wait_until(lambda: all(f.cancelled == ["/update_weights"] for f in fakes))
         connector = fleet.session.connector if fleet.session else None
         assert connector is not None
         assert len(connector._acquired) == 0  # nothing still checked out of the pool
-    await _wait_for(lambda: all(f.open_connections == 0 for f in fakes))
+    await wait_until(lambda: all(f.open_connections == 0 for f in fakes))
 
 
 async def test_cancelling_the_fleet_block_closes_the_session(fakes: list[FakeVLLMServer]) -> None:
@@ -400,12 +393,12 @@ async def test_cancelling_the_fleet_block_closes_the_session(fakes: list[FakeVLL
             await fleet.pause("abort")
 
     task = asyncio.create_task(run())
-    await _wait_for(lambda: bool(fakes[0].requests_to("/pause")))
+    await wait_until(lambda: bool(fakes[0].requests_to("/pause")))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sessions[0].closed
-    await _wait_for(lambda: all(f.open_connections == 0 for f in fakes))
+    await wait_until(lambda: all(f.open_connections == 0 for f in fakes))
 
 
 async def test_fanout_is_concurrent() -> None:
@@ -419,7 +412,7 @@ async def test_fanout_is_concurrent() -> None:
             fake.inject("/pause", Fault.until(all_received))
         async with az.Fleet([f.url for f in fakes], vllm_version="0.32.0") as fleet:
             pause = asyncio.create_task(fleet.pause("abort"))
-            await _wait_for(lambda: all(f.requests_to("/pause") for f in fakes), within=20)
+            await wait_until(lambda: all(f.requests_to("/pause") for f in fakes))
             assert not pause.done()  # nobody has answered yet
             all_received.set()
             outcome = await pause
