@@ -119,6 +119,9 @@ def unit(session: nox.Session) -> None:
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        # tests/test_load_vllm.py imports it at the top (vllm brings it in ``tests``), and
+        # collection imports every test file, deselected ones too.
+        "psutil>=5.9",
     )
     session.run(
         "python",
