@@ -91,7 +91,7 @@ class AsyncVLLMClient:
         self.server_state = ServerState(url)
         """What is known about the server (shared with a fleet holding this client)."""
         if vllm_version is not None:
-            self.server_state.protocol = protocol_for_version(vllm_version)
+            self.server_state.protocol = protocol_for_version(vllm_version, server=url)
             self.server_state.vllm_version = vllm_version
         self._transport = Transport(session=session, owner=_owner)
         self.endpoint = Endpoint(

@@ -130,7 +130,7 @@ class ProtocolError(AsyncSyncError):
 
 class UnsupportedVLLMError(ProtocolError):
     """The installed or running vLLM lacks something asyncsync needs (found by probing
-    it, not by its version number; see docs/versions.md).
+    it; a server's RL protocol is read from its version number: see docs/versions.md).
 
     Attributes:
         version: the vLLM version, as the probe read it (``"unknown"`` if it could not).

@@ -122,18 +122,21 @@ def describe_error_body(body: bytes) -> str | None:
     return None
 
 
-def protocol_for_version(version: str) -> ProtocolGeneration:
+def protocol_for_version(version: str, *, server: str | None = None) -> ProtocolGeneration:
     """The protocol generation of a server reporting ``version`` (``GET /version``).
 
     vLLM >= 0.32 speaks the current protocol; 0.23 up to 0.32 the 0.23 one. Older servers
-    have no weight-transfer routes: `UnsupportedVLLMError` (docs/versions.md).
+    have no weight-transfer routes: `UnsupportedVLLMError` (docs/versions.md), naming
+    ``server``.
     """
     match = _VERSION_RE.match(version)
     if match is None:
-        raise ProtocolError(f"cannot read the vLLM version {version!r}")
+        raise ProtocolError(f"cannot read the vLLM version {version!r}", server=server)
     parsed = (int(match.group(1)), int(match.group(2)))
     if parsed < _MIN_SUPPORTED:
-        raise UnsupportedVLLMError(version, "it has no weight-transfer routes (vLLM >= 0.23 has)")
+        raise UnsupportedVLLMError(
+            version, "it has no weight-transfer routes (vLLM >= 0.23 has)", server=server
+        )
     return "0.32" if parsed >= _CURRENT else "0.23"
 
 

@@ -133,6 +133,8 @@ class FakeState:
         self._recorded: deque[RecordedRequest] = deque(maxlen=max_recorded)
         self.cancelled: list[str] = []
         self.generation_requests = 0
+        #: tokens sampled so far, every request's together (a test waits for the k-th)
+        self.tokens_generated = 0
 
     # ------------------------------------------------------------ faults and history
     def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:
