@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.deprecation import warn_deprecated
-from asyncsync._core.errors import ClosedError, FleetError, PublishError, UnsupportedVLLMError
-from asyncsync._core.types import Outcome
+from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.lora import LoraRounds
@@ -48,7 +47,8 @@ from asyncsync._publish.verify import (
     Verify,
     VerifyLike,
     as_verify,
-    verify_servers,
+    check_checksum_route,
+    verify_now,
 )
 from asyncsync._publish.weights import (
     FiniteChecked,
@@ -160,6 +160,8 @@ class AsyncWeightPublisher:
 
     @property
     def api(self) -> str:
+        """The trainer-engine style that drives a round: ``"engine"`` (vLLM 0.3x's
+        ``send_weights``) or ``"callback"`` (0.23's ``trainer_send_weights``)."""
         return self._backend.api
 
     @property
@@ -283,23 +285,10 @@ class AsyncWeightPublisher:
             targets = self._targets(targets)
             need = _need(min_servers, targets)
             if checks is not None and checks.checksum:
-                await self._check_checksum_route(targets)
+                assert self.fleet is not None  # rank 0's
+                await check_checksum_route(self.fleet, targets)
             args = (pause, reset_prefix_cache, progress, targets, checks, need, delta)
             return await self._publish(weights, version, *args)
-
-    async def _check_checksum_route(self, targets: Sequence[str]) -> None:
-        """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
-        sent: `UnsupportedVLLMError` otherwise."""
-        assert self.fleet is not None
-        for url in targets:
-            client = self.fleet.client(url)
-            protocol = await client.protocol()
-            if protocol != "0.32":
-                raise UnsupportedVLLMError(
-                    client.server_state.vllm_version or protocol,
-                    "/weight_checker (verify='checksum')",
-                    server=url,
-                )
 
     async def verify(
         self,
@@ -322,34 +311,7 @@ class AsyncWeightPublisher:
             raise RuntimeError("only rank 0 (the rank with the fleet) verifies")
         async with self._lock:
             urls = self._targets(targets)
-            if checks.checksum:
-                await self._check_checksum_route(urls)
-            expected: dict[str, str] = {}
-            if checks.checksum:
-                digests = TrainerDigests(checks.dtype)
-                tap = DigestTap(resolve(weights), digests)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, lambda: [None for _ in tap]
-                )
-                expected = digests.expected()
-            found = await verify_servers(self.fleet, urls, checks, expected, self._executor)
-        # Every server that does not match is marked first, whatever else failed.
-        self.fleet.mark_dirty(
-            [url for url, r in found.items() if isinstance(r, Verification) and not r.ok]
-        )
-        errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
-        if errors:
-            raise FleetError(
-                f"verify could not check {len(errors)} of {len(found)} server(s): "
-                + "; ".join(f"{url}: {err}" for url, err in errors.items()),
-                list(errors.values()),
-                operation="verify",
-                outcomes={
-                    url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
-                    for url, r in found.items()
-                },
-            )
-        return {url: r for url, r in found.items() if isinstance(r, Verification)}
+            return await verify_now(self.fleet, urls, resolve(weights), checks, self._executor)
 
     async def _finite(self, weights: WeightsLike) -> WeightsLike:
         """Weights whose NaN/Inf are refused: read now (off the loop) when they can be

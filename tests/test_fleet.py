@@ -428,7 +428,7 @@ GENERATION_METHODS = {"generate", "generate_n", "generate_batch", "stream", "sco
 #: What a route method adds to the client's arguments: where to send, what must succeed.
 FAN_OUT_ARGS = {"targets", "require"}
 #: The routing options a generation method may add (as keywords or in ``**options``).
-ROUTING_ARGS = {"session_id", "session_ids", "min_version", "admission_timeout"}
+ROUTING_ARGS = {"session_id", "session_ids", "min_version", "admission_timeout", "lora"}
 #: Deliberate differences, each one stated in docs/client.md (the test checks the names
 #: appear there): a client method the fleet lacks, a client argument a fleet method
 #: lacks, a fleet argument beyond the fan-out and routing ones.
