@@ -22,6 +22,7 @@ from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import PauseMode, ProtocolGeneration, pause_mode
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, OneServer, run_all
+from asyncsync._generation.served import ServedLookup
 from asyncsync._http.retry import NO_RETRY, RetryPolicy
 from asyncsync._http.transport import Endpoint, Transport
 from asyncsync._wire import control as wire
@@ -113,6 +114,11 @@ class AsyncVLLMClient:
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
         ValueError before anything is sent (vLLM answers 400; it shortens ``max_tokens``
         to fit the context by itself)."""
+        # What the server says about the model it serves: the checkpoint a publish
+        # checks its weights against (asyncsync._generation.served).
+        self._served = ServedLookup(
+            self.endpoint, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, FleetError, PublishError, UnsupportedVLLMError
 from asyncsync._core.types import Outcome
 from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
     InitCalls,
@@ -56,6 +58,7 @@ from asyncsync._publish.weights import (
     is_factory,
     resolve,
 )
+from asyncsync._wire.served import ASYNCSYNC_ENGINES
 from asyncsync.backends import (
     BackendOptions,
     SendControl,
@@ -68,6 +71,8 @@ from asyncsync.backends import (
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+logger = logging.getLogger("asyncsync.publish")
 
 __all__ = [
     "AsyncWeightPublisher",
@@ -136,6 +141,7 @@ class AsyncWeightPublisher:
             max_workers=1, thread_name_prefix="asyncsync-publish"
         )
         self._lock = asyncio.Lock()
+        self._said_unchecked = False
         self._initialized = False
         self._closed = False
         self.version: str | None = None
@@ -378,6 +384,11 @@ class AsyncWeightPublisher:
         if source is not None:
             check_weights(source)
             self._backend.check(source)
+        # Against each server's checkpoint (learned once per server), still before the
+        # round touches any: IncompatibleWeightsError lists every mismatch.
+        checkpoints = await self._checkpoints(targets)
+        if source is not None:
+            source = checkpoints.checked(source)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
@@ -403,7 +414,7 @@ class AsyncWeightPublisher:
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests),
+                _SendJob(self._backend, weights, source, reporter, digests, checkpoints),
                 self._executor,
                 init,
             )
@@ -417,6 +428,22 @@ class AsyncWeightPublisher:
         self.last_report = report
         _hooks.published(report)
         return report
+
+    async def _checkpoints(self, targets: Sequence[str]) -> Checkpoints:
+        """The targets' checkpoint tables, where their engine can describe them."""
+        assert self.fleet is not None
+        server_backend = self._backend.server_backend
+        found = await served_checkpoints(self.fleet, targets, server_backend)
+        if server_backend not in ASYNCSYNC_ENGINES and not self._said_unchecked:
+            self._said_unchecked = True
+            logger.info(
+                "backend %r: the servers run %s, whose engine does not describe the served "
+                "checkpoint; weights are checked only by the servers' own loading, during "
+                "the round (a mismatch fails it there: PublishError, servers dirty until a "
+                "round succeeds)",
+                self.backend, server_backend,
+            )  # fmt: skip
+        return found
 
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
@@ -450,7 +477,7 @@ class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "digests", "on_chunk", "source", "weights")
+    __slots__ = ("backend", "checkpoints", "digests", "on_chunk", "source", "weights")
 
     def __init__(
         self,
@@ -459,18 +486,22 @@ class _SendJob:
         source: WeightSource | None,
         on_chunk: ProgressFn | None,
         digests: TrainerDigests | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.backend = backend
         self.weights = weights
         self.source = source
         self.on_chunk = on_chunk
         self.digests = digests
+        self.checkpoints = checkpoints
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
         if source is None:  # a factory: called here, checked before anything is sent
             source = resolve(self.weights)
             check_weights(source)
+            if self.checkpoints is not None:
+                source = self.checkpoints.checked(source)
         if self.digests is not None:
             source = DigestTap(source, self.digests)
         try:

@@ -24,6 +24,7 @@ EXPECTED_PUBLIC = {
     "GenerateOptions",
     "GenerationAborted",
     "GenerationError",
+    "IncompatibleWeightsError",
     "Outcome",
     "PromptScores",
     "RequestOptions",
