@@ -247,7 +247,13 @@ class AsyncWeightPublisher:
         Bad input is refused with a ValueError/TypeError naming it before any server is
         touched: a version that is not a new non-empty string, no weights, names that
         are not strings or repeat, values that are not dense tensors with data, and
-        what the backend cannot carry. ``check_finite=True`` also reads every tensor
+        what the backend cannot carry; and weights that do not fit the checkpoint the
+        servers serve (a name it lacks, a shape or dtype that differs, a checkpoint
+        tensor not updated): `IncompatibleWeightsError` lists every mismatch, checked
+        against the table each server's asyncsync engine describes (asked once per
+        server; servers of vLLM's own engines cannot be asked and are not checked). A
+        factory's weights are checked once called, a stream's as they are packed.
+        ``check_finite=True`` also reads every tensor
         (off the event loop) and refuses NaN/Inf; weights from a factory or a one-shot
         stream are checked as they are packed (a bad tensor after the first chunk then
         fails the round like any other error).
