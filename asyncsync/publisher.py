@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
@@ -59,6 +61,7 @@ from asyncsync._publish.weights import (
     is_factory,
     resolve,
 )
+from asyncsync._wire.served import ASYNCSYNC_ENGINES
 from asyncsync.backends import (
     BackendOptions,
     SendControl,
@@ -71,6 +74,8 @@ from asyncsync.backends import (
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+logger = logging.getLogger("asyncsync.publish")
 
 __all__ = [
     "AsyncWeightPublisher",
@@ -139,6 +144,7 @@ class AsyncWeightPublisher:
             max_workers=1, thread_name_prefix="asyncsync-publish"
         )
         self._lock = asyncio.Lock()
+        self._said_unchecked = False
         self._initialized = False
         self._closed = False
         self.version: str | None = None
@@ -250,14 +256,14 @@ class AsyncWeightPublisher:
         a later round reaches it), and the others are never aborted because of it. The
         round is published when at least ``min_servers`` of the targets went through it
         (``"all"``: every one): the version advances, `PublishReport.lost` names the
-        servers that dropped out and a warning is logged. Fewer: `PublishError`, the
-        version unchanged. A collective transport that loses a server sends the round
-        again to the others, in a new group (docs/publishing.md).
+        servers that dropped out, a warning is logged. A collective transport that loses
+        a server sends the round again to the others, in a new group (docs/publishing.md).
 
-        Bad input is refused with a ValueError/TypeError naming it before any server is
-        touched: a version that is not new, no weights, names that are not strings or
-        repeat, values that are not dense tensors, what the backend cannot carry;
-        ``check_finite=True`` also refuses NaN/Inf (read off the loop; streams as packed).
+        Bad input is refused before any server is touched (ValueError/TypeError naming
+        it): a bad version, names or tensors, what the backend cannot carry, and weights
+        that do not fit the served checkpoint (`IncompatibleWeightsError` lists every
+        mismatch; asyncsync's engines describe it, once per server). Factories are
+        checked once called, streams as packed; ``check_finite=True`` refuses NaN/Inf.
 
         ``verify`` (opt-in) checks every server against the trainer once it finished:
         ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
@@ -267,9 +273,8 @@ class AsyncWeightPublisher:
         (shm, gloo) sends only what changed since the version every target acknowledged
         (else a full round); `PublishReport.delta` says what (docs/delta.md).
 
-        Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
-        fewer than ``min_servers`` went through the round (the version stays), and
-        re-raises cancellation after ending the round everywhere.
+        Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
+        version stays) or, cancelled, re-raises after ending the round everywhere.
         """
         _check_round(version, self.version, pause)
         checks = as_verify(verify, weights)
@@ -341,11 +346,7 @@ class AsyncWeightPublisher:
         self._chain, chain = chain_round(
             self._chain, delta, self.backend, self.options, targets, version
         )
-        # Known up front unless a factory (called in the thread) makes them: checked there.
-        source = None if is_factory(weights) else resolve(weights)
-        if source is not None:
-            check_weights(source)
-            self._backend.check(source)
+        source, checkpoints = await self._checked(weights, targets)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
@@ -364,7 +365,7 @@ class AsyncWeightPublisher:
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests, chain),
+                _SendJob(self._backend, weights, source, reporter, digests, chain, checkpoints),
                 self._executor,
                 init,
             )
@@ -415,6 +416,37 @@ class AsyncWeightPublisher:
                 base=base, shared_dir=shared_dir,
             )  # fmt: skip
 
+    async def _checked(
+        self, weights: WeightsLike, targets: Sequence[str]
+    ) -> tuple[WeightSource | None, Checkpoints]:
+        """The weights checked before the round touches any server (None for a factory,
+        called and checked in the thread), and the targets' checkpoint tables."""
+        source = None if is_factory(weights) else resolve(weights)
+        if source is not None:
+            check_weights(source)
+            self._backend.check(source)
+        # Against each server's checkpoint (learned once per server): every mismatch.
+        checkpoints = await self._checkpoints(targets)
+        if source is not None:
+            source = checkpoints.checked(source)
+        return source, checkpoints
+
+    async def _checkpoints(self, targets: Sequence[str]) -> Checkpoints:
+        """The targets' checkpoint tables, where their engine can describe them."""
+        assert self.fleet is not None
+        server_backend = self._backend.server_backend
+        found = await served_checkpoints(self.fleet, targets, server_backend)
+        if server_backend not in ASYNCSYNC_ENGINES and not self._said_unchecked:
+            self._said_unchecked = True
+            logger.info(
+                "backend %r: the servers run %s, whose engine does not describe the served "
+                "checkpoint; weights are checked only by the servers' own loading, during "
+                "the round (a mismatch fails it there: PublishError, servers dirty until a "
+                "round succeeds)",
+                self.backend, server_backend,
+            )  # fmt: skip
+        return found
+
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
         fails there drops out like in any phase)."""
@@ -447,7 +479,7 @@ class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "chain", "digests", "on_chunk", "source", "weights")
+    __slots__ = ("backend", "chain", "checkpoints", "digests", "on_chunk", "source", "weights")
 
     def __init__(
         self,
@@ -457,6 +489,7 @@ class _SendJob:
         on_chunk: ProgressFn | None,
         digests: TrainerDigests | None = None,
         chain: ChainRound | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.backend = backend
         self.weights = weights
@@ -464,12 +497,15 @@ class _SendJob:
         self.on_chunk = on_chunk
         self.digests = digests
         self.chain = chain
+        self.checkpoints = checkpoints
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
         if source is None:  # a factory: called here, checked before anything is sent
             source = resolve(self.weights)
             check_weights(source)
+            if self.checkpoints is not None:
+                source = self.checkpoints.checked(source)
         if self.digests is not None:
             source = DigestTap(source, self.digests)
         if self.chain is not None and client is not None:

@@ -734,5 +734,7 @@ async def test_auto_route_sends_n_samples_where_no_choice_is_lost(version: str, 
         await fleet.generate_n([1, 2, 3], n=2, max_tokens=3)
         paths = [r.path for r in fake.requests]
         assert paths.count("/version") == 1
-        generations = [p for p in paths if p != "/version"]
+        # The server's limits are asked once, before its first generation.
+        assert paths.count("/v1/models") == paths.count("/collective_rpc") == 1
+        generations = [p for p in paths if p not in ("/version", "/v1/models", "/collective_rpc")]
         assert generations == [path, "/inference/v1/generate", path]

@@ -64,6 +64,8 @@ class FakeState:
         max_model_len: int = 256,
         model: str = "fake-model",
         max_recorded: int | None = 10_000,
+        checkpoint: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+        dtype: str = "float32",
     ) -> None:
         if max_recorded is not None and max_recorded < 0:
             raise ValueError(f"max_recorded must be >= 0 or None, got {max_recorded}")
@@ -93,6 +95,9 @@ class FakeState:
         self.lm = FakeLM(vocab_size)
         self.max_model_len = max_model_len
         self.model = model
+        # What asyncsync's engine (backend asyncsync_shm/asyncsync_gloo) describes.
+        self.checkpoint = checkpoint
+        self.dtype = dtype
         self._hold_nothing_yet(max_recorded)
 
     def _event_size(self, event: int) -> int:
