@@ -1,0 +1,96 @@
+"""Generations through an OpenAI-compatible router in front of a fleet's servers.
+
+With ``Fleet(control_urls, router_url=...)`` every control call and weight round still
+goes to every server (a router would forward a weight call to one replica only), while
+generations go to the router, which picks the replica. asyncsync cannot choose the
+server then, so routing by server state becomes two rules by version:
+
+- admission waits while a round holds any server mid-update (``updating``): a router
+  must not be handed a request that could land on a server whose layers are being
+  replaced;
+- the staleness bound applies to the answer: the weight versions come from the server
+  that answered (``weight_versions`` of ``/inference/v1/generate``), and a completion
+  more than ``max_staleness`` published versions behind is sent again, up to once per
+  server, before `GenerationError` names the versions it got.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Set
+
+from asyncsync._core.completion import Completion
+from asyncsync._core.errors import AsyncSyncError, GenerationError
+from asyncsync._core.state import ServerState
+from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
+from asyncsync._fleet.members import Members
+from asyncsync._fleet.routing import VersionHistory
+from asyncsync._generation.engine import GenerationEngine
+from asyncsync._wire.generation import GenerationRequest, SendOptions
+from asyncsync.client import AsyncVLLMClient
+
+__all__ = ["RouterDispatcher"]
+
+#: The longest a waiting generation sleeps before it looks again (state changes wake it).
+_RECHECK = 0.5
+
+
+class RouterDispatcher(Dispatcher):
+    """A `Dispatcher` whose every generation goes to one router (see the module)."""
+
+    def __init__(
+        self,
+        members: Members,
+        history: VersionHistory,
+        policy: RoutingPolicy,
+        probe: Callable[[list[str]], Awaitable[object]],
+        router: AsyncVLLMClient,
+    ) -> None:
+        super().__init__(members, history, policy, probe)
+        self.router = router
+
+    async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerState:
+        """Wait until no server is mid-update, then count the request on the router."""
+        limit = self.policy.admission_timeout
+        limit = limit if send.admission_timeout is None else send.admission_timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            updating = [s.url for s in self.members.states() if s.updating]
+            if not updating:
+                state = self.router.server_state
+                state.outstanding += 1
+                state.routed += 1
+                return state
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise GenerationError(
+                    f"no generation through the router within {limit:g} s: a round holds "
+                    f"{', '.join(updating)} mid-update"
+                )
+            await self.members.changed(_RECHECK if remaining is None else min(_RECHECK, remaining))
+
+    def engine(self, state: ServerState) -> GenerationEngine:
+        return self.router.generator
+
+    def failed_over(self, send: SendOptions, state: ServerState, err: AsyncSyncError) -> bool:
+        return False  # the router is the only way in: its failure is the caller's
+
+    async def generate(
+        self, prompt: list[int], req: GenerationRequest, send: SendOptions
+    ) -> list[Completion]:
+        """One generation through the router; sent again while its answer is staler than
+        the bound (at most once per server)."""
+        bound = self.policy.max_staleness
+        tries = max(1, len(self.members))
+        seen: list[int | None] = []
+        for _ in range(tries):
+            out = await super().generate(prompt, req, send)
+            worst = max((c.staleness or 0 for c in out), default=0)
+            if bound is None or worst <= bound:
+                return out
+            seen.append(worst)
+        raise GenerationError(
+            f"the router's answers were {seen} published versions behind in {tries} "
+            f"tries, more than max_staleness={bound}: a server behind the router is stale "
+            "(a partial round lost it); publish again or take it out of the router"
+        )
