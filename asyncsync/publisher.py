@@ -88,8 +88,9 @@ class AsyncWeightPublisher:
             ``az.backends.Shm(...)`` (CPU shared memory, this package's vLLM plugin),
             ``Gloo(...)`` (CPU, across hosts, this package's plugin), ``NCCL(...)`` and
             ``IPC(...)`` (vLLM's own GPU engines; ``IPC`` needs
-            ``allow_insecure_serialization=True``), or a registered name for that
-            backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``).
+            ``allow_insecure_serialization=True``), ``Auto(...)`` (shm for the servers
+            on this host, gloo for the others, in one round), or a registered name for
+            that backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``, ``"auto"``).
         executor: the bounded executor for the blocking send (default: one private
             worker thread).
         rank: this trainer process's rank; only rank 0 talks HTTP, every rank
@@ -201,7 +202,9 @@ class AsyncWeightPublisher:
         once per server): the backend's init, in the worker thread."""
         if self.is_sender:
             assert self.fleet is not None
-            calls = InitCalls(self.fleet, self._targets(targets))
+            urls = self._targets(targets)
+            await self._backend.prepare(self.fleet, urls)
+            calls = InitCalls(self.fleet, urls)
             client = SyncFleetClient.on_running_loop(calls, cancel=threading.Event())
             # A cancel meanwhile is re-raised once the thread's init has returned: no
             # thread is left talking to the servers.
@@ -361,6 +364,7 @@ class AsyncWeightPublisher:
         need: int,
     ) -> PublishReport:
         assert self.fleet is not None
+        await self._backend.prepare(self.fleet, targets)
         # Known up front unless the weights come from a factory (called in the thread):
         # then bad input is refused before the round touches any server.
         source = None if is_factory(weights) else resolve(weights)
@@ -381,7 +385,7 @@ class AsyncWeightPublisher:
             reset_prefix_cache=reset_prefix_cache,
             abort_info=self._backend.abort_info(),
             published_version=self.version,
-            collective=self._backend.collective,
+            collective=self._backend.collective_servers(targets),
             # A collective round that lost a server is sent again, once: not a one-shot
             # stream, and not with other ranks, which iterate the weights once (their
             # collectives, an FSDP all-gather, would wait for rank 0 forever).
