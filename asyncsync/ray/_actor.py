@@ -50,7 +50,8 @@ class ServerActor:
     async def server_info(self) -> dict[str, Any]:
         """``url``, ``host`` (the host identity: same machine and network stack as
         another process iff equal), Ray's ``node_id``, the server's process group
-        ``pgid``, this actor's ``pid``, ``cpu_cores``, ``log_path``, ``index``."""
+        ``pgid``, this actor's ``pid``, ``cpu_cores``, ``log_path``, its vLLM ring
+        buffers in /dev/shm (``ring_buffers``), ``index``."""
         server = self.server
         if server is None or server.process is None:
             raise RuntimeError("this actor's server is not running")
@@ -62,6 +63,7 @@ class ServerActor:
             "pid": os.getpid(),
             "cpu_cores": server.cpu_cores,
             "log_path": str(server.log_path),
+            "ring_buffers": sorted(server.ring_buffers),
             "index": self.index,
         }
 

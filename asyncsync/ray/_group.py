@@ -90,7 +90,7 @@ class ServerGroup:
             ``server_info.remote()``; `asyncsync.Fleet.from_ray` takes them).
         nodes: the Ray node id each server runs on.
         infos: what each actor reported (``url``, ``host``, ``node_id``, ``pgid``,
-            ``pid``, ``cpu_cores``, ``log_path``, ``index``).
+            ``pid``, ``cpu_cores``, ``log_path``, ``ring_buffers``, ``index``).
         placement_group: the placement group the servers are placed in.
     """
 
