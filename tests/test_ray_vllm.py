@@ -25,7 +25,12 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
-from asyncsync.testing import LocalVLLMServer, check_greedy, process_group_members
+from asyncsync.testing import (
+    LocalVLLMServer,
+    ServerStartError,
+    check_greedy,
+    process_group_members,
+)
 
 ray = pytest.importorskip("ray")
 
@@ -192,12 +197,13 @@ async def test_one_round_sends_shm_here_and_gloo_across_the_namespace(
 async def test_generations_go_through_a_router_and_rounds_to_every_server(
     servers: Servers, tiny_model_dir: Path
 ) -> None:
-    from asyncsync.testing._router import router_for
+    from asyncsync.testing._router import VllmRouter, router_for
 
     group = servers.group
     model = perturbed(tiny_model_dir, 34)
     async with router_for(group.urls) as router:
-        print(f"router: {router.kind}: {getattr(router, 'fallback_reason', None) or 'ok'}")
+        if VllmRouter.executable() is not None:  # installed here: it must be the one tested
+            assert router.kind == "vllm-router", getattr(router, "fallback_reason", None)
         async with (
             group.fleet(router_url=router.url) as fleet,
             az.AsyncWeightPublisher(fleet, backend="auto") as publisher,
@@ -229,6 +235,14 @@ async def test_bad_placements_are_refused_with_what_to_do(
         await azray.launch_servers(
             tiny_model_dir, num_servers=3, placement="STRICT_SPREAD", placement_timeout=2
         )
+    # A server that cannot start: named, and nothing of the attempt is left in Ray.
+    before = ray.available_resources().get("CPU")
+    with pytest.raises(ServerStartError, match=r"server 0 of 1 did not start on Ray.*no model at"):
+        await azray.launch_servers(tiny_model_dir / "missing", num_servers=1, num_cpus=0.25)
+    deadline = time.monotonic() + 60  # Ray reports released resources a little later
+    while ray.available_resources().get("CPU") != before:  # actor and bundle released
+        assert time.monotonic() < deadline, (ray.available_resources(), before)
+        await asyncio.sleep(0.2)
 
 
 async def test_an_actor_killed_mid_round_takes_its_server_along(
@@ -248,7 +262,7 @@ async def test_an_actor_killed_mid_round_takes_its_server_along(
 
     async with (
         group.fleet() as fleet,
-        az.AsyncWeightPublisher(fleet, backend=az.backends.Auto(buffer_bytes=128 * 1024)) as pub,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Auto(buffer_bytes=320 * 1024)) as pub,
     ):
         report = await pub.publish(model, version="killed-1", progress=on_chunk)
         assert killed

@@ -16,10 +16,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 import aiohttp
 from aiohttp import web
@@ -105,6 +107,7 @@ class VllmRouter:
         self.backends = [b.rstrip("/") for b in backends]
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
+        self.log: IO[bytes] | None = None
         self.url = ""
 
     @staticmethod
@@ -119,17 +122,22 @@ class VllmRouter:
             raise FileNotFoundError("vllm-router is not installed")
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __aexit__
         self.process = await asyncio.to_thread(
             subprocess.Popen,
             [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
-             "--worker-urls", *self.backends, "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+             "--worker-urls", *self.backends, "--log-level", "warning",
+             # its metrics exporter listens too (default 29000): a free port of its own
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + self.startup_timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             while True:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"vllm-router exited with {self.process.returncode}")
+                    code = self.process.returncode
+                    await self.__aexit__(None, None, None)
+                    raise RuntimeError(f"vllm-router exited with {code}: {self._tail()}")
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with session.get(self.url + "/version") as resp:
                         if resp.status == 200:
@@ -139,6 +147,13 @@ class VllmRouter:
                     raise TimeoutError(f"vllm-router not ready within {self.startup_timeout} s")
                 await asyncio.sleep(0.2)
 
+    def _tail(self) -> str:
+        if self.log is None:
+            return ""
+        self.log.seek(0)
+        lines = self.log.read().decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "no output"
+
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -146,6 +161,9 @@ class VllmRouter:
         tb: TracebackType | None,
     ) -> None:
         process, self.process = self.process, None
+        log, self.log = self.log, None
+        if log is not None:
+            log.close()
         if process is None:
             return
         with contextlib.suppress(ProcessLookupError):
