@@ -111,3 +111,31 @@ async def test_router_answers_staler_than_the_bound_are_sent_again(
         fleet.max_staleness = None  # no bound: whatever the router's server holds
         mixed = [await fleet.generate([1, 2, 3], max_tokens=2) for _ in range(2)]
         assert {v.version for c in mixed for v in c.weight_versions} == {"v1", "v2"}
+
+
+def test_a_mixed_round_regroups_only_for_its_collective_servers() -> None:
+    from asyncsync._core.errors import ServerTimeout
+    from asyncsync._core.types import FleetResult, Outcome
+    from asyncsync._publish.report import Phase
+    from asyncsync._publish.round import PublishRound
+
+    here, there, far = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://10.9.9.9:3"
+    fleet = az.Fleet([here, there, far])
+    round_ = PublishRound(
+        fleet, [here, there, far], version="v", need=1, pause=None, reset_prefix_cache=False,
+        abort_info={}, published_version=None, collective={far},
+    )  # fmt: skip
+
+    def failed(url: str) -> FleetResult[None]:
+        outcomes = {u: Outcome(u, value=None) for u in round_.live}
+        outcomes[url] = Outcome(url, error=ServerTimeout("no answer", server=url))
+        return FleetResult("update_weights", outcomes)
+
+    round_._drop(Phase.UPDATE, failed(here))  # an shm server: lost, the round goes on
+    assert round_.lost() == [here]
+    assert not round_.regroup
+    with pytest.raises(Exception, match="the collective lost"):
+        round_._drop(Phase.UPDATE, failed(far))  # the gloo server: the gloo share regroups
+    assert round_.regroup
+    assert round_.lost() == [here, far]
+    assert round_.live == [there]

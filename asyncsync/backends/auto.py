@@ -136,16 +136,19 @@ class AutoBackend(TrainerBackend):
         self.check(source)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncsync-auto")
-        over_gloo: Future[SendStats] = self._pool.submit(
-            self.gloo.send, source, client.lane(gloo), control
-        )
+        shm_lane, gloo_lane = client.lane(shm), client.lane(gloo)
+        over_gloo: Future[SendStats] = self._pool.submit(self.gloo.send, source, gloo_lane, control)
         try:
-            over_shm = self.shm.send(source, client.lane(shm), control)
-        except BaseException:
-            control.cancel.set()  # the gloo share stops at its next chunk boundary
-            _wait_quietly(over_gloo)
-            raise
-        return _merged(over_shm, over_gloo.result())
+            try:
+                over_shm = self.shm.send(source, shm_lane, control)
+            except BaseException:
+                control.cancel.set()  # the gloo share stops at its next chunk boundary
+                _wait_quietly(over_gloo)
+                raise
+            return _merged(over_shm, over_gloo.result())
+        finally:  # no fan-out of either share outlives the send
+            shm_lane.settle()
+            gloo_lane.settle()
 
     def abort_info(self) -> Mapping[str, Any]:
         return self.shm.abort_info()
