@@ -9,13 +9,22 @@ raylet taking its workers): the watchdog then terminates the server's process gr
 (SIGTERM, then SIGKILL after the grace period), waits until no member is left, and
 removes the ring buffers (~400 MiB of /dev/shm per server) a killed vLLM leaves.
 
-    python -m asyncsync.testing._reaper PGID [GRACE_SECONDS]
+The watchdog is not the owner's child: the process the owner starts forks it and exits
+at once, before importing anything. Ray kills the direct children of an actor that dies
+(the server's API process among them, not its engine and workers, which are
+grandchildren); a child watchdog would die with them.
+
+    python .../asyncsync/testing/_reaper.py PGID [GRACE_SECONDS]
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
+
+if __name__ == "__main__" and os.fork() != 0:  # the owner's child: gone at once
+    os._exit(0)
+
+import contextlib
 import signal
 import sys
 import time

@@ -303,9 +303,10 @@ class LocalVLLMServer:
     def _start_watchdog(self, pgid: int) -> None:
         """The watchdog (`asyncsync.testing._reaper`) of process group ``pgid``: its
         stdin is a pipe only this process writes, so it sees end of file when this
-        process dies, however it dies."""
+        process dies, however it dies. The process started here forks the watchdog
+        and exits (the watchdog is nobody's child to kill along with this one)."""
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "asyncsync.testing._reaper", str(pgid),
+            [sys.executable, str(Path(__file__).with_name("_reaper.py")), str(pgid),
              str(self.stop_timeout)],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
@@ -331,12 +332,7 @@ class LocalVLLMServer:
         with contextlib.suppress(OSError):
             if watchdog.stdin is not None:
                 watchdog.stdin.close()
-        deadline = time.monotonic() + 5.0
-        while watchdog.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.02)  # no event tells when a child exits
-        if watchdog.poll() is None:
-            watchdog.kill()
-            await asyncio.to_thread(watchdog.wait)
+        await asyncio.to_thread(watchdog.wait)  # the forking parent, exited at once
 
     def _failure(self, reason: str) -> ServerStartError:
         return ServerStartError(
