@@ -77,7 +77,7 @@ class Trainer:
         self.optimizer.zero_grad()
         (loss / len(batch)).backward()
         self.optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     async def step(self, batch: list[tuple[list[int], list[list[int]]]], version: str) -> str:
         """Train on ``batch`` (off the actor's event loop), then publish ``version``."""
