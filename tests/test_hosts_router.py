@@ -113,6 +113,24 @@ async def test_router_answers_staler_than_the_bound_are_sent_again(
         assert {v.version for c in mixed for v in c.weight_versions} == {"v1", "v2"}
 
 
+@pytest.mark.asyncio
+async def test_prompts_through_a_router_are_checked_against_the_servers_behind_it() -> None:
+    async with (
+        FakeVLLMServer(backend="asyncsync_shm", vocab_size=512, max_model_len=64) as a,
+        FakeVLLMServer(backend="asyncsync_shm", vocab_size=300, max_model_len=128) as b,
+        RoundRobinProxy([a.url, b.url]) as router,
+        az.Fleet([a.url, b.url], router_url=router.url) as fleet,
+    ):
+        with pytest.raises(ValueError, match=r"prompt_token_ids\[1\] = 300 is outside"):
+            await fleet.generate([1, 300], max_tokens=2)  # b's vocabulary is the smaller
+        with pytest.raises(ValueError, match="the prompt has 64 tokens"):
+            await fleet.generate([1] * 64, max_tokens=2)  # a's context is the shorter
+        assert router.forwarded == {a.url: 0, b.url: 0}  # the router was never asked
+        assert (await fleet.generate([1, 299], max_tokens=2)).server == router.url
+        with pytest.raises(TypeError, match="not supported through a router"):
+            await fleet.generate([1, 2], max_tokens=2, lora="policy")
+
+
 def test_a_mixed_round_regroups_only_for_its_collective_servers() -> None:
     from asyncsync._core.errors import ServerTimeout
     from asyncsync._core.types import FleetResult, Outcome

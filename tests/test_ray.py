@@ -1,6 +1,7 @@
 """``asyncsync.ray`` without a cluster: the extra is optional and imported lazily, and
 every bad argument is refused with an error that says what to do, before anything is
-launched. (Real servers on a real Ray cluster: tests/test_ray_vllm.py.)"""
+launched. (Real servers on a real Ray cluster: tests/test_ray_vllm.py.) The first two
+tests run without Ray installed too (``nox -s unit`` does not install the extra)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("ray")
-
-import asyncsync.ray as azray
 
 
 def run(code: str) -> subprocess.CompletedProcess[str]:
@@ -48,6 +45,7 @@ def test_without_the_extra_the_import_error_names_it() -> None:
 
 
 def test_launch_before_ray_init_says_to_call_it(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
     done = run(f"""
         import asyncsync.ray
         try:
@@ -76,5 +74,8 @@ def test_launch_before_ray_init_says_to_call_it(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused_before_anything_runs(
     tmp_path: Path, kwargs: dict[str, object], error: type[Exception], match: str
 ) -> None:
+    pytest.importorskip("ray")
+    import asyncsync.ray as azray
+
     with pytest.raises(error, match=match):
         azray.launch_servers(tmp_path, **kwargs)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from asyncsync._core.errors import AsyncSyncError, PublishError, WeightsModifiedError
 from asyncsync._publish.verify import Verification
@@ -95,6 +96,8 @@ class PublishReport:
             verify).
         attempts: 2 when a collective transport (gloo, nccl) lost a server and the round
             was sent again to the others in a new group; else 1.
+        delta: a round of ``publish(..., delta=True)``: whether it was a delta or a full
+            one and what changed (a ``DeltaStats``); None otherwise.
     """
 
     version: str
@@ -107,6 +110,7 @@ class PublishReport:
     verified: dict[str, Verification] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
+    delta: Any = None
 
     @property
     def total_seconds(self) -> float:
