@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 import pytest_asyncio
+import torch
 
 import asyncsync as az
 from asyncsync._fleet.hosts import given_hosts, probe_hosts, same_host, this_host
@@ -60,6 +61,20 @@ async def test_auto_picks_shm_here_and_gloo_elsewhere(fakes: list[FakeVLLMServer
             backend.close()
     with pytest.raises(ValueError, match=r"Auto\.buffer_bytes must be an int >= 1"):
         az.backends.Auto(buffer_bytes=0)
+
+
+@pytest.mark.asyncio
+async def test_auto_refuses_delta_rounds_before_any_server_is_touched(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    weights = {"w": torch.zeros(4)}
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend="auto") as publisher,
+    ):
+        with pytest.raises(ValueError, match="needs the shm or gloo backend, not 'auto'"):
+            await publisher.publish(weights, version="d1", delta=True)
+    assert all(f.requests == [] for f in fakes)
 
 
 @pytest.mark.asyncio

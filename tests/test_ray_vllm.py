@@ -154,6 +154,13 @@ async def test_servers_spread_over_two_nodes_on_one_host(servers: Servers) -> No
 async def test_auto_picks_shm_on_this_host_and_is_exact(
     servers: Servers, tiny_model_dir: Path
 ) -> None:
+    async with servers.group.fleet() as fleet:
+        # Plain shm first (the servers' engine takes either transport), then "auto".
+        shm_model = perturbed(tiny_model_dir, 30)
+        async with az.AsyncWeightPublisher(fleet, backend="shm") as shm:
+            report = await shm.publish(shm_model, version="ray-shm")
+            assert report.servers == list(fleet.urls)
+        await greedy_everywhere(fleet, shm_model)
     model = perturbed(tiny_model_dir, 31)
     async with (
         servers.group.fleet() as fleet,
