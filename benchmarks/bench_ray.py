@@ -200,7 +200,8 @@ def main() -> None:
     lines = [
         BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, {os.cpu_count()} "
-        f"cores, Python {platform.python_version()}.",
+        f"cores, Python {platform.python_version()}; load average "
+        f"{os.getloadavg()[0]:.1f} when it began (other jobs on the machine).",
         "",
         "**Control plane at scale.**",
         *scale(sizes, args.procs, args.delay, args.params, args.repeats),
