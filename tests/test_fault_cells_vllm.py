@@ -35,10 +35,9 @@ from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, check_greedy, free_port
-from tests.conftest import SERVER_STARTUP_TIMEOUT, VLLMFleet, _core
+from tests.conftest import SERVER_STARTUP_TIMEOUT, VLLMFleet, _core, model_under
 from tests.test_cancel_vllm import _no_active_update
 from tests.test_faults_vllm import MAX_TOKENS, PROMPT, _greedy, _healthy_again
-from tests.test_load_vllm import _model_under
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -184,7 +183,7 @@ async def test_publish_fault_on_a_real_server(
             state = fleet.state(survivor)
             assert (state.updating, state.dirty, state.weight_version) == (False, False, version)
             check_greedy(
-                _model_under(tiny_model_dir, perturbed),
+                model_under(tiny_model_dir, perturbed),
                 PROMPT,
                 await _greedy(fleet, survivor),
                 max_new_tokens=MAX_TOKENS,

@@ -152,6 +152,33 @@ async def test_a_model_larger_than_one_buffer_is_exact(
     await _assert_serves(urls, model, "chunked")
 
 
+async def test_delta_rounds_over_gloo_are_exact(
+    gloo_servers: list[LocalVLLMServer], tiny_model_dir: Path
+) -> None:
+    """``delta=True`` over gloo: a full round, then patches broadcast to both servers'
+    mirrors; exact after each, the mirrors' checksum equal to the trainer's."""
+    from asyncsync.backends._delta_codec import combined_digest
+    from tests.test_delta_vllm import _sparse_step, mirror_checksums
+
+    urls = [s.url for s in gloo_servers]
+    model = _perturbed(tiny_model_dir, seed=5)
+    async with (
+        az.Fleet(urls) as fleet,
+        az.AsyncWeightPublisher(fleet, backend="gloo") as publisher,
+    ):
+        assert (await publisher.publish(model, version="gd0", delta=True)).delta.kind == "full"
+        for step in (1, 2):
+            _sparse_step(model, 0.02, seed=step)
+            report = await publisher.publish(model, version=f"gd{step}", delta=True)
+            assert report.delta.kind == "delta"
+            assert report.bytes < 0.1 * report.delta.full_bytes
+            await _assert_serves(urls, model, f"gd{step}")
+            chain = publisher._chain
+            assert chain is not None
+            want = f"{combined_digest(chain.digests[n] for n in sorted(chain.digests)):08x}"
+            assert [mirror_checksums(s.log_path)[f"gd{step}"] for s in gloo_servers] == [want] * 2
+
+
 async def test_vllms_trainer_api_drives_the_gloo_engine(
     gloo_servers: list[LocalVLLMServer], tiny_model_dir: Path
 ) -> None:

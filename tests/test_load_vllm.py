@@ -41,7 +41,7 @@ import torch
 
 import asyncsync as az
 from asyncsync.testing import check_greedy
-from tests.conftest import VLLMFleet
+from tests.conftest import VLLMFleet, model_under
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio, pytest.mark.needs("generate:weight_versions")]
 
@@ -235,7 +235,7 @@ async def _run(
         )  # fmt: skip
         after = await _idle(ports)
         last = weights[publishes % len(weights)]
-        reference = _model_under(tiny_model_dir, last)
+        reference = model_under(tiny_model_dir, last)
         for url in fleet.urls:
             c = await fleet.client(url).generate(
                 _prompt(0), max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
@@ -254,14 +254,6 @@ async def _run(
     assert after.threads - before.threads <= MAX_THREAD_GROWTH, (before, after)
     assert after.fds - before.fds <= MAX_FD_GROWTH, (before, after)
     assert after.rss_mib - before.rss_mib <= MAX_RSS_GROWTH_MIB, (before, after)
-
-
-def _model_under(model_dir: Path, weights: dict[str, torch.Tensor]) -> object:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.load_state_dict(weights)
-    return model.eval()
 
 
 @pytest.mark.slow

@@ -24,16 +24,30 @@ from asyncsync._core.types import Phase, ProtocolGeneration
 
 logger = logging.getLogger("asyncsync.fleet")
 
-__all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
+__all__ = ["LOOKUP_OPS", "UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 
 #: Why a server is skipped by routing; the first four are the server's own state
-#: (`ServerState.unfit`), the others depend on the fleet and the request.
+#: (`ServerState.unfit`), the others depend on the fleet and the request (the last two:
+#: a generation with ``lora=name`` and a server without that adapter's recent versions).
 Reason = Literal[
-    "unhealthy", "dirty", "updating", "paused", "stale", "unknown_version", "below_min", "busy"
+    "unhealthy",
+    "dirty",
+    "updating",
+    "paused",
+    "stale",
+    "unknown_version",
+    "below_min",
+    "busy",
+    "no_adapter",
+    "stale_adapter",
 ]
 
 #: Operations that change a server's weights.
 UPDATE_OPS = frozenset({"start_weight_update", "update_weights", "finish_weight_update"})
+#: Questions asked about the served model (its limits, its checkpoint) on the side of
+#: other calls: their outcomes change nothing here (last_error keeps the cause of the
+#: last real failure; health is what the calls they serve find out).
+LOOKUP_OPS = frozenset({"describe", "models"})
 
 
 @dataclass(slots=True)
@@ -131,6 +145,8 @@ def observe(
     ``version``: the weight version the call sets when it succeeds (finish, update of
     the version). ``connected``: whether a failed request got as far as a connection.
     """
+    if op in LOOKUP_OPS:
+        return  # a side question: what the calls it serves find out is what counts
     if error is None:
         state.healthy = True
         state.last_error = None

@@ -26,7 +26,9 @@ from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import VersionHistory
 from asyncsync._http.transport import Transport
 from asyncsync._wire import control as wire
+from asyncsync._wire import lora as lora_wire
 from asyncsync._wire.control import WeightComparison
+from asyncsync._wire.lora import LoraLimits
 
 __all__ = ["FleetControl"]
 
@@ -201,8 +203,15 @@ class FleetControl:
         plan: Plan[None] = lambda p, u: wire.plan_update_weights(p, update_info, packed, u)  # noqa: E731
         if not expect_failure:
             return await self._fan("update_weights", plan, targets, require)
+        # The rejection is the answer asked for, not a failure: each server's last_error
+        # keeps what went wrong before (the cause of the round that is being ended).
+        targets = self._members.resolve(targets)
+        before = {u: self._members.state(u).last_error for u in targets}
         result = await self._fan("update_weights", plan, targets, "none")
         result = FleetResult(result.operation, {u: _rejected(o) for u, o in result.items()})
+        for url, outcome in result.items():
+            if outcome.ok and url in before:
+                self._members.state(url).last_error = before[url]
         result.raise_on_failure(check_require(self.require if require is None else require))
         return result
 
@@ -240,6 +249,36 @@ class FleetControl:
             targets,
             require,
         )
+
+    async def load_lora_adapter(
+        self, name: str, path: str, *, load_inplace: bool = False, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /v1/load_lora_adapter`` on every target: load the peft adapter in
+        directory ``path`` (readable by the servers) under ``name``. Low level:
+        `AsyncWeightPublisher.publish_lora` writes, versions and collects adapters."""
+        plan = lora_wire.plan_load_lora_adapter(name, path, load_inplace=load_inplace)
+        return await self._fan("load_lora_adapter", lambda _p, _u: plan, targets, require)
+
+    async def unload_lora_adapter(
+        self, name: str, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /v1/unload_lora_adapter`` on every target."""
+        plan = lora_wire.plan_unload_lora_adapter(name)
+        return await self._fan("unload_lora_adapter", lambda _p, _u: plan, targets, require)
+
+    async def models(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[list[str]]:
+        """``GET /v1/models`` on every target: the served model and loaded adapters."""
+        return await self._fan("models", lambda _p, _u: lora_wire.plan_models(), targets, require)
+
+    async def lora_limits(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[LoraLimits]:
+        """Each target's LoRA configuration (``GET /server_info``, dev mode)."""
+        plan = lora_wire.plan_server_lora_limits()
+        return await self._fan("server_info", lambda _p, _u: plan, targets, require)
 
     def _record_if_all(self, result: FleetResult[Any], version: str | None) -> None:
         """A version every targeted server now holds is published (by hand: the control

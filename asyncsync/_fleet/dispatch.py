@@ -20,6 +20,7 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import AsyncSyncError, GenerationAborted, GenerationError
 from asyncsync._core.state import ServerState
+from asyncsync._fleet.adapters import AdapterTable
 from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import (
     SessionTable,
@@ -90,8 +91,11 @@ class Dispatcher:
         history: VersionHistory,
         policy: RoutingPolicy,
         probe: Callable[[list[str]], Awaitable[object]],
+        adapters: AdapterTable | None = None,
     ) -> None:
         self.members = members
+        #: LoRA adapters and who holds them (a generation with ``lora=name``)
+        self.adapters = adapters if adapters is not None else AdapterTable()
         self.history = history
         self.policy = policy
         self.sessions = SessionTable()
@@ -108,10 +112,16 @@ class Dispatcher:
         while True:
             pinned = self.sessions.get(session_id) if session_id is not None else None
             states = members.states()
+            lacking = None
+            if send.lora is not None:  # servers without a recent version of the adapter
+                lacking = self.adapters.skipped(send.lora, states, self.policy.max_staleness)
             state, skipped = choose(
                 states, self.history, max_staleness=self.policy.max_staleness,
-                min_version=send.min_version, pinned=pinned, exclude=exclude,
+                min_version=send.min_version, pinned=pinned,
+                exclude=exclude if not lacking else exclude | set(lacking),
             )  # fmt: skip
+            if lacking:
+                skipped.update(lacking)
             if state is not None:
                 state.outstanding += 1
                 state.routed += 1
@@ -179,8 +189,9 @@ class Dispatcher:
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> list[Completion]:
         """One routed generation; its completions tagged with their staleness."""
+        call = GenerationEngine.generate if send.lora is None else self.adapters.bind(send.lora)
         try:
-            out = await self.routed(send, GenerationEngine.generate, prompt, req, send)
+            out = await self.routed(send, call, prompt, req, send)
         except GenerationAborted as err:
             self.tag(err.completions)
             raise
@@ -190,6 +201,8 @@ class Dispatcher:
     def stream(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> CompletionStream:
+        if send.lora is not None:
+            raise TypeError("Fleet.stream(..., lora=...) is not supported: use Fleet.generate")
         return CompletionStream(_FleetLease(self, send), prompt, req, send)
 
 

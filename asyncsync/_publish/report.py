@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
+from asyncsync._core.errors import AsyncSyncError, PublishError, WeightsModifiedError
 from asyncsync._publish.verify import Verification
 
-__all__ = ["SECONDS_ORDER", "Phase", "PublishReport", "ServerOutcome"]
+__all__ = ["SECONDS_ORDER", "Phase", "PublishReport", "ServerOutcome", "cause", "publish_error"]
+
+#: vLLM's worker failures wrap the cause: "Call to collective_rpc method failed: Worker
+#: failed with error '<cause>', please check the stack trace above for the root cause".
+_WORKER_CAUSE = re.compile(r"Worker failed with error '(.*)', please check", re.S)
 
 #: The order of ``PublishReport.seconds`` (optional phases only when they ran).
 SECONDS_ORDER = (
@@ -88,6 +96,8 @@ class PublishReport:
             verify).
         attempts: 2 when a collective transport (gloo, nccl) lost a server and the round
             was sent again to the others in a new group; else 1.
+        delta: a round of ``publish(..., delta=True)``: whether it was a delta or a full
+            one and what changed (a ``DeltaStats``); None otherwise.
     """
 
     version: str
@@ -100,6 +110,7 @@ class PublishReport:
     verified: dict[str, Verification] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
+    delta: Any = None
 
     @property
     def total_seconds(self) -> float:
@@ -123,3 +134,39 @@ class PublishReport:
 
 def _rate(gb_per_s: float) -> str:
     return f"{gb_per_s:.2f} GB/s" if gb_per_s >= 0.1 else f"{gb_per_s * 1000:.1f} MB/s"
+
+
+def publish_error(
+    version: str,
+    published_version: str | None,
+    outcomes: Mapping[str, ServerOutcome],
+    exc: BaseException,
+) -> PublishError:
+    """The error of a round that could not be published: each failed server's cause
+    first, the version that stays, the servers left dirty."""
+    failed = [o for o in outcomes.values() if not o.ok]
+    dirty = [o.url for o in outcomes.values() if o.dirty]
+    lines = "; ".join(f"{o.url} failed at {o.phase}: {cause(o.error)}" for o in failed)
+    message = (
+        f"publishing version {version!r} failed ({lines or cause(exc)}); "
+        f"published version stays {published_version!r}"
+    )
+    if isinstance(exc, WeightsModifiedError):  # the trainer's fault, typed as such
+        return WeightsModifiedError(
+            message, parameters=exc.parameters, version=version, outcomes=outcomes,
+            needs_resync=dirty,
+        )  # fmt: skip
+    return PublishError(message, version=version, outcomes=outcomes, needs_resync=dirty)
+
+
+def cause(error: BaseException | None) -> str:
+    """An error in a sentence that leads with its cause: vLLM's worker failures are
+    unwrapped (the wrapper stays in the error itself)."""
+    if error is None:
+        return "unknown error"
+    text = error.message if isinstance(error, AsyncSyncError) else str(error)
+    found = _WORKER_CAUSE.search(text)
+    if found is None:
+        return str(error)
+    where = f" [{error.server} {error.route}]" if isinstance(error, AsyncSyncError) else ""
+    return f"{found[1]}{where} (the worker's error; vLLM's full text is in the outcome)"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -33,16 +32,20 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._core.errors import (
-    AsyncSyncError,
     FleetError,
     PublishError,
     ServerTimeout,
     ServerUnavailableError,
-    WeightsModifiedError,
 )
 from asyncsync._core.types import FleetResult, Outcome
 from asyncsync._publish.bridge import InitInfo, SyncFleetClient, UpdateInfo
-from asyncsync._publish.report import SECONDS_ORDER, Phase, PublishReport, ServerOutcome
+from asyncsync._publish.report import (
+    SECONDS_ORDER,
+    Phase,
+    PublishReport,
+    ServerOutcome,
+    publish_error,
+)
 from asyncsync._publish.verify import TrainerDigests, Verification, Verify, verify_servers
 from asyncsync.backends._base import RoundCancelled, SendStats
 
@@ -70,10 +73,6 @@ logger = logging.getLogger("asyncsync.publish")
 SendJob = Callable[[SyncFleetClient, threading.Event], SendStats]
 #: A phase's fan-out to the servers still in the round.
 _Call = Callable[[list[str]], Awaitable[FleetResult[Any]]]
-
-#: vLLM's worker failures wrap the cause: "Call to collective_rpc method failed: Worker
-#: failed with error '<cause>', please check the stack trace above for the root cause".
-_WORKER_CAUSE = re.compile(r"Worker failed with error '(.*)', please check", re.S)
 
 
 def is_stale_round_error(error: object) -> bool:
@@ -521,37 +520,7 @@ class PublishRound(InitCalls):
         )
 
     def error(self, exc: BaseException) -> PublishError:
-        failed = [o for o in self.outcomes.values() if not o.ok]
-        dirty = [o.url for o in self.outcomes.values() if o.dirty]
-        lines = "; ".join(f"{o.url} failed at {o.phase}: {cause(o.error)}" for o in failed)
-        message = (
-            f"publishing version {self.version!r} failed ({lines or cause(exc)}); "
-            f"published version stays {self.published_version!r}"
-        )
-        if isinstance(exc, WeightsModifiedError):  # the trainer's fault, typed as such
-            return WeightsModifiedError(
-                message,
-                parameters=exc.parameters,
-                version=self.version,
-                outcomes=self.outcomes,
-                needs_resync=dirty,
-            )
-        return PublishError(
-            message, version=self.version, outcomes=self.outcomes, needs_resync=dirty
-        )
-
-
-def cause(error: BaseException | None) -> str:
-    """An error in a sentence that leads with its cause: vLLM's worker failures are
-    unwrapped (the wrapper stays in the error itself)."""
-    if error is None:
-        return "unknown error"
-    text = error.message if isinstance(error, AsyncSyncError) else str(error)
-    found = _WORKER_CAUSE.search(text)
-    if found is None:
-        return str(error)
-    where = f" [{error.server} {error.route}]" if isinstance(error, AsyncSyncError) else ""
-    return f"{found[1]}{where} (the worker's error; vLLM's full text is in the outcome)"
+        return publish_error(self.version, self.published_version, self.outcomes, exc)
 
 
 def _no_answer(error: BaseException | None) -> bool:

@@ -29,7 +29,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._core.errors import WeightMismatchError
+from asyncsync._core.errors import (
+    AsyncSyncError,
+    FleetError,
+    UnsupportedVLLMError,
+    WeightMismatchError,
+)
+from asyncsync._core.types import Outcome
 from asyncsync._publish.weights import WeightsLike, WeightSource
 
 if TYPE_CHECKING:
@@ -390,7 +396,6 @@ async def verify_servers(
 ) -> dict[str, Verification | Exception]:
     """Check every target at once: a `Verification` per server, or the error
     that kept it from being checked (no ``/weight_checker``, no answer...)."""
-    from asyncsync._core.errors import AsyncSyncError
 
     async def one(url: str) -> Verification | Exception:
         result = Verification(url)
@@ -430,3 +435,49 @@ async def _probe(
         )
         if not result.ok:
             return
+
+
+async def check_checksum_route(fleet: Fleet, targets: Sequence[str]) -> None:
+    """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
+    sent: `UnsupportedVLLMError` otherwise."""
+    for url in targets:
+        client = fleet.client(url)
+        protocol = await client.protocol()
+        if protocol != "0.32":
+            raise UnsupportedVLLMError(
+                client.server_state.vllm_version or protocol,
+                "/weight_checker (verify='checksum')",
+                server=url,
+            )
+
+
+async def verify_now(
+    fleet: Fleet, urls: list[str], source: WeightSource, checks: Verify, executor: Executor
+) -> dict[str, Verification]:
+    """`AsyncWeightPublisher.verify`: the trainer's digests of ``source`` (taken in the
+    worker thread), then every server checked; mismatched servers are marked dirty
+    before anything is raised, and servers that could not be checked raise one
+    `FleetError` carrying every server's result."""
+    expected: dict[str, str] = {}
+    if checks.checksum:
+        await check_checksum_route(fleet, urls)
+        digests = TrainerDigests(checks.dtype)
+        tap = DigestTap(source, digests)
+        await asyncio.get_running_loop().run_in_executor(executor, lambda: [None for _ in tap])
+        expected = digests.expected()
+    found = await verify_servers(fleet, urls, checks, expected, executor)
+    # Every server that does not match is marked first, whatever else failed.
+    fleet.mark_dirty([url for url, r in found.items() if isinstance(r, Verification) and not r.ok])
+    errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
+    if errors:
+        raise FleetError(
+            f"verify could not check {len(errors)} of {len(found)} server(s): "
+            + "; ".join(f"{url}: {err}" for url, err in errors.items()),
+            list(errors.values()),
+            operation="verify",
+            outcomes={
+                url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
+                for url, r in found.items()
+            },
+        )
+    return {url: r for url, r in found.items() if isinstance(r, Verification)}

@@ -124,11 +124,14 @@ class GenerateOptions(RequestOptions, total=False):
 
 class RoutedOptions(RequestOptions, total=False):
     """`RequestOptions` plus routing across a fleet: only servers holding
-    ``min_version`` or newer, and how long to wait for an eligible server
-    (``admission_timeout``)."""
+    ``min_version`` or newer, how long to wait for an eligible server
+    (``admission_timeout``), and ``lora``: generate with that LoRA adapter (published with
+    ``AsyncWeightPublisher.publish_lora``), on a server holding one of its versions within
+    the fleet's staleness bound (its newest there)."""
 
     min_version: str | None
     admission_timeout: float | None
+    lora: str | None
 
 
 class RoutedGenerateOptions(RoutedOptions, total=False):
@@ -146,7 +149,7 @@ _REQUEST_FIELDS = frozenset(
 )  # fmt: skip
 #: Options that say how a request is sent (and, on a fleet, routed), not what it samples.
 _SEND_KEYS = frozenset({"timeout", "route", "tokenizer"})
-_ROUTING_KEYS = frozenset({"session_id", "min_version", "admission_timeout"})
+_ROUTING_KEYS = frozenset({"session_id", "min_version", "admission_timeout", "lora"})
 _NOT_SAMPLING = _REQUEST_FIELDS | _SEND_KEYS | _ROUTING_KEYS
 _RESERVED = frozenset({"token_ids", "prompt", "stream", "sampling_params", "n"})
 _NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
@@ -206,6 +209,7 @@ class SendOptions(NamedTuple):
     min_version: str | None = None
     admission_timeout: float | None = None
     session_id: str | None = None
+    lora: str | None = None
 
 
 _DEFAULT_SEND = SendOptions()
@@ -245,10 +249,12 @@ def split_options(
             )
         send = SendOptions(
             get("timeout"), get("route", "auto"), get("tokenizer"), get("min_version"),
-            get("admission_timeout"), get("session_id"),
+            get("admission_timeout"), get("session_id"), get("lora"),
         )  # fmt: skip
         if send.route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {send.route!r}")
+        if send.lora is not None and (not isinstance(send.lora, str) or not send.lora):
+            raise ValueError(f"lora must be an adapter name (a non-empty str), got {send.lora!r}")
     max_tokens, logprobs, stop = get("max_tokens", 16), get("logprobs"), get("stop_token_ids")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")

@@ -41,6 +41,7 @@ __all__ = [
     "dtype_name",
     "manifest_of",
     "plan_chunks",
+    "round_fields_of",
     "stream_chunks",
 ]
 
@@ -71,6 +72,13 @@ def manifest_of(source: Any) -> Manifest | None:
             name, dtype, shape = m.name, m.dtype, m.shape
         entries.append((str(name), dtype_name(dtype), [int(d) for d in shape]))
     return Manifest.from_entries(entries)
+
+
+def round_fields_of(source: Any) -> dict[str, Any] | None:
+    """What a source asks chunk 0 to carry beside its tensors (a delta chain's round:
+    ``ShmUpdateFields.delta``), or None."""
+    fields = getattr(source, "round_fields", None)
+    return fields() if callable(fields) else None
 
 
 # --------------------------------------------------------------------------- planning
@@ -260,8 +268,11 @@ class ChunkStream:
         *,
         cancel: threading.Event | None = None,
         on_chunk: Callable[[int, int], None] | None = None,
+        fields: dict[str, Any] | None = None,
     ) -> None:
         self.manifest = manifest
+        #: what chunk 0 carries beside the manifest (`round_fields_of`)
+        self.fields = fields
         self.buffers = buffers
         self.send = send
         self.cancel = cancel
@@ -350,6 +361,7 @@ class ChunkStream:
             shapes=chunk.shapes,
             offsets=chunk.offsets,
             manifest=self.manifest.to_json() if (self._index == 0 and self.manifest) else None,
+            delta=self.fields if self._index == 0 else None,
         ).to_json()
         self.stats.pack_seconds += time.perf_counter() - chunk.pack_started
         self._wait_in_flight()  # chunk k-1 must be loaded before chunk k is announced
@@ -416,9 +428,11 @@ def stream_chunks(
     *,
     cancel: threading.Event | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> SendStats:
     """Pack ``items`` into the double buffers and call ``send(update_info)`` per chunk
-    (see `ChunkStream`). ``send=None`` means a non-sender rank: tensors are still
+    (see `ChunkStream`; ``fields``: what chunk 0 carries, `round_fields_of`).
+    ``send=None`` means a non-sender rank: tensors are still
     materialized (collectives stay aligned), nothing is packed or sent."""
     if send is None:
         stats = SendStats()
@@ -426,4 +440,5 @@ def stream_chunks(
             _materialize(tensor)
             stats.params += 1
         return stats
-    return ChunkStream(manifest, buffers, send, cancel=cancel, on_chunk=on_chunk).run(items)
+    stream = ChunkStream(manifest, buffers, send, cancel=cancel, on_chunk=on_chunk, fields=fields)
+    return stream.run(items)

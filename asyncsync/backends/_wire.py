@@ -29,6 +29,12 @@ Each update_info is a JSON object (`ShmUpdateFields`):
   (``asyncsync.share_weights``) or a deleted ``/dev/shm/torch_<pid>_<n>_<n>`` file that
   torch's ``share_memory_()`` keeps open; either is owner-only and opened through
   ``/proc/<owner_pid>/fd/<fd>`` like a packed chunk's segment.
+- Rounds of a delta chain (``publish(..., delta=True)``) carry ``delta`` in chunk 0:
+  ``{"mode": "mirror", "version": V}`` (a full round the worker also keeps in its
+  mirror) or ``{"mode": "delta", "version": V, "base": P, "base_digest": int,
+  "manifest": {...}}`` (every tensor of the model; the chunk entries are patch payloads
+  of the changed ones, uint8, see `asyncsync.backends._delta_codec`). The key is sent
+  only when set, so rounds outside a chain keep the older wire.
 - ``{"abort": true, "round": "abort"}`` ends a round that the trainer gave up on: the
   worker restores what it can and fails the call, which makes vLLM clear its
   active-update flag.
@@ -279,9 +285,17 @@ class ShmUpdateFields:
     #: zero-copy chunks: the files the tensors live in, and which one holds each tensor
     segments: list[SegmentRef] | None = None
     segment_of: list[int] | None = None
+    #: chunk 0 of a delta chain's round (see the module docstring)
+    delta: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object sent as ``update_info`` (lists are shared, not copied)."""
+        out = self._json()
+        if self.delta is not None:
+            out["delta"] = self.delta
+        return out
+
+    def _json(self) -> dict[str, Any]:
         return {
             "round": self.round,
             "chunk": self.chunk,
@@ -330,6 +344,7 @@ class ShmUpdateFields:
                 abort=bool(get("abort", False)),
                 segments=_segments(get("segments", None)),
                 segment_of=_optional_ints(get("segment_of", None)),
+                delta=get("delta", None),
             )
         except (TypeError, ValueError) as exc:
             raise ShmFormatError(f"malformed update_info: {exc!r}") from exc

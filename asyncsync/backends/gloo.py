@@ -38,6 +38,7 @@ from asyncsync.backends._shm_pack import (
     ShmBuffers,
     manifest_of,
     plan_chunks,
+    round_fields_of,
     stream_chunks,
 )
 from asyncsync.backends._trainer_factory import register_trainer_engines
@@ -246,6 +247,7 @@ class GlooLink:
             StartOnFirstChunk(client.start_weight_update, lambda i: self.send_chunk(client, i)),
             cancel=cancel,
             on_chunk=control.on_chunk if control is not None else None,
+            fields=round_fields_of(source),
         )
         client.finish_weight_update()
         return stats

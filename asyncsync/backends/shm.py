@@ -40,6 +40,7 @@ from asyncsync.backends._shm_pack import (
     ShmBuffers,
     manifest_of,
     plan_chunks,
+    round_fields_of,
     stream_chunks,
 )
 from asyncsync.backends._shm_zerocopy import (
@@ -121,11 +122,13 @@ def send_round(
     zero_copy: ZeroCopyMode = False,
     cancel: threading.Event | None = None,
     on_chunk: Callable[[int, int], None] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> SendStats:
     """One round's chunks: in place when ``zero_copy`` allows (every tensor in shared
     memory; chunks bounded by the buffer size, nothing copied), else packed into
-    ``buffers`` (`stream_chunks`). ``send=None``: a non-sender rank."""
-    if zero_copy and send is not None:
+    ``buffers`` (`stream_chunks`; ``fields``: a delta chain's chunk-0 fields, always
+    packed). ``send=None``: a non-sender rank."""
+    if zero_copy and send is not None and fields is None:
         began = time.perf_counter()
         placed, rest = place(items, fallback=zero_copy == "auto")
         if placed is not None:
@@ -134,7 +137,9 @@ def send_round(
             )
             return round_.run(SendStats(), began)
         items = rest
-    return stream_chunks(items, manifest, buffers, send, cancel=cancel, on_chunk=on_chunk)
+    return stream_chunks(
+        items, manifest, buffers, send, cancel=cancel, on_chunk=on_chunk, fields=fields
+    )
 
 
 # --------------------------------------------------------------------------- 0.3x style
@@ -225,6 +230,7 @@ class ShmTrainerEngine:
             zero_copy=self.zero_copy,
             cancel=self.cancel,
             on_chunk=self.on_chunk,
+            fields=round_fields_of(source),
         )
         self.client.finish_weight_update()
 
@@ -246,6 +252,8 @@ class ShmTrainerSendWeightsArgs:
     stats: SendStats | None = None
     on_chunk: Callable[[int, int], None] | None = None
     zero_copy: ZeroCopyMode = False
+    #: a delta chain's chunk-0 fields (`round_fields_of`)
+    fields: dict[str, Any] | None = None
 
 
 def trainer_send_weights(
@@ -262,6 +270,7 @@ def trainer_send_weights(
         zero_copy=trainer_args.zero_copy,
         cancel=trainer_args.cancel,
         on_chunk=trainer_args.on_chunk,
+        fields=trainer_args.fields,
     )
     if trainer_args.stats is not None:
         trainer_args.stats.__dict__.update(stats.__dict__)
@@ -344,6 +353,7 @@ class ShmBackend(TrainerBackend):
             stats=SendStats(),
             on_chunk=control.on_chunk,
             zero_copy=self.zero_copy,
+            fields=round_fields_of(source),
         )
         trainer_send_weights(iter(source), args)
         client.finish_weight_update()

@@ -138,9 +138,12 @@ class LocalVLLMServer:
         tokenizer: load the tokenizer beside the model; ``False`` serves token-only
             (``--skip-tokenizer-init``: ``/v1/completions`` then answers 400).
         port: TCP port; a free one is picked when ``None``.
+        host: the address the server binds (``--host``; loopback by default: the RL
+            routes have no authentication, see docs/security.md).
         extra_args: more command-line arguments for the vLLM server.
         env: extra environment variables for the server process.
         startup_timeout: seconds to wait for ``/health``.
+        stop_timeout: seconds `astop` waits after SIGTERM before it sends SIGKILL.
         max_model_len: passed as ``--max-model-len``.
         dtype: passed as ``--dtype``: the dtype the server computes in (``"float32"``,
             ``"bfloat16"``...).
@@ -148,6 +151,11 @@ class LocalVLLMServer:
             e.g. ``"1"`` or ``"0-3"``). Give servers sharing a small machine different
             cores: two servers bound to the same core slow each other down many times.
         log_path: where the server's stdout/stderr go (a temp file by default).
+        lora: serve LoRA adapters loaded at runtime (``--enable-lora`` and
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; `AsyncWeightPublisher.publish_lora`).
+        max_lora_rank: the largest adapter rank it loads (``--max-lora-rank``).
+        max_loras: adapters active in one batch (``--max-loras``; each published version
+            of an adapter is one).
     """
 
     def __init__(
@@ -166,6 +174,9 @@ class LocalVLLMServer:
         dtype: str = "float32",
         cpu_cores: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        lora: bool = False,
+        max_lora_rank: int = 16,
+        max_loras: int = 2,
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0, got {startup_timeout!r}")
@@ -184,6 +195,13 @@ class LocalVLLMServer:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.cpu_cores = cpu_cores
+        if lora and (max_lora_rank < 1 or max_loras < 1):
+            raise ValueError(
+                f"max_lora_rank and max_loras must be >= 1, got {max_lora_rank}, {max_loras}"
+            )
+        self.lora = lora
+        self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self._log_path = Path(log_path) if log_path is not None else None
         self._log_file: Any = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -240,6 +258,9 @@ class LocalVLLMServer:
         cmd += server_flags(
             self.options, tokenizer=self.tokenizer, backend=self.weight_transfer_backend
         )
+        if self.lora:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+            cmd += ["--max-loras", str(self.max_loras)]
         cmd += list(self.extra_args)
         return cmd
 
@@ -257,6 +278,8 @@ class LocalVLLMServer:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if self.cpu_cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
+        if self.lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         env.update(self.env)
         return env
 
