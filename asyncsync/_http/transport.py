@@ -254,7 +254,12 @@ class Endpoint:
             # The common case: one try, and no retry or resend bookkeeping built for it.
             value = await self._send_once(call, body, timeouts)
         except AsyncSyncError as err:
-            value = await self._retried(call, body, timeouts, err, after_server_error)
+            failed = err
+        else:
+            self._succeeded(call, value)
+            return value
+        # Outside the handler: what the retries raise does not chain onto this failure.
+        value = await self._retried(call, body, timeouts, failed, after_server_error)
         self._succeeded(call, value)
         return value
 
