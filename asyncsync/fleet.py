@@ -23,7 +23,9 @@ from asyncsync._core.types import Require, Route, check_require
 from asyncsync._fleet.adapters import AdapterTable
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
+from asyncsync._fleet.hosts import FleetHosts, given_hosts, members_of
 from asyncsync._fleet.members import Members
+from asyncsync._fleet.router import RouterDispatcher
 from asyncsync._fleet.routing import StalenessStats, VersionHistory
 from asyncsync._fleet.versions import FleetVersions, check_limit
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, run_all
@@ -59,7 +61,21 @@ def register_chat_client(factory: Callable[..., Any]) -> None:
     _CHAT_CLIENT[:] = [factory]
 
 
-class Fleet(FleetControl, FleetVersions):
+class _ChatClients:
+    """`Fleet.openai`, mixed into `Fleet` (the reference shows it on `Fleet`)."""
+
+    def openai(self, session: Any, **options: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
+        in-process (an httpx transport, no socket): for agent code that takes a client
+        object. ``session``: a `ChatSession`, or a session id (the fleet's own session
+        of that id, `ChatSession.of`). ``options`` go to ``AsyncOpenAI``. Needs the
+        ``asyncsync[openai]`` extra; docs/agents.md."""
+        if not _CHAT_CLIENT:  # pragma: no cover - registered by `import asyncsync`
+            raise RuntimeError("fleet.openai() is registered by `import asyncsync`")
+        return _CHAT_CLIENT[0](self, session, **options)
+
+
+class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
     """Many vLLM servers driven concurrently; an async context manager.
 
     Every control method fans out to the targeted servers at once, waits until each
@@ -95,6 +111,13 @@ class Fleet(FleetControl, FleetVersions):
             prompts are checked against it there (see `vocab_size`).
         max_model_len: the servers' context length: a prompt that fills it is refused
             before it is routed. Default: each server's own, from ``/v1/models``.
+        hosts: each server's host identity (a mapping of URL to host, or one per
+            server in order; None entries are probed): which servers share a machine
+            with the trainer (``backend="auto"``: shm there, gloo elsewhere). Unset:
+            probed from each URL's address (`resolve_hosts`).
+        router_url: an OpenAI-compatible router in front of the servers (e.g.
+            ``vllm-router``): generations go through it, while every control call and
+            weight round still goes to every server (docs/ray.md#routers).
     """
 
     def __init__(
@@ -113,6 +136,8 @@ class Fleet(FleetControl, FleetVersions):
         tokenizer: Tokenizer | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
+        hosts: Mapping[str, str] | Sequence[str | None] | None = None,
+        router_url: str | None = None,
     ) -> None:
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
@@ -146,16 +171,46 @@ class Fleet(FleetControl, FleetVersions):
         self._members = Members()
         self._history = VersionHistory()
         self._policy = RoutingPolicy(max_staleness, admission_timeout)
-        #: LoRA adapters published through this fleet and who holds them
-        self._adapters = AdapterTable()
-        self._dispatch = Dispatcher(
-            self._members, self._history, self._policy, self._probe, self._adapters
-        )
+        self._adapters = AdapterTable()  # LoRA adapters published here, who holds them
+        self._dispatch = self._dispatcher(router_url)
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
         self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         for server in servers:
             self._add(server)
+        for url, host in given_hosts(self.urls, hosts).items():
+            self.state(url).host = host
+
+    @classmethod
+    async def from_ray(
+        cls,
+        servers: Any,
+        *,
+        timeout: float = 60.0,  # noqa: ASYNC109 - a deadline for the actors' answers
+        **options: Any,
+    ) -> Fleet:
+        """A fleet (not yet opened) over servers launched on Ray: a
+        `asyncsync.ray.ServerGroup`, or the handles of its server actors (each asked
+        for its URL and host identity, within ``timeout`` seconds). ``options`` are
+        `Fleet`'s. ``async with await Fleet.from_ray(group) as fleet: ...``"""
+        urls, hosts = await members_of(servers, timeout)
+        return cls(urls, hosts=hosts, **options)
+
+    def _dispatcher(self, router_url: str | None) -> Dispatcher:
+        """Routing by the fleet itself, or through a router (`router_url`)."""
+        parts = (self._members, self._history, self._policy, self._probe, self._adapters)
+        if router_url is None:
+            return Dispatcher(*parts)
+        router = AsyncVLLMClient(
+            router_url, session=self._shared_session, _owner="this Fleet", **self._client_settings
+        )
+        return RouterDispatcher(*parts, router)
+
+    @property
+    def router_url(self) -> str | None:
+        """The router generations go through (None: routed by the fleet itself)."""
+        router = getattr(self._dispatch, "router", None)
+        return router.base_url if isinstance(router, AsyncVLLMClient) else None
 
     # ------------------------------------------------------------------ lifecycle
     def _on_close(self, hook: Callable[[], None]) -> None:
@@ -185,6 +240,8 @@ class Fleet(FleetControl, FleetVersions):
         _call_hooks(self._close_hooks)
         for client in self._members.owned():
             await client.aclose()
+        if isinstance(self._dispatch, RouterDispatcher):
+            await self._dispatch.router.aclose()
         await self._transport.aclose()
 
     @property
@@ -408,16 +465,6 @@ class Fleet(FleetControl, FleetVersions):
             routed=True,
         )  # fmt: skip
         return await self._dispatch.routed(send, GenerationEngine.score, ids, top_k, send)
-
-    def openai(self, session: Any, **options: Any) -> Any:
-        """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
-        in-process (an httpx transport, no socket): for agent code that takes a client
-        object. ``session``: a `ChatSession`, or a session id (the fleet's own session
-        of that id, `ChatSession.of`). ``options`` go to ``AsyncOpenAI``. Needs the
-        ``asyncsync[openai]`` extra; docs/agents.md."""
-        if not _CHAT_CLIENT:  # pragma: no cover - registered by `import asyncsync`
-            raise RuntimeError("fleet.openai() is registered by `import asyncsync`")
-        return _CHAT_CLIENT[0](self, session, **options)
 
     def _options(
         self, options: Mapping[str, Any], n: int, where: str

@@ -96,8 +96,9 @@ class AsyncWeightPublisher:
             ``az.backends.Shm(...)`` (CPU shared memory, this package's vLLM plugin),
             ``Gloo(...)`` (CPU, across hosts, this package's plugin), ``NCCL(...)`` and
             ``IPC(...)`` (vLLM's own GPU engines; ``IPC`` needs
-            ``allow_insecure_serialization=True``), or a registered name for that
-            backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``).
+            ``allow_insecure_serialization=True``), ``Auto(...)`` (shm for the servers
+            on this host, gloo for the others, in one round), or a registered name for
+            that backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``, ``"auto"``).
         executor: the bounded executor for the blocking send (default: one private
             worker thread).
         rank: this trainer process's rank; only rank 0 talks HTTP, every rank
@@ -222,7 +223,9 @@ class AsyncWeightPublisher:
         once per server): the backend's init, in the worker thread."""
         if self.is_sender:
             assert self.fleet is not None
-            calls = InitCalls(self.fleet, self._targets(targets))
+            urls = self._targets(targets)
+            await self._backend.prepare(self.fleet, urls)
+            calls = InitCalls(self.fleet, urls)
             client = SyncFleetClient.on_running_loop(calls, cancel=threading.Event())
             # A cancel meanwhile is re-raised once the thread's init has returned: no
             # thread is left talking to the servers.
@@ -343,6 +346,7 @@ class AsyncWeightPublisher:
         delta: bool = False,
     ) -> PublishReport:
         assert self.fleet is not None
+        await self._backend.prepare(self.fleet, targets)
         self._chain, chain = chain_round(
             self._chain, delta, self.backend, self.options, targets, version
         )
@@ -359,7 +363,8 @@ class AsyncWeightPublisher:
         round_ = PublishRound(
             self.fleet, targets, version=version, need=need, pause=pause,
             reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
-            published_version=self.version, collective=self._backend.collective,
+            published_version=self.version,
+            collective=self._backend.collective_servers(targets),
             resendable=resendable, verify=verify, digests=digests,
         )  # fmt: skip
         init = None if self._initialized else lambda: self._init_servers(round_)

@@ -70,6 +70,9 @@ class ServerState:
         last_error: the most recent failure, None after a success.
         max_concurrency: the most generations routed here at once (None: no limit).
         routed: generations routed here so far (load spread).
+        host: the server's host identity (``Fleet(..., hosts=...)``, a Ray server
+            group's, or probed from its address by ``Fleet.resolve_hosts``); None
+            while unknown.
     """
 
     url: str
@@ -84,6 +87,7 @@ class ServerState:
     last_error: BaseException | None = None
     max_concurrency: int | None = None
     routed: int = 0
+    host: str | None = None
 
     def unfit(self) -> Reason | None:
         """Why this server cannot serve generations now, by its own state (None: fit).
