@@ -252,9 +252,27 @@ class Fleet(FleetControl, FleetVersions):
         return [s.url for s in self._members.states() if predicate(s)]
 
     def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
-        """Mark servers (all when None) dirty, or clean with ``dirty=False``."""
+        """Mark servers (all when None) dirty, or clean with ``dirty=False`` (their draft
+        model too)."""
         for url in self._members.resolve(urls):
-            self._members.state(url).mark(dirty=dirty)
+            state = self._members.state(url)
+            state.mark(dirty=dirty)
+            if not dirty:
+                state.mark(dirty=False, draft=True)
+        self._members.notify()
+
+    def _mark_draft_dirty(self, urls: Iterable[str]) -> None:
+        """A draft round left these servers' draft models of no known version."""
+        for url in urls:
+            self._members.state(url).mark(dirty=True, draft=True)
+        self._members.notify()
+
+    def _published_draft(self, version: str, urls: Iterable[str]) -> None:
+        """A draft round committed ``version`` on ``urls``: their draft models hold it.
+        Their served versions, and the fleet's, are unchanged (speculative decoding does
+        not change what the served model samples)."""
+        for url in urls:
+            self._members.state(url).record_draft_version(version)
         self._members.notify()
 
     def mark_clean(self, urls: _Targets = None) -> None:

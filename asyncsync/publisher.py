@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.deprecation import warn_deprecated
-from asyncsync._core.errors import ClosedError, FleetError, PublishError, UnsupportedVLLMError
-from asyncsync._core.types import Outcome
+from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
+from asyncsync._publish.draft import DraftRound, Target, check_draft_servers, check_target
 from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
@@ -48,14 +48,14 @@ from asyncsync._publish.verify import (
     Verify,
     VerifyLike,
     as_verify,
-    verify_servers,
+    check_checksum_route,
+    verify_now,
 )
 from asyncsync._publish.weights import (
-    FiniteChecked,
     WeightsLike,
     WeightSource,
-    check_finite,
     check_weights,
+    finite,
     is_factory,
     resolve,
 )
@@ -142,11 +142,15 @@ class AsyncWeightPublisher:
         self._initialized = False
         self._closed = False
         self.version: str | None = None
+        #: the last version published into the servers' draft model (``target="draft"``)
+        self.draft_version: str | None = None
         self.last_report: PublishReport | None = None
         #: the LoRA adapters this publisher published (`publish_lora`), made on first use
         self._lora: LoraRounds | None = None
-        #: the record of a delta chain (`publish(..., delta=True)`), made on first use
+        #: the record of a delta chain (`publish(..., delta=True)`), made on first use;
+        #: the draft model's chain is its own
         self._chain: DeltaChain | None = None
+        self._draft_chain: DeltaChain | None = None
         if fleet is not None:
             fleet._on_close(self._release)
 
@@ -239,6 +243,7 @@ class AsyncWeightPublisher:
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
         delta: bool = False,
+        target: Target = "main",
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
@@ -264,12 +269,15 @@ class AsyncWeightPublisher:
         ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
         (shm, gloo) sends only what changed since the version every target acknowledged
         (else a full round); `PublishReport.delta` says what (docs/delta.md).
+        ``target="draft"``: into the servers' speculative draft model (its own
+        checkpoint); served and per-token versions stay; `draft_version` advances.
 
         Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
         fewer than ``min_servers`` went through the round (the version stays), and
         re-raises cancellation after ending the round everywhere.
         """
-        _check_round(version, self.version, pause)
+        check_target(target, verify=verify)
+        _check_round(version, self.draft_version if target == "draft" else self.version, pause)
         checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -277,29 +285,28 @@ class AsyncWeightPublisher:
             if self._closed:
                 raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
             if not self.is_sender:
-                return await self._publish_non_sender(weights, version)
-            if check_finite:
-                weights = await self._finite(weights)
-            targets = self._targets(targets)
-            need = _need(min_servers, targets)
-            if checks is not None and checks.checksum:
-                await self._check_checksum_route(targets)
-            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta)
+                self.version = version
+                return await _non_sender_round(self._backend, self._executor, weights, version)
+            weights, urls, need = await self._prelude(
+                weights, targets, min_servers, checks, check_finite
+            )
+            args = (pause, reset_prefix_cache, progress, urls, checks, need, delta, target)
             return await self._publish(weights, version, *args)
 
-    async def _check_checksum_route(self, targets: Sequence[str]) -> None:
-        """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
-        sent: `UnsupportedVLLMError` otherwise."""
-        assert self.fleet is not None
-        for url in targets:
-            client = self.fleet.client(url)
-            protocol = await client.protocol()
-            if protocol != "0.32":
-                raise UnsupportedVLLMError(
-                    client.server_state.vllm_version or protocol,
-                    "/weight_checker (verify='checksum')",
-                    server=url,
-                )
+    async def _prelude(
+        self, weights: WeightsLike, targets: Sequence[str] | None,
+        min_servers: int | Literal["all"], checks: Verify | None, finite_only: bool,
+    ) -> tuple[WeightsLike, list[str], int]:  # fmt: skip
+        """A round's checks before anything is sent: NaN/Inf (``check_finite``), the
+        targets and how many must go through, the checksum route where verified."""
+        if finite_only:
+            weights = await finite(weights, self._executor)
+        urls = self._targets(targets)
+        need = _need(min_servers, urls)
+        if checks is not None and checks.checksum:
+            assert self.fleet is not None
+            await check_checksum_route(self.fleet, urls)
+        return weights, urls, need
 
     async def verify(
         self,
@@ -321,47 +328,9 @@ class AsyncWeightPublisher:
         if not self.is_sender or self.fleet is None:
             raise RuntimeError("only rank 0 (the rank with the fleet) verifies")
         async with self._lock:
-            urls = self._targets(targets)
-            if checks.checksum:
-                await self._check_checksum_route(urls)
-            expected: dict[str, str] = {}
-            if checks.checksum:
-                digests = TrainerDigests(checks.dtype)
-                tap = DigestTap(resolve(weights), digests)
-                await asyncio.get_running_loop().run_in_executor(
-                    self._executor, lambda: [None for _ in tap]
-                )
-                expected = digests.expected()
-            found = await verify_servers(self.fleet, urls, checks, expected, self._executor)
-        # Every server that does not match is marked first, whatever else failed.
-        self.fleet.mark_dirty(
-            [url for url, r in found.items() if isinstance(r, Verification) and not r.ok]
-        )
-        errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
-        if errors:
-            raise FleetError(
-                f"verify could not check {len(errors)} of {len(found)} server(s): "
-                + "; ".join(f"{url}: {err}" for url, err in errors.items()),
-                list(errors.values()),
-                operation="verify",
-                outcomes={
-                    url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
-                    for url, r in found.items()
-                },
+            return await verify_now(
+                self.fleet, self._targets(targets), checks, weights, self._executor
             )
-        return {url: r for url, r in found.items() if isinstance(r, Verification)}
-
-    async def _finite(self, weights: WeightsLike) -> WeightsLike:
-        """Weights whose NaN/Inf are refused: read now (off the loop) when they can be
-        read twice, else checked as they are produced."""
-        if is_factory(weights):
-            return lambda: FiniteChecked(resolve(weights))
-        source = resolve(weights)
-        if not source.reiterable:
-            return FiniteChecked(source)
-        check_weights(source)
-        await asyncio.get_running_loop().run_in_executor(self._executor, check_finite, source)
-        return weights
 
     async def _publish(
         self,
@@ -374,16 +343,12 @@ class AsyncWeightPublisher:
         verify: Verify | None,
         need: int,
         delta: bool = False,
+        target: Target = "main",
     ) -> PublishReport:
         assert self.fleet is not None
-        self._chain, chain = chain_round(
-            self._chain, delta, self.backend, self.options, targets, version
-        )
-        # Known up front unless a factory (called in the thread) makes them: checked there.
-        source = None if is_factory(weights) else resolve(weights)
-        if source is not None:
-            check_weights(source)
-            self._backend.check(source)
+        draft = target == "draft"
+        chain = self._chain_round(delta, targets, version, draft)
+        source = await self._checked_source(weights, targets, draft)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
@@ -393,11 +358,12 @@ class AsyncWeightPublisher:
         # stream, and not with other ranks, which iterate the weights once (their
         # collectives, an FSDP all-gather, would wait for rank 0 forever).
         resendable = (source is None or source.reiterable) and self.world_size == 1
-        round_ = PublishRound(
+        round_ = (DraftRound if draft else PublishRound)(
             self.fleet, targets, version=version, need=need, pause=pause,
             reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
-            published_version=self.version, collective=self._backend.collective,
-            resendable=resendable, verify=verify, digests=digests,
+            published_version=self.draft_version if draft else self.version,
+            collective=self._backend.collective, resendable=resendable, verify=verify,
+            digests=digests,
         )  # fmt: skip
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:
@@ -413,14 +379,51 @@ class AsyncWeightPublisher:
                 _hooks.publish_failed(version, exc)
             raise
         finally:
-            self.version = round_.published_version
+            if draft:
+                self.draft_version = round_.published_version
+            else:
+                self.version = round_.published_version
             if bar is not None:
                 bar.close()
+        return await self._published(report, chain)
+
+    def _chain_round(
+        self, delta: bool, targets: list[str], version: str, draft: bool
+    ) -> ChainRound | None:
+        """The round of the delta chain of the model the round targets (each model of
+        a server has its own chain), or None outside a chain."""
+        if draft:
+            self._draft_chain, chain = chain_round(
+                self._draft_chain, delta, self.backend, self.options, targets, version
+            )
+            return chain
+        self._chain, chain = chain_round(
+            self._chain, delta, self.backend, self.options, targets, version
+        )
+        return chain
+
+    async def _checked_source(
+        self, weights: WeightsLike, targets: list[str], draft: bool
+    ) -> WeightSource | None:
+        """The weights as a source, checked before any server is touched (a factory's,
+        made in the thread, are checked there); a draft round's servers must run a draft
+        model whose checkpoint the weights are."""
+        source = None if is_factory(weights) else resolve(weights)
+        if source is not None:
+            check_weights(source)
+            self._backend.check(source)
+        if draft:
+            assert self.fleet is not None
+            await check_draft_servers(self.fleet, targets, source, self._executor)
+        return source
+
+    async def _published(self, report: PublishReport, chain: ChainRound | None) -> PublishReport:
         if chain is not None:
             chain.done(report)
         self.last_report = report
         _hooks.published(report)
-        if self._lora is not None:  # servers that lost their adapters get them again
+        # servers that lost their adapters get them again (a draft round keeps them)
+        if self._lora is not None and report.target == "main":
             await self._lora.after_base_round(report.servers)
         return report
 
@@ -464,23 +467,6 @@ class AsyncWeightPublisher:
         # changed set of servers (a new group), so a later round reaches them.
         self._initialized = True
 
-    async def _publish_non_sender(self, weights: WeightsLike, version: str) -> PublishReport:
-        began = time.perf_counter()
-        job = _SendJob(self._backend, weights, None, None)
-        stats = await asyncio.get_running_loop().run_in_executor(
-            self._executor, job, None, threading.Event()
-        )
-        self.version = version
-        return PublishReport(
-            version=version,
-            servers=[],
-            bytes=0,
-            chunks=0,
-            params=stats.params,
-            seconds={"total": time.perf_counter() - began},
-        )
-
-
 class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
@@ -518,6 +504,26 @@ class _SendJob:
             if client is not None:
                 client.settle()
             _barrier()
+
+
+async def _non_sender_round(
+    backend: TrainerBackend, executor: ThreadPoolExecutor, weights: WeightsLike, version: str
+) -> PublishReport:
+    """A rank other than 0 iterates the weights with rank 0 (its collectives) and sends
+    nothing."""
+    began = time.perf_counter()
+    job = _SendJob(backend, weights, None, None)
+    stats = await asyncio.get_running_loop().run_in_executor(
+        executor, job, None, threading.Event()
+    )
+    return PublishReport(
+        version=version,
+        servers=[],
+        bytes=0,
+        chunks=0,
+        params=stats.params,
+        seconds={"total": time.perf_counter() - began},
+    )
 
 
 def _from_keywords(

@@ -29,8 +29,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._core.errors import WeightMismatchError
-from asyncsync._publish.weights import WeightsLike, WeightSource
+from asyncsync._core.errors import FleetError, UnsupportedVLLMError, WeightMismatchError
+from asyncsync._core.types import Outcome
+from asyncsync._publish.weights import WeightsLike, WeightSource, resolve
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -51,8 +52,10 @@ __all__ = [
     "Verify",
     "VerifyLike",
     "as_verify",
+    "check_checksum_route",
     "compare_checksums",
     "score_probe",
+    "verify_now",
     "verify_servers",
 ]
 
@@ -430,3 +433,51 @@ async def _probe(
         )
         if not result.ok:
             return
+
+
+async def check_checksum_route(fleet: Fleet, targets: Sequence[str]) -> None:
+    """``/weight_checker`` exists on every target (vLLM >= 0.32), before anything is
+    sent: `UnsupportedVLLMError` otherwise."""
+    for url in targets:
+        client = fleet.client(url)
+        protocol = await client.protocol()
+        if protocol != "0.32":
+            raise UnsupportedVLLMError(
+                client.server_state.vllm_version or protocol,
+                "/weight_checker (verify='checksum')",
+                server=url,
+            )
+
+
+async def verify_now(
+    fleet: Fleet, urls: Sequence[str], checks: Verify, weights: WeightsLike, executor: Executor
+) -> dict[str, Verification]:
+    """`AsyncWeightPublisher.verify`: ``urls`` checked against ``weights`` (their digests
+    taken in ``executor``: read once); a mismatched server is marked dirty; a server that
+    could not be checked makes one `FleetError` of every server's result, raised after
+    the mismatched ones were marked."""
+    urls = list(urls)
+    if checks.checksum:
+        await check_checksum_route(fleet, urls)
+    expected: dict[str, str] = {}
+    if checks.checksum:
+        digests = TrainerDigests(checks.dtype)
+        tap = DigestTap(resolve(weights), digests)
+        await asyncio.get_running_loop().run_in_executor(executor, lambda: [None for _ in tap])
+        expected = digests.expected()
+    found = await verify_servers(fleet, urls, checks, expected, executor)
+    # Every server that does not match is marked first, whatever else failed.
+    fleet.mark_dirty([url for url, r in found.items() if isinstance(r, Verification) and not r.ok])
+    errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
+    if errors:
+        raise FleetError(
+            f"verify could not check {len(errors)} of {len(found)} server(s): "
+            + "; ".join(f"{url}: {err}" for url, err in errors.items()),
+            list(errors.values()),
+            operation="verify",
+            outcomes={
+                url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
+                for url, r in found.items()
+            },
+        )
+    return {url: r for url, r in found.items() if isinstance(r, Verification)}
