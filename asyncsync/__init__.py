@@ -5,8 +5,8 @@ apart: `asyncsync.blocking` (the same API without ``await``, for scripts and
 notebooks) and `asyncsync.metrics` (metrics hooks).
 """
 
-import logging
-from typing import Any
+import logging as _logging
+from typing import Any as _Any
 
 from asyncsync import backends
 from asyncsync._core import deprecation as _deprecation
@@ -23,6 +23,7 @@ from asyncsync._core.errors import (
     FleetError,
     GenerationAborted,
     GenerationError,
+    IncompatibleWeightsError,
     ProtocolError,
     PublishError,
     ServerError,
@@ -62,7 +63,7 @@ from asyncsync.publisher import (
 __version__ = "0.2.0"
 
 # Each module logs to its own logger under "asyncsync"; the application configures them.
-logging.getLogger("asyncsync").addHandler(logging.NullHandler())
+_logging.getLogger("asyncsync").addHandler(_logging.NullHandler())
 
 __all__ = [
     "AsyncSyncError",
@@ -77,6 +78,7 @@ __all__ = [
     "GenerateOptions",
     "GenerationAborted",
     "GenerationError",
+    "IncompatibleWeightsError",
     "Outcome",
     "PromptScores",
     "ProtocolError",
@@ -111,14 +113,14 @@ __all__ = [
 ]
 
 #: Spellings of 0.1 kept for one release (each access warns with the new name).
-_DEPRECATED: dict[str, tuple[str, Any]] = {
+_DEPRECATED: dict[str, tuple[str, _Any]] = {
     "ServerUnavailable": ("ServerUnavailableError", ServerUnavailableError),
     "UnsupportedVLLM": ("UnsupportedVLLMError", UnsupportedVLLMError),
     "WeightMismatch": ("WeightMismatchError", WeightMismatchError),
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     return _deprecation.module_getattr(__name__, _DEPRECATED, name)
 
 

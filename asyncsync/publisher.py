@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -29,8 +30,9 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
-from asyncsync._publish.draft import DraftRound, Target, check_draft_servers, check_target
+from asyncsync._publish.draft import DraftRound, DraftRounds, Target
 from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
@@ -59,6 +61,7 @@ from asyncsync._publish.weights import (
     is_factory,
     resolve,
 )
+from asyncsync._wire.served import ASYNCSYNC_ENGINES
 from asyncsync.backends import (
     BackendOptions,
     SendControl,
@@ -71,6 +74,8 @@ from asyncsync.backends import (
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+logger = logging.getLogger("asyncsync.publish")
 
 __all__ = [
     "AsyncWeightPublisher",
@@ -139,18 +144,17 @@ class AsyncWeightPublisher:
             max_workers=1, thread_name_prefix="asyncsync-publish"
         )
         self._lock = asyncio.Lock()
+        self._said_unchecked = False
         self._initialized = False
         self._closed = False
         self.version: str | None = None
-        #: the last version published into the servers' draft model (``target="draft"``)
-        self.draft_version: str | None = None
         self.last_report: PublishReport | None = None
         #: the LoRA adapters this publisher published (`publish_lora`), made on first use
         self._lora: LoraRounds | None = None
-        #: the record of a delta chain (`publish(..., delta=True)`), made on first use;
-        #: the draft model's chain is its own
+        #: the record of a delta chain (`publish(..., delta=True)`), made on first use
         self._chain: DeltaChain | None = None
-        self._draft_chain: DeltaChain | None = None
+        #: the rounds into the servers' draft model (``target="draft"``): own version, chain
+        self._draft = DraftRounds()
         if fleet is not None:
             fleet._on_close(self._release)
 
@@ -164,6 +168,8 @@ class AsyncWeightPublisher:
 
     @property
     def api(self) -> str:
+        """The trainer-engine style that drives a round: ``"engine"`` (vLLM 0.3x's
+        ``send_weights``) or ``"callback"`` (0.23's ``trainer_send_weights``)."""
         return self._backend.api
 
     @property
@@ -247,20 +253,20 @@ class AsyncWeightPublisher:
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
-        A round runs to the end on every server that still answers: a server that fails
-        (an error or malformed answer, no answer within the deadline, a refused
-        connection) drops out of the round and is marked dirty (it serves nothing until
-        a later round reaches it), and the others are never aborted because of it. The
-        round is published when at least ``min_servers`` of the targets went through it
-        (``"all"``: every one): the version advances, `PublishReport.lost` names the
-        servers that dropped out and a warning is logged. Fewer: `PublishError`, the
-        version unchanged. A collective transport that loses a server sends the round
-        again to the others, in a new group (docs/publishing.md).
+        A round runs to the end on every server that still answers: a server that fails (an
+        error or malformed answer, no answer within the deadline, a refused connection)
+        drops out of the round and is marked dirty (serving nothing until a round reaches
+        it), and the others are never aborted because of it. The round is published when at
+        least ``min_servers`` of the targets went through it (``"all"``: every one): the
+        version advances, `PublishReport.lost` names the servers that dropped out, a warning
+        is logged. A collective transport that loses a server sends the round again to the
+        others, in a new group (docs/publishing.md).
 
-        Bad input is refused with a ValueError/TypeError naming it before any server is
-        touched: a version that is not new, no weights, names that are not strings or
-        repeat, values that are not dense tensors, what the backend cannot carry;
-        ``check_finite=True`` also refuses NaN/Inf (read off the loop; streams as packed).
+        Bad input is refused before any server is touched (ValueError/TypeError naming
+        it): a bad version, names or tensors, what the backend cannot carry, and weights
+        that do not fit the served checkpoint (`IncompatibleWeightsError` lists every
+        mismatch; asyncsync's engines describe it, once per server). Factories are
+        checked once called, streams as packed; ``check_finite=True`` refuses NaN/Inf.
 
         ``verify`` (opt-in) checks every server against the trainer once it finished:
         ``"checksum"`` (vLLM's ``/weight_checker`` against the trainer's digests of what
@@ -268,16 +274,12 @@ class AsyncWeightPublisher:
         forward pass) or a `Verify`. A server that does not match drops out at
         ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
         (shm, gloo) sends only what changed since the version every target acknowledged
-        (else a full round); `PublishReport.delta` says what (docs/delta.md).
-        ``target="draft"``: into the servers' speculative draft model (its own
-        checkpoint); served and per-token versions stay; `draft_version` advances.
+        (else a full round; docs/delta.md). ``target="draft"``: the draft model (docs/draft.md).
 
-        Returns a `PublishReport`; raises `PublishError` with per-server outcomes when
-        fewer than ``min_servers`` went through the round (the version stays), and
-        re-raises cancellation after ending the round everywhere.
+        Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
+        version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        check_target(target, verify=verify)
-        _check_round(version, self.draft_version if target == "draft" else self.version, pause)
+        _check_round(version, self._draft.published(target, verify, self.version), pause)
         checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -285,28 +287,19 @@ class AsyncWeightPublisher:
             if self._closed:
                 raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
             if not self.is_sender:
-                self.version = version
-                return await _non_sender_round(self._backend, self._executor, weights, version)
-            weights, urls, need = await self._prelude(
-                weights, targets, min_servers, checks, check_finite
-            )
-            args = (pause, reset_prefix_cache, progress, urls, checks, need, delta, target)
+                return await self._non_sender(weights, version)
+            if check_finite:
+                weights = await finite(weights, self._executor)
+            targets = self._targets(targets)
+            need = _need(min_servers, targets)
+            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
             return await self._publish(weights, version, *args)
 
-    async def _prelude(
-        self, weights: WeightsLike, targets: Sequence[str] | None,
-        min_servers: int | Literal["all"], checks: Verify | None, finite_only: bool,
-    ) -> tuple[WeightsLike, list[str], int]:  # fmt: skip
-        """A round's checks before anything is sent: NaN/Inf (``check_finite``), the
-        targets and how many must go through, the checksum route where verified."""
-        if finite_only:
-            weights = await finite(weights, self._executor)
-        urls = self._targets(targets)
-        need = _need(min_servers, urls)
-        if checks is not None and checks.checksum:
-            assert self.fleet is not None
-            await check_checksum_route(self.fleet, urls)
-        return weights, urls, need
+    @property
+    def draft_version(self) -> str | None:
+        """The last version published into the servers' draft model
+        (``publish(..., target="draft")``), None before the first."""
+        return self._draft.version
 
     async def verify(
         self,
@@ -328,9 +321,8 @@ class AsyncWeightPublisher:
         if not self.is_sender or self.fleet is None:
             raise RuntimeError("only rank 0 (the rank with the fleet) verifies")
         async with self._lock:
-            return await verify_now(
-                self.fleet, self._targets(targets), checks, weights, self._executor
-            )
+            urls = self._targets(targets)
+            return await verify_now(self.fleet, urls, resolve(weights), checks, self._executor)
 
     async def _publish(
         self,
@@ -345,10 +337,11 @@ class AsyncWeightPublisher:
         delta: bool = False,
         target: Target = "main",
     ) -> PublishReport:
-        assert self.fleet is not None
+        assert self.fleet is not None  # rank 0's
+        if verify is not None and verify.checksum:
+            await check_checksum_route(self.fleet, targets)
         draft = target == "draft"
-        chain = self._chain_round(delta, targets, version, draft)
-        source = await self._checked_source(weights, targets, draft)
+        chain, source, checkpoints = await self._prepared(weights, targets, version, delta, draft)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
@@ -368,7 +361,7 @@ class AsyncWeightPublisher:
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:
             report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests, chain),
+                _SendJob(self._backend, weights, source, reporter, digests, chain, checkpoints),
                 self._executor,
                 init,
             )
@@ -380,52 +373,43 @@ class AsyncWeightPublisher:
             raise
         finally:
             if draft:
-                self.draft_version = round_.published_version
+                self._draft.version = round_.published_version
             else:
                 self.version = round_.published_version
             if bar is not None:
                 bar.close()
         return await self._published(report, chain)
 
-    def _chain_round(
-        self, delta: bool, targets: list[str], version: str, draft: bool
-    ) -> ChainRound | None:
-        """The round of the delta chain of the model the round targets (each model of
-        a server has its own chain), or None outside a chain."""
+    async def _prepared(
+        self, weights: WeightsLike, targets: list[str], version: str, delta: bool, draft: bool
+    ) -> tuple[ChainRound | None, WeightSource | None, Checkpoints]:
+        """A round's delta chain (a draft round's: the draft's own) and its weights
+        checked against the targets' checkpoints, before any server is touched."""
+        assert self.fleet is not None
         if draft:
-            self._draft_chain, chain = chain_round(
-                self._draft_chain, delta, self.backend, self.options, targets, version
+            chain = self._draft.chain_round(delta, self.backend, self.options, targets, version)
+            found = await self._draft.checked(
+                self.fleet, weights, targets, self._backend, self._executor
             )
-            return chain
+            return chain, *found
         self._chain, chain = chain_round(
             self._chain, delta, self.backend, self.options, targets, version
         )
-        return chain
-
-    async def _checked_source(
-        self, weights: WeightsLike, targets: list[str], draft: bool
-    ) -> WeightSource | None:
-        """The weights as a source, checked before any server is touched (a factory's,
-        made in the thread, are checked there); a draft round's servers must run a draft
-        model whose checkpoint the weights are."""
-        source = None if is_factory(weights) else resolve(weights)
-        if source is not None:
-            check_weights(source)
-            self._backend.check(source)
-        if draft:
-            assert self.fleet is not None
-            await check_draft_servers(self.fleet, targets, source, self._executor)
-        return source
+        return chain, *await self._checked(weights, targets)
 
     async def _published(self, report: PublishReport, chain: ChainRound | None) -> PublishReport:
         if chain is not None:
             chain.done(report)
         self.last_report = report
         _hooks.published(report)
-        # servers that lost their adapters get them again (a draft round keeps them)
+        # servers that lost their adapters get them again (a draft round drops none)
         if self._lora is not None and report.target == "main":
             await self._lora.after_base_round(report.servers)
         return report
+
+    async def _non_sender(self, weights: WeightsLike, version: str) -> PublishReport:
+        self.version = version
+        return await _non_sender_round(self._backend, self._executor, weights, version)
 
     async def publish_lora(
         self, name: str, adapter: Any, *, version: str, config: Any = None, base: Any = None,
@@ -456,6 +440,37 @@ class AsyncWeightPublisher:
                 base=base, shared_dir=shared_dir,
             )  # fmt: skip
 
+    async def _checked(
+        self, weights: WeightsLike, targets: Sequence[str]
+    ) -> tuple[WeightSource | None, Checkpoints]:
+        """The weights checked before the round touches any server (None for a factory,
+        called and checked in the thread), and the targets' checkpoint tables."""
+        source = None if is_factory(weights) else resolve(weights)
+        if source is not None:
+            check_weights(source)
+            self._backend.check(source)
+        # Against each server's checkpoint (learned once per server): every mismatch.
+        checkpoints = await self._checkpoints(targets)
+        if source is not None:
+            source = checkpoints.checked(source)
+        return source, checkpoints
+
+    async def _checkpoints(self, targets: Sequence[str]) -> Checkpoints:
+        """The targets' checkpoint tables, where their engine can describe them."""
+        assert self.fleet is not None
+        server_backend = self._backend.server_backend
+        found = await served_checkpoints(self.fleet, targets, server_backend)
+        if server_backend not in ASYNCSYNC_ENGINES and not self._said_unchecked:
+            self._said_unchecked = True
+            logger.info(
+                "backend %r: the servers run %s, whose engine does not describe the served "
+                "checkpoint; weights are checked only by the servers' own loading, during "
+                "the round (a mismatch fails it there: PublishError, servers dirty until a "
+                "round succeeds)",
+                self.backend, server_backend,
+            )  # fmt: skip
+        return found
+
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
         fails there drops out like in any phase)."""
@@ -467,11 +482,12 @@ class AsyncWeightPublisher:
         # changed set of servers (a new group), so a later round reaches them.
         self._initialized = True
 
+
 class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "chain", "digests", "on_chunk", "source", "weights")
+    __slots__ = ("backend", "chain", "checkpoints", "digests", "on_chunk", "source", "weights")
 
     def __init__(
         self,
@@ -481,6 +497,7 @@ class _SendJob:
         on_chunk: ProgressFn | None,
         digests: TrainerDigests | None = None,
         chain: ChainRound | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self.backend = backend
         self.weights = weights
@@ -488,12 +505,15 @@ class _SendJob:
         self.on_chunk = on_chunk
         self.digests = digests
         self.chain = chain
+        self.checkpoints = checkpoints
 
     def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
         if source is None:  # a factory: called here, checked before anything is sent
             source = resolve(self.weights)
             check_weights(source)
+            if self.checkpoints is not None:
+                source = self.checkpoints.checked(source)
         if self.digests is not None:
             source = DigestTap(source, self.digests)
         if self.chain is not None and client is not None:
@@ -513,9 +533,7 @@ async def _non_sender_round(
     nothing."""
     began = time.perf_counter()
     job = _SendJob(backend, weights, None, None)
-    stats = await asyncio.get_running_loop().run_in_executor(
-        executor, job, None, threading.Event()
-    )
+    stats = await asyncio.get_running_loop().run_in_executor(executor, job, None, threading.Event())
     return PublishReport(
         version=version,
         servers=[],

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pydoc
+import re
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,8 +26,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 import asyncsync as az
 from asyncsync import blocking
 from asyncsync._core.portal import shared_portal
-from asyncsync.testing import FakeVLLMServer, Fault
+from asyncsync.testing import FakeVLLMServer, Fault, RecordedRequest
 from tests.publish_fakes import like_the_shm_engine, round_calls
+from tests.waiting import wait_until_blocking
 
 PROMPT = [5, 6, 7, 8]
 
@@ -223,65 +225,125 @@ def test_an_interrupt_cancels_the_call_on_the_portal(fakes: list[FakeVLLMServer]
 
 
 def _interrupt_a_held_generation(fake: FakeVLLMServer) -> None:
+    main = threading.main_thread().ident
+    assert main is not None
+    assert main == threading.get_ident()
+
+    def interrupt_once_it_arrives(request: RecordedRequest) -> None:
+        if request.path == "/inference/v1/generate":  # held there: Ctrl-C now
+            signal.pthread_kill(main, signal.SIGINT)
+
     with blocking.Fleet([fake.url], retry=None) as fleet:
-        main = threading.main_thread().ident
-        assert main == threading.get_ident()
-        timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            fleet.generate(PROMPT, max_tokens=2)
-        timer.join()
-        _wait_until(lambda: fleet.state(fake.url).outstanding == 0)
-
-
-def _wait_until(condition: Callable[[], bool], within: float = 10.0) -> None:
-    done = threading.Event()
-    deadline = threading.Timer(within, done.set)
-    deadline.start()
-    try:
-        while not condition():
-            assert not done.wait(0.02), "condition not reached in time"
-    finally:
-        deadline.cancel()
+        fake.on_request = interrupt_once_it_arrives
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                fleet.generate(PROMPT, max_tokens=2)
+        finally:
+            fake.on_request = None
+        wait_until_blocking(lambda: fleet.state(fake.url).outstanding == 0)
 
 
 # ---------------------------------------------------------------------- the surface
-_NOT_MIRRORED = {
-    "aclose",  # close()
-    "session",  # an aiohttp session belongs to the portal's loop
-    "endpoint",  # advanced, loop-side
-    "generator",  # advanced, loop-side
-    "timeouts",
-    "retry",
-    "require",
-    "tokenizer",
-    "if_busy",
-    "api",
+#: Each async class and its blocking facade: "the same names and arguments"
+#: (docs/blocking.md, README).
+PAIRS = [
+    (az.Fleet, blocking.Fleet),
+    (az.AsyncVLLMClient, blocking.VLLMClient),
+    (az.AsyncWeightPublisher, blocking.WeightPublisher),
+    (az.CompletionStream, blocking.CompletionStream),
+    (az.Trajectory, blocking.Trajectory),
+]
+#: Public names of an async class the facade lacks on purpose, and why (the docs'
+#: "differences" list says the same of ``session``).
+NOT_MIRRORED = {
+    "aclose": "close() instead",
+    "session": "an aiohttp session belongs to one loop; the facade's objects live on the portal's",
+    "endpoint": "the client's transport, used on the loop only",
+    "generator": "the client's generation engine, used on the loop only",
 }
+#: Constructor parameters of an async class the facade does not take, and why.
+NOT_TAKEN = {
+    (az.AsyncVLLMClient, "session"): "an aiohttp session belongs to one loop",
+    (az.AsyncVLLMClient, "_owner"): "private: how a fleet's clients name their owner",
+}
+#: The facade's argument types name the facade's classes where the async ones name theirs.
+FACADE_TYPES = {"AsyncVLLMClient": "VLLMClient", "AsyncWeightPublisher": "WeightPublisher"}
+#: Constructors the facade does not define (it adopts objects the async API made).
+ADOPTED = {az.CompletionStream}
 
 
-@pytest.mark.parametrize(
-    ("async_cls", "facade_cls"),
-    [
-        (az.Fleet, blocking.Fleet),
-        (az.AsyncVLLMClient, blocking.VLLMClient),
-        (az.AsyncWeightPublisher, blocking.WeightPublisher),
-        (az.CompletionStream, blocking.CompletionStream),
-    ],
-)
+def _as_facade(annotation: object) -> object:
+    if not isinstance(annotation, str):
+        return annotation
+    for theirs, ours in FACADE_TYPES.items():
+        annotation = re.sub(rf"\b{theirs}\b", ours, annotation)
+    return annotation
+
+
+def _same_parameters(
+    ours: inspect.Signature, theirs: inspect.Signature, left_out: set[str], where: str
+) -> None:
+    """Names, order, kinds, defaults and (facade-typed) annotations agree."""
+    want = [p for p in theirs.parameters.values() if p.name not in left_out]
+    got = list(ours.parameters.values())
+    assert [p.name for p in got] == [p.name for p in want], where
+    for q, p in zip(got, want, strict=True):
+        assert (q.kind, q.default) == (p.kind, p.default), f"{where}({p.name}): {q} vs {p}"
+        assert q.annotation == _as_facade(p.annotation), f"{where}({p.name}): {q} vs {p}"
+    assert ours.return_annotation == _as_facade(theirs.return_annotation), where
+
+
+@pytest.mark.parametrize(("async_cls", "facade_cls"), PAIRS, ids=lambda c: c.__name__)
+def test_constructors_take_the_async_arguments(async_cls: type, facade_cls: type) -> None:
+    if async_cls in ADOPTED:
+        return
+    left_out = {name for (cls, name) in NOT_TAKEN if cls is async_cls}
+    theirs, ours = inspect.signature(async_cls.__init__), inspect.signature(facade_cls.__init__)
+    assert left_out <= set(theirs.parameters), f"{async_cls.__name__}: stale exceptions"
+    _same_parameters(ours, theirs, left_out, f"blocking.{facade_cls.__name__}")
+
+
+@pytest.mark.parametrize(("async_cls", "facade_cls"), PAIRS, ids=lambda c: c.__name__)
 def test_every_public_method_is_mirrored_with_its_signature(
     async_cls: type, facade_cls: type
 ) -> None:
-    names = {n for n in dir(async_cls) if not n.startswith("_")} - _NOT_MIRRORED
+    names = {n for n in dir(async_cls) if not n.startswith("_")} - set(NOT_MIRRORED)
     missing = sorted(n for n in names if not hasattr(facade_cls, n))
     assert missing == []
     for name in names:
         ours, theirs = getattr(facade_cls, name), getattr(async_cls, name)
-        if inspect.isfunction(theirs) and name not in {"add_server", "client"}:
-            assert inspect.signature(ours) == inspect.signature(theirs), name
-            assert ours.__doc__ == theirs.__doc__, name
-            assert not inspect.iscoroutinefunction(ours), name
-    assert facade_cls.close.__doc__
+        if not inspect.isfunction(theirs):
+            continue
+        where = f"blocking.{facade_cls.__name__}.{name}"
+        _same_parameters(inspect.signature(ours), inspect.signature(theirs), set(), where)
+        assert not inspect.iscoroutinefunction(ours), where
+        if name not in {"add_server", "client", "generate"}:  # written out, own docstrings
+            assert ours.__doc__ == theirs.__doc__, where
+    if hasattr(async_cls, "aclose"):
+        assert facade_cls.close.__doc__
+
+
+def test_every_public_attribute_is_mirrored() -> None:
+    """What an object holds (attributes set in ``__init__``, not only class-level
+    names): an unopened object of each class, built without a server."""
+    url = "http://127.0.0.1:9"  # never contacted
+    built = [
+        (az.AsyncVLLMClient(url), blocking.VLLMClient(url)),
+        (az.Fleet([url]), blocking.Fleet([url])),
+        (
+            az.AsyncWeightPublisher(None, rank=1, world_size=2),
+            blocking.WeightPublisher(None, rank=1, world_size=2),
+        ),
+    ]
+    try:
+        for theirs, ours in built:
+            public = {n for n in dir(theirs) if not n.startswith("_")} - set(NOT_MIRRORED)
+            missing = sorted(n for n in public if not hasattr(ours, n))
+            assert missing == [], f"blocking.{type(ours).__name__} lacks {missing}"
+    finally:
+        for theirs, ours in built:
+            ours.close()
+            shared_portal().call(theirs.aclose)
 
 
 def test_help_shows_the_async_signature_and_docs() -> None:

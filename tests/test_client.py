@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import aiohttp
@@ -14,6 +14,7 @@ import pytest_asyncio
 
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault
+from tests.waiting import arrived, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -246,10 +247,105 @@ async def test_version_specific_options_are_rejected(fake32: FakeVLLMServer) -> 
     assert [r.path for r in fake32.requests] == ["/version"]
 
 
+def documented_error(pattern: str) -> str:
+    """The error docs/client.md quotes after ``pattern`` (a regex ending where the quoted
+    text's backtick opens), its line breaks undone."""
+    found = re.search(pattern + r"\s*`([^`]+)`", CLIENT_DOCS.read_text())
+    assert found is not None, f"docs/client.md no longer quotes an error after {pattern!r}"
+    return " ".join(found[1].split())
+
+
+def as_documented(err: BaseException, server: str) -> str:
+    """What a user sees of ``err`` (``Class: str(err)``), with the docs' example address in
+    place of the test server's."""
+    return f"{type(err).__name__}: {err}".replace(server, "http://127.0.0.1:8003")
+
+
 async def test_unsupported_version() -> None:
     async with FakeVLLMServer(version="0.10.2") as fake, az.AsyncVLLMClient(fake.url) as client:
-        with pytest.raises(az.ProtocolError, match=r"not supported.*>= 0\.23"):
+        with pytest.raises(az.UnsupportedVLLMError) as info:
             await client.start_weight_update()
+    err = info.value
+    assert isinstance(err, az.ProtocolError)
+    assert (err.version, err.server) == ("0.10.2", fake.url)
+    assert fake.requests_to("/start_weight_update") == []  # refused before it was sent
+    # What docs/client.md says an older server raises, word for word.
+    assert as_documented(err, fake.url) == documented_error(r"Older servers raise")
+
+
+#: What may differ between the docs' example and a run: the ports, a deadline's seconds.
+_PORTS = re.compile(r"(127\.0\.0\.1(?:', |:))\d+")
+_SECONDS = re.compile(r"within [\d.]+ s")
+
+
+def _comparable(text: str) -> str:
+    return _SECONDS.sub("within N s", _PORTS.sub(r"\1PORT", " ".join(text.split())))
+
+
+async def _raised(call: Awaitable[object]) -> BaseException:
+    with pytest.raises(az.AsyncSyncError) as info:
+        await call
+    return info.value
+
+
+async def _route_lacking(fake: FakeVLLMServer) -> BaseException:
+    async with FakeVLLMServer(version="0.23.0") as old, az.AsyncVLLMClient(old.url) as client:
+        return await _raised(client.weight_info())
+
+
+async def _malformed_200(fake: FakeVLLMServer) -> BaseException:
+    fake.inject("/pause", Fault.malformed())
+    async with az.AsyncVLLMClient(fake.url, retry=None) as client:
+        return await _raised(client.pause("abort"))
+
+
+async def _hang(fake: FakeVLLMServer) -> BaseException:
+    fake.inject("/update_weights", Fault.hang())
+    timeouts = az.Timeouts(connect=60.0, control=60.0, update=0.3)
+    async with az.AsyncVLLMClient(fake.url, timeouts=timeouts) as client:
+        await client.start_weight_update()
+        return await _raised(client.update_weights(UPDATE_INFO))
+
+
+async def _nothing_listens(fake: FakeVLLMServer) -> BaseException:
+    await fake.stop()
+    async with az.AsyncVLLMClient(fake.url, retry=None) as client:
+        return await _raised(client.health())
+
+
+async def _connection_drops(fake: FakeVLLMServer) -> BaseException:
+    fake.inject("/finish_weight_update", Fault.die())
+    async with az.AsyncVLLMClient(fake.url, retry=None) as client:
+        await client.start_weight_update()
+        return await _raised(client.finish_weight_update("v1"))
+
+
+async def _one_of_a_fleet(fake: FakeVLLMServer) -> BaseException:
+    async with FakeVLLMServer() as first, FakeVLLMServer() as dead:
+        await dead.stop()
+        urls = [first.url, dead.url, fake.url]
+        async with az.Fleet(urls, retry=None) as fleet:
+            return await _raised(fleet.pause("abort"))
+
+
+#: Rows of docs/client.md's error table that fakes reproduce, by their first cell.
+DOCUMENTED_ERRORS = {
+    "a route this vLLM lacks": _route_lacking,
+    "a 200 that is not the promised JSON": _malformed_200,
+    "the server hangs": _hang,
+    "nothing listens": _nothing_listens,
+    "the connection drops mid-call": _connection_drops,
+    "one server of a fleet failed": _one_of_a_fleet,
+}
+
+
+@pytest.mark.parametrize("row", DOCUMENTED_ERRORS)
+async def test_errors_read_as_the_docs_quote_them(fake32: FakeVLLMServer, row: str) -> None:
+    """What docs/client.md's error table says a user sees, word for word (the ports and
+    a deadline's seconds aside)."""
+    err = await DOCUMENTED_ERRORS[row](fake32)
+    documented = documented_error(rf"\| {re.escape(row)} \|")
+    assert _comparable(f"{type(err).__name__}: {err}") == _comparable(documented)
 
 
 async def test_worker_failure_becomes_server_error(fake32: FakeVLLMServer) -> None:
@@ -344,10 +440,7 @@ async def test_hang_times_out_within_the_deadline(fake32: FakeVLLMServer) -> Non
     assert info.value.route == "/update_weights"
     assert 0.3 <= elapsed < 60  # not before the update deadline; long before control's
     # The hung handler saw its client go away: the connection was closed.
-    for _ in range(100):
-        if fake32.cancelled:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: bool(fake32.cancelled))
     assert fake32.cancelled == ["/update_weights"]
 
 
@@ -471,17 +564,11 @@ async def test_cancelled_call_closes_its_connection(fake32: FakeVLLMServer) -> N
     fake32.inject("/pause", Fault.hang())
     async with az.AsyncVLLMClient(fake32.url) as client:
         task = asyncio.create_task(client.pause("abort"))
-        for _ in range(200):
-            if fake32.requests_to("/pause"):
-                break
-            await asyncio.sleep(0.01)
+        await arrived(fake32, "/pause")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if fake32.cancelled:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: bool(fake32.cancelled))
         assert fake32.cancelled == ["/pause"]
         await client.resume()  # the client is still usable
 

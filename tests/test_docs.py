@@ -13,6 +13,7 @@ since a ``site/`` left over from an earlier build may be stale.
 from __future__ import annotations
 
 import ast
+import functools
 import html
 import inspect
 import os
@@ -24,6 +25,7 @@ import pytest
 
 import asyncsync as az
 from asyncsync import backends, blocking, metrics, testing
+from tests.user_code import UserCode
 
 ROOT = Path(__file__).resolve().parent.parent
 #: What a user reads; docs/development.md is the map for contributors (it names modules).
@@ -74,6 +76,92 @@ def test_names_used_exist(path: Path) -> None:
     missing += sorted({f"blocking.{n}" for n in BLOCKING_NAME.findall(text)
                        if not hasattr(blocking, n)})  # fmt: skip
     assert not missing, f"{_rel(path)} names what asyncsync does not export: {missing}"
+
+
+#: What `tests/user_code.py` reports that is no mistake, each with its reason, as
+#: ``(file, what)`` the way a failure prints them (say, a vLLM sampling parameter that
+#: ``**options`` forwards although `asyncsync.SamplingOptions` does not type it). Keep it
+#: small: each entry is a claim of the text that is no longer checked.
+ALLOWED_PROBLEMS: dict[tuple[str, str], str] = {}
+#: An inline code span that starts from a public namespace (``az.Timeouts.uniform(2.0)``).
+INLINE_API = re.compile(r"(?:az|blocking)\.\w")
+
+
+@functools.cache
+def _api_problems() -> dict[str, list[tuple[str, str]]]:
+    """Every attribute or keyword that user text (README, docs/, examples/) uses of
+    asyncsync and that does not exist, per file, as ``(where, what)``: code blocks run
+    in order, names carried over from block to block; inline spans each on their own."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for path in USER_TEXT + EXAMPLES:
+        code = UserCode({"az": az})
+        if path.suffix == ".py":
+            code.where = "the file"
+            code.run(ast.parse(path.read_text()).body)
+        for i, block in enumerate(_blocks(path) if path.suffix == ".md" else []):
+            if not block.lstrip().startswith("--8<--"):
+                code.where = f"python block {i}"
+                code.run(ast.parse(block).body)
+        prose = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)
+        for span in re.findall(r"`([^`\n]+)`", prose) if path.suffix == ".md" else []:
+            if not INLINE_API.match(span):
+                continue
+            try:
+                expression = ast.parse(span, mode="eval")
+            except SyntaxError:
+                continue  # prose in backticks (``az.Fleet(...)`` with an ellipsis)
+            inline = UserCode({"az": az, "blocking": blocking})
+            inline.where = f"`{span}`"
+            inline.check(expression.body)
+            code.problems.update(inline.problems)
+        found[_rel(path)] = [(f"{w}, line {n}", what) for w, n, what in code.problems]
+    return found
+
+
+@pytest.mark.parametrize("path", USER_TEXT + EXAMPLES, ids=_rel)
+def test_attributes_and_keywords_used_exist(path: Path) -> None:
+    """``az.Name.attr``, ``az.Name(keyword=...)``, ``fleet.generate(keyword=...)``,
+    ``report.attr``...: wherever the object is known, what the text uses of it exists."""
+    name = _rel(path)
+    problems = [
+        f"{where}: {what}"
+        for where, what in _api_problems()[name]
+        if (name, what) not in ALLOWED_PROBLEMS
+    ]
+    if problems:
+        pytest.fail(f"{name} uses what asyncsync does not have:\n" + "\n".join(problems))
+
+
+def test_every_allowed_problem_still_occurs() -> None:
+    occurring = {(name, what) for name, found in _api_problems().items() for _, what in found}
+    assert set(ALLOWED_PROBLEMS) - occurring == set(), "allowed, but no longer found"
+
+
+#: A path on one machine (a home, a work folder; an example's /tmp is fine): the docs
+#: describe the project, its files and its own scripts, not the machine they were
+#: written on.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|root|Users|mnt)/\S*")
+PROJECT_TEXT = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").rglob("*.md")])
+
+
+@pytest.mark.parametrize("path", PROJECT_TEXT, ids=_rel)
+def test_docs_name_no_machine_paths(path: Path) -> None:
+    found = MACHINE_PATH.findall(path.read_text())
+    assert not found, f"{_rel(path)} names paths of one machine: {found}"
+
+
+#: A file of this repository named in the text (``asyncsync/_wire/caps.py``,
+#: ``tests/test_docs.py``); ``NAME`` stands for any name.
+REPO_PATH = re.compile(
+    r"(?<![\w./-])((?:asyncsync|tests|scripts|examples|benchmarks|docs)/[\w./-]+\.(?:py|ipynb|md))\b"
+)
+
+
+@pytest.mark.parametrize("path", PROJECT_TEXT, ids=_rel)
+def test_files_named_in_the_docs_exist(path: Path) -> None:
+    named = {p for p in REPO_PATH.findall(path.read_text()) if "NAME" not in p}
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"{_rel(path)} names files that do not exist: {missing}"
 
 
 def test_reference_pages_cover_the_public_api() -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import inspect
+import re
+import typing
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +17,7 @@ import pytest_asyncio
 import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync.testing import FakeVLLMServer, Fault
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -28,13 +32,6 @@ UPDATE_INFO = {
 async def fakes() -> AsyncIterator[list[FakeVLLMServer]]:
     async with AsyncExitStack() as stack:
         yield [await stack.enter_async_context(FakeVLLMServer()) for _ in range(3)]
-
-
-async def _wait_for(predicate: Callable[[], bool], within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_round_fans_out_and_tracks_state(fakes: list[FakeVLLMServer]) -> None:
@@ -130,8 +127,7 @@ async def test_one_dead_server_of_three_raises_fleet_error(fakes: list[FakeVLLMS
         assert err.operation == "pause"
         assert err.failed == (dead.url,)
         assert err.succeeded == (urls[0], urls[2])
-        assert dead.url in str(err)
-        assert "pause failed on 1 of 3 servers" in str(err)
+        assert dead.url in str(err)  # the whole text: tests/test_client.py, as docs quote it
         assert len(err.exceptions) == 1
         assert isinstance(err.exceptions[0], az.ServerUnavailableError)
         assert err.exceptions[0].server == dead.url
@@ -334,10 +330,15 @@ async def test_fleet_lifecycle(fakes: list[FakeVLLMServer]) -> None:
         await fleet.health()
     assert session.closed
     assert fleet.session is None
-    with pytest.raises(az.ClosedError, match=r"^this Fleet is closed; create a new one"):
-        await fleet.health()
-    with pytest.raises(az.ClosedError, match=r"^this Fleet is closed; create a new one"):
-        await fleet.generate([1, 2, 3], max_tokens=1)
+    # docs/client.md quotes a closed client's message and says a fleet's names the fleet.
+    text = " ".join(CLIENT_DOCS.read_text().split())
+    quoted = re.search(r"A closed client raises `asyncsync\.ClosedError: ([^`]+)`", text)
+    assert quoted is not None
+    assert "`this Fleet is closed`" in text
+    for call in (fleet.health(), fleet.generate([1, 2, 3], max_tokens=1), client.health()):
+        with pytest.raises(az.ClosedError) as info:
+            await call
+        assert info.value.message == quoted[1].replace("AsyncVLLMClient", "Fleet")
     with pytest.raises(RuntimeError):
         async with fleet:
             pass
@@ -362,7 +363,7 @@ async def test_cancelled_fanout_leaves_no_tasks_and_no_connections(
     async with az.Fleet([f.url for f in fakes]) as fleet:
         await fleet.start_weight_update()
         task = asyncio.create_task(fleet.update_weights(UPDATE_INFO))
-        await _wait_for(lambda: all(f.requests_to("/update_weights") for f in fakes))
+        await wait_until(lambda: all(f.requests_to("/update_weights") for f in fakes))
         assert all(s.outstanding == 1 for s in fleet.servers)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -375,11 +376,11 @@ async def test_cancelled_fanout_leaves_no_tasks_and_no_connections(
         # Servers cancelled mid-update hold weights of unknown version.
         assert all(s.dirty for s in fleet.servers)
         # Each server saw its client hang up: the in-flight connections were closed.
-        await _wait_for(lambda: all(f.cancelled == ["/update_weights"] for f in fakes))
+        await wait_until(lambda: all(f.cancelled == ["/update_weights"] for f in fakes))
         connector = fleet.session.connector if fleet.session else None
         assert connector is not None
         assert len(connector._acquired) == 0  # nothing still checked out of the pool
-    await _wait_for(lambda: all(f.open_connections == 0 for f in fakes))
+    await wait_until(lambda: all(f.open_connections == 0 for f in fakes))
 
 
 async def test_cancelling_the_fleet_block_closes_the_session(fakes: list[FakeVLLMServer]) -> None:
@@ -392,12 +393,12 @@ async def test_cancelling_the_fleet_block_closes_the_session(fakes: list[FakeVLL
             await fleet.pause("abort")
 
     task = asyncio.create_task(run())
-    await _wait_for(lambda: bool(fakes[0].requests_to("/pause")))
+    await wait_until(lambda: bool(fakes[0].requests_to("/pause")))
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sessions[0].closed
-    await _wait_for(lambda: all(f.open_connections == 0 for f in fakes))
+    await wait_until(lambda: all(f.open_connections == 0 for f in fakes))
 
 
 async def test_fanout_is_concurrent() -> None:
@@ -411,9 +412,90 @@ async def test_fanout_is_concurrent() -> None:
             fake.inject("/pause", Fault.until(all_received))
         async with az.Fleet([f.url for f in fakes], vllm_version="0.32.0") as fleet:
             pause = asyncio.create_task(fleet.pause("abort"))
-            await _wait_for(lambda: all(f.requests_to("/pause") for f in fakes), within=20)
+            await wait_until(lambda: all(f.requests_to("/pause") for f in fakes))
             assert not pause.done()  # nobody has answered yet
             all_received.set()
             outcome = await pause
     assert outcome.ok
     assert all(len(f.requests_to("/pause")) == 1 for f in fakes)
+
+
+# ------------------------------------------------------------------ the fleet's surface
+#: docs/client.md, which says what the fleet offers of the client's methods.
+CLIENT_DOCS = Path(__file__).resolve().parents[1] / "docs" / "client.md"
+#: The generation methods: routed to one server (routing options), not fanned out.
+GENERATION_METHODS = {"generate", "generate_n", "generate_batch", "stream", "score"}
+#: What a route method adds to the client's arguments: where to send, what must succeed.
+FAN_OUT_ARGS = {"targets", "require"}
+#: The routing options a generation method may add (as keywords or in ``**options``).
+ROUTING_ARGS = {"session_id", "session_ids", "min_version", "admission_timeout", "lora"}
+#: Deliberate differences, each one stated in docs/client.md (the test checks the names
+#: appear there): a client method the fleet lacks, a client argument a fleet method
+#: lacks, a fleet argument beyond the fan-out and routing ones.
+NOT_ON_THE_FLEET = {"protocol": "per server: fleet.state(url).protocol"}
+FLEET_LACKS = {("vllm_version", "refresh"): "the fleet asks every target each time"}
+FLEET_ADDS = {("update_weights", "expect_failure"): "what a cancelled round sends"}
+
+
+def _methods(cls: type) -> dict[str, Callable[..., Any]]:
+    """The public methods of ``cls`` a user calls (deprecated aliases left out)."""
+    found = {}
+    for name in dir(cls):
+        attr = inspect.getattr_static(cls, name)
+        if name.startswith("_") or not inspect.isfunction(attr):
+            continue
+        if (attr.__doc__ or "").startswith("Deprecated"):
+            continue
+        found[name] = attr
+    return found
+
+
+def _params(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+    """``fn``'s parameters without ``self``, the keys of an ``**options: Unpack[...]``
+    TypedDict spread out as keyword-only ones."""
+    params = dict(list(inspect.signature(fn).parameters.items())[1:])
+    for name, p in list(params.items()):
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            del params[name]
+            hint = typing.get_type_hints(fn, include_extras=True)[name]
+            (options,) = typing.get_args(hint)
+            for key in typing.get_type_hints(options):
+                params[key] = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY)
+    return params
+
+
+async def test_every_client_method_exists_on_the_fleet() -> None:
+    client, fleet = _methods(az.AsyncVLLMClient), _methods(az.Fleet)
+    assert set(NOT_ON_THE_FLEET) <= set(client), "an exception for a method the client lacks"
+    for name, method in sorted(client.items()):
+        if name in NOT_ON_THE_FLEET:
+            assert name not in fleet, f"Fleet.{name} exists now: drop its exception"
+            continue
+        assert name in fleet, f"AsyncVLLMClient.{name} has no Fleet.{name}"
+        assert inspect.iscoroutinefunction(fleet[name]) == inspect.iscoroutinefunction(method)
+        ours, theirs = _params(fleet[name]), _params(method)
+        for arg, p in theirs.items():
+            if (name, arg) in FLEET_LACKS:
+                assert arg not in ours, f"Fleet.{name} takes {arg} now: drop its exception"
+                continue
+            assert arg in ours, f"Fleet.{name} lacks the client's {arg!r}"
+            q = ours[arg]
+            assert (q.kind, q.default) == (p.kind, p.default), f"Fleet.{name}({arg}): {q} vs {p}"
+        extra = set(ours) - set(theirs) - {arg for (m, arg) in FLEET_ADDS if m == name}
+        if name in GENERATION_METHODS:
+            assert extra <= ROUTING_ARGS, f"Fleet.{name} adds {extra - ROUTING_ARGS}"
+        elif name != "aclose":
+            assert extra == FAN_OUT_ARGS, f"Fleet.{name} adds {extra} (not targets, require)"
+            for arg in FAN_OUT_ARGS:
+                assert ours[arg].kind is inspect.Parameter.KEYWORD_ONLY
+                assert ours[arg].default is None
+
+
+async def test_the_fleets_differences_are_the_documented_ones() -> None:
+    text = " ".join(CLIENT_DOCS.read_text().split())
+    start = text.index("Every route method of the client (the table above) exists on the fleet")
+    passage = text[start : text.index("### Partial failure", start)]
+    names = [*NOT_ON_THE_FLEET, *(arg for _, arg in FLEET_LACKS), *(arg for _, arg in FLEET_ADDS)]
+    names += sorted(GENERATION_METHODS | FAN_OUT_ARGS | ROUTING_ARGS)
+    missing = [n for n in names if f"`{n}" not in passage]
+    assert missing == [], f"docs/client.md's Fleet section does not mention {missing}"

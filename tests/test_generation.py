@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import pickle
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,15 +24,10 @@ from asyncsync._wire.generation import (
 )
 from asyncsync.testing import FakeVLLMServer, Fault
 from asyncsync.testing._fake import FakeLM
+from tests.waiting import wait_until
 
 PROMPT = [1, 17, 42, 99]
 LM = FakeLM()
-
-
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    async with asyncio.timeout(within):
-        while not predicate():  # noqa: ASYNC110 - polling a plain attribute
-            await asyncio.sleep(0.005)
 
 
 def expected_greedy(prompt: list[int], n: int, generation: int = 0) -> list[int]:
@@ -422,8 +417,7 @@ async def test_pause_abort_gives_a_retryable_outcome_with_the_tokens_so_far() ->
         task = asyncio.create_task(
             fleet.generate(PROMPT, max_tokens=200, temperature=0, logprobs=0)
         )
-        await until(lambda: fake.generation_requests > 0)
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: fake.tokens_generated >= 3)  # mid-generation: 3 of 200
         await fleet.client(fake.url).pause("abort")
         with pytest.raises(az.GenerationAborted) as info:
             await task
@@ -442,10 +436,10 @@ async def test_pause_abort_gives_a_retryable_outcome_with_the_tokens_so_far() ->
 
 @pytest.mark.asyncio
 async def test_keep_pause_across_an_update_reports_two_spans() -> None:
-    async with FakeVLLMServer(token_delay=0.01) as fake, az.Fleet([fake.url]) as fleet:
+    # 20 ms a token: the pause lands within the 1.1 s the other 57 tokens take.
+    async with FakeVLLMServer(token_delay=0.02) as fake, az.Fleet([fake.url]) as fleet:
         task = asyncio.create_task(fleet.generate(PROMPT, max_tokens=60, temperature=0))
-        await until(lambda: fake.generation_requests > 0)
-        await asyncio.sleep(0.1)
+        await wait_until(lambda: fake.tokens_generated >= 3)  # mid-generation: 3 of 60
         await fleet.pause("keep")
         await fleet.start_weight_update()
         await fleet.update_weights({"names": []})
@@ -740,5 +734,7 @@ async def test_auto_route_sends_n_samples_where_no_choice_is_lost(version: str, 
         await fleet.generate_n([1, 2, 3], n=2, max_tokens=3)
         paths = [r.path for r in fake.requests]
         assert paths.count("/version") == 1
-        generations = [p for p in paths if p != "/version"]
+        # The server's limits are asked once, before its first generation.
+        assert paths.count("/v1/models") == paths.count("/collective_rpc") == 1
+        generations = [p for p in paths if p not in ("/version", "/v1/models", "/collective_rpc")]
         assert generations == [path, "/inference/v1/generate", path]

@@ -164,6 +164,29 @@ async def test_vocab_guard_refuses_what_would_kill_the_server(
     assert health.ok
 
 
+async def test_without_vocab_size_the_servers_own_limits_guard_it(
+    fleet: az.Fleet, tiny_model_dir: Path
+) -> None:
+    """Not given vocab_size or max_model_len, each server is asked once (its asyncsync
+    engine tells the vocabulary, /v1/models the context length): the id that would kill
+    the token-only server is refused before it is sent, naming the position."""
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    async with az.Fleet(fleet.urls) as fresh:
+        for url in fresh.urls:
+            client = fresh.client(url)
+            with pytest.raises(ValueError, match=rf"\[2\] = {vocab} is outside") as info:
+                await client.generate([1, 2, vocab], max_tokens=2)
+            assert url in str(info.value)
+            with pytest.raises(ValueError, match="max_model_len=256"):
+                await client.generate([1] * 256, max_tokens=2)
+            edge = await client.generate([1, vocab - 1], max_tokens=2)
+            assert len(edge.token_ids) == 2
+        with pytest.raises(ValueError, match="is outside the vocabulary"):
+            await fresh.generate([vocab + 7], max_tokens=2)
+    health = await fleet.health()
+    assert health.ok
+
+
 def _perturbed(tiny_model_dir: Path) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file

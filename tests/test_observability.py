@@ -19,6 +19,7 @@ import torch
 import asyncsync as az
 from asyncsync import metrics
 from asyncsync._publish.progress import in_notebook, progress_enabled
+from asyncsync._publish.report import SECONDS_ORDER, Phase
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import shm_fakes
 
@@ -126,6 +127,60 @@ async def test_each_module_logs_what_happened_and_never_the_api_key(
     assert logged("asyncsync.generate", f"generation never reached {dead_url}")
     timings = [r for r in caplog.records if r.name == "asyncsync.publish" and " took " in r.msg]
     assert {r.levelno for r in timings} == {logging.DEBUG}
+
+
+OBSERVABILITY_DOCS = Path(__file__).resolve().parents[1] / "docs" / "observability.md"
+
+
+def _documented_row(first_cell: str, level: str) -> str:
+    """The last cell of the row of docs/observability.md's tables that starts so."""
+    for line in OBSERVABILITY_DOCS.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:2] == [first_cell, level] or (cells[:1] == [first_cell] and not level):
+            return cells[-1]
+    raise AssertionError(f"docs/observability.md has no row {first_cell} {level}")
+
+
+@pytest.mark.asyncio
+async def test_the_phase_timing_lines_read_as_documented(
+    fakes: list[FakeVLLMServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/observability.md quotes one DEBUG line of a round; every timing line a round
+    logs has that form (the version, a phase of ServerOutcome.phase, seconds to four
+    places), and a round logs one for each phase it ran."""
+    row = _documented_row("`asyncsync.publish`", "DEBUG")
+    quoted = re.search(r"`(round [^`]+)`", row)
+    assert quoted is not None, row
+    example = re.fullmatch(r"round '(?P<v>[^']+)': (?P<phase>\w+) took (?P<s>[\d.]+) s", quoted[1])
+    assert example is not None, f"the documented line {quoted[1]!r} has another form"
+    assert example["phase"] in {p.value for p in Phase}
+    places = len(example["s"].split(".")[1])
+    form = re.compile(rf"round '(?P<v>[^']*)': (?P<phase>\w+) took \d+\.\d{{{places}}} s")
+
+    caplog.set_level(logging.DEBUG, logger="asyncsync.publish")
+    weights = {f"w{i}": torch.ones(512) for i in range(4)}  # 8 KiB: several chunks
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=4096)) as publisher,
+    ):
+        report = await publisher.publish(weights, version="v1", progress=False, pause="keep")
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncsync.publish"]
+    timings = [line for line in lines if " took " in line]
+    assert timings
+    assert [line for line in timings if not form.fullmatch(line)] == []
+    matches = [m for m in map(form.fullmatch, timings) if m]
+    assert {m["v"] for m in matches} == {"v1"}
+    phases = [Phase(m["phase"]) for m in matches]
+    assert {ph.seconds_key for ph in phases} == set(report.seconds) - {"pack", "total"}
+    assert phases.count(Phase.UPDATE) == report.chunks  # one line per chunk's fan-out
+
+
+def test_the_documented_phase_labels_are_the_reports_seconds() -> None:
+    """The ``phase`` label takes each key of ``PublishReport.seconds``: the docs list
+    them all, in the report's order."""
+    row = _documented_row("`asyncsync_publish_phase_seconds`", "")
+    label, *values = re.findall(r"`(\w+)`", row)  # `PublishReport.seconds` is no label
+    assert (label, values) == ("phase", [*SECONDS_ORDER, "total"]), row
 
 
 @pytest.mark.asyncio

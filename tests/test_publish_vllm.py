@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 from pathlib import Path
@@ -158,36 +159,84 @@ def _retyped(model: Any) -> dict[str, torch.Tensor]:
 
 @pytest.mark.usefixtures("original_weights_restored")
 @pytest.mark.parametrize(
-    ("corrupt", "needle"),
+    ("corrupt", "needles"),
     [
-        (_renamed, "unknown parameter 'model.layers.1.mlp.gate_proj.weightx'"),
-        (_reshaped, "parameter 'model.norm.weight': shape [127]"),
-        (_retyped, "parameter 'lm_head.weight': dtype float16"),
+        (
+            _renamed,
+            [
+                "unknown parameter 'model.layers.1.mlp.gate_proj.weightx'",
+                "the round does not update 'model.layers.1.mlp.gate_proj.weight'",
+            ],
+        ),
+        (_reshaped, ["parameter 'model.norm.weight': shape [127]"]),
+        (_retyped, ["parameter 'lm_head.weight': dtype float16"]),
     ],
 )
 async def test_mismatch_fails_clearly_then_a_correct_publish_succeeds(
-    fleet: az.Fleet, tiny_model_dir: Path, corrupt: Any, needle: str
+    fleet: az.Fleet, tiny_model_dir: Path, corrupt: Any, needles: list[str]
 ) -> None:
+    """Weights that do not fit the served checkpoint are refused in the trainer process,
+    against the table each server's engine describes, before any server is touched:
+    every mismatch in one error, the servers clean and generating at once."""
     model = _perturbed(tiny_model_dir, seed=5)
     async with az.AsyncWeightPublisher(fleet) as publisher:
         await publisher.publish(model, version="good-1")
-        with pytest.raises(az.PublishError) as info:
-            await publisher.publish(corrupt(model), version="bad")
+        with pytest.raises(az.IncompatibleWeightsError) as info:
+            await publisher.publish(corrupt(model), version="bad", pause="keep")
         err = info.value
-        assert needle in str(err)
-        assert err.version == "bad"
+        assert isinstance(err, ValueError)
+        for needle in needles:
+            assert needle in str(err)
+        assert len(err.problems) == len(needles)
+        assert set(err.servers) == set(fleet.urls)
         assert publisher.version == "good-1"
-        assert set(err.needs_resync) == set(fleet.urls)
         for url in fleet.urls:
-            assert not err.outcomes[url].ok
-            assert fleet.state(url).dirty
-            assert fleet.state(url).weight_version == "good-1"
-        # No server was left with an active update: the next round starts normally.
+            state = fleet.state(url)
+            assert (state.dirty, state.updating, state.paused) == (False, False, False)
+            assert (state.weight_version, state.last_error) == ("good-1", None)
+            assert fleet.routing_reasons()[url] is None
+        # Nothing was sent: both servers generate at once, with good-1's weights.
+        for _ in range(4):
+            done = await fleet.generate(
+                PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                admission_timeout=5,
+            )  # fmt: skip
+            check_greedy(model, PROMPT, done.token_ids, max_new_tokens=MAX_TOKENS)
+            assert done.version == "good-1"
         report = await publisher.publish(model, version="good-2")
         assert report.version == publisher.version == "good-2"
         assert not any(fleet.state(url).dirty for url in fleet.urls)
-    tokens = (await _generate(fleet, fleet.urls[1], PROMPT, MAX_TOKENS))["token_ids"]
-    check_greedy(model, PROMPT, tokens, max_new_tokens=MAX_TOKENS)
+
+
+async def test_the_servers_describe_the_checkpoint_they_serve(
+    fleet: az.Fleet, tiny_model_dir: Path
+) -> None:
+    """asyncsync's engine answers vLLM's dev-mode /collective_rpc with the served
+    checkpoint's table (what the trainer checks a round against) and the model's
+    limits; the fake answers the same for the same checkpoint."""
+    from asyncsync._wire.served import CheckpointTable
+    from asyncsync.testing import FakeVLLMServer
+    from asyncsync.vllm_plugin.shm_engine import read_checkpoint
+
+    expected, _ = read_checkpoint(str(tiny_model_dir), "float32")
+    assert expected is not None
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    for url in fleet.urls:
+        table = await fleet.client(url)._served.checkpoint()
+        assert isinstance(table, CheckpointTable)
+        assert (table.entries, table.served_dtype) == (expected.entries, "float32")
+        served = fleet.client(url)._served
+        await served.learn()
+        assert (served.vocab_size, served.max_model_len) == (config["vocab_size"], 256)
+    entries = {n: (d, list(s)) for n, (d, s) in expected.entries.items()}
+    async with (
+        FakeVLLMServer(
+            backend="asyncsync_shm", checkpoint=entries, vocab_size=config["vocab_size"]
+        ) as fake,
+        az.Fleet([fake.url]) as fakes,
+    ):
+        table = await fakes.client(fake.url)._served.checkpoint()
+        assert table == CheckpointTable(expected.entries, "float32")
 
 
 @pytest.mark.usefixtures("original_weights_restored")

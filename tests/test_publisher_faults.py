@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ import torch
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import ABORT, aborts_received, round_calls, shm_fakes
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -292,13 +293,6 @@ async def test_a_failed_resume_after_the_commit_loses_that_server_only(
     assert aborts_received(bad) == []
 
 
-async def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
-    """Poll for ``condition`` (a fake's recorded requests) for ``within`` seconds."""
-    async with asyncio.timeout(within):
-        while not condition():  # noqa: ASYNC110 - nothing to wait on but the fake's records
-            await asyncio.sleep(0.01)
-
-
 LAYERS = {f"model.layers.{i}.w": torch.full((1024,), float(i)) for i in range(8)}
 
 
@@ -312,7 +306,7 @@ async def test_a_cancelled_publish_ends_the_round_at_a_chunk_boundary(
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
     ):
         task = asyncio.create_task(publisher.publish(LAYERS, version="cancelled", pause="keep"))
-        await _until(lambda: all(f.requests_to("/update_weights") for f in fakes))
+        await wait_until(lambda: all(f.requests_to("/update_weights") for f in fakes))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -19,7 +19,8 @@ from asyncsync._fleet.routing import (
     choose,
     ineligibility,
 )
-from asyncsync.testing import FakeVLLMServer, free_port
+from asyncsync.testing import FakeVLLMServer, Fault, free_port
+from tests.waiting import HANG, arrived, wait_until
 
 PROMPT = [1, 2, 3]
 
@@ -151,9 +152,14 @@ async def test_session_waits_for_its_paused_server(fakes: list[FakeVLLMServer]) 
     async with az.Fleet([f.url for f in fakes]) as fleet:
         first = await fleet.generate(PROMPT, max_tokens=2, session_id="s")
         await fleet.pause("keep", targets=[first.server])
+        routed = sum(s.routed for s in fleet.servers)
         task = asyncio.create_task(fleet.generate(PROMPT, max_tokens=2, session_id="s"))
-        await asyncio.sleep(0.2)
+        # Another generation, start to end: meanwhile the task asked for its server (an
+        # admission never waits for I/O) and was sent nowhere.
+        other = await fleet.generate(PROMPT, max_tokens=2)
+        assert other.server != first.server
         assert not task.done()
+        assert sum(s.routed for s in fleet.servers) == routed + 1
         await fleet.resume(targets=[first.server])
         assert (await task).server == first.server
 
@@ -214,17 +220,16 @@ async def test_version_gate_waits_for_the_version(fakes: list[FakeVLLMServer]) -
         with pytest.raises(az.GenerationError, match="reached version 'v1'"):
             await fleet.wait_for_version("v1", timeout=0.1)
 
-        async def publish() -> None:
-            await asyncio.sleep(0.1)
-            await fleet.start_weight_update()
-            await fleet.update_weights({"names": []})
-            await fleet.finish_weight_update("v1")
-
-        gate = asyncio.create_task(fleet.wait_for_version("v1", timeout=5))
+        gate = asyncio.create_task(fleet.wait_for_version("v1", timeout=HANG))
         gen = asyncio.create_task(
-            fleet.generate(PROMPT, max_tokens=1, min_version="v1", admission_timeout=5)
+            fleet.generate(PROMPT, max_tokens=1, min_version="v1", admission_timeout=HANG)
         )
-        await publish()
+        await fleet.health()  # a round trip: both tasks reached their wait meanwhile
+        assert not gate.done()
+        assert not gen.done()
+        await fleet.start_weight_update()
+        await fleet.update_weights({"names": []})
+        await fleet.finish_weight_update("v1")
         assert sorted(await gate) == sorted(urls)
         assert (await gen).version == "v1"
 
@@ -232,20 +237,17 @@ async def test_version_gate_waits_for_the_version(fakes: list[FakeVLLMServer]) -
 @pytest.mark.asyncio
 async def test_concurrency_limit_per_server(fakes: list[FakeVLLMServer]) -> None:
     fake = fakes[0]
-    fake.token_delay = 0.01
+    release = asyncio.Event()
+    fake.inject("/inference/v1/generate", Fault.until(release), times=None)
     async with az.Fleet([fake.url], max_concurrency_per_server=2) as fleet:
-        peak = 0
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, fleet.state(fake.url).outstanding)
-                await asyncio.sleep(0.002)
-
-        watcher = asyncio.create_task(watch())
-        await fleet.generate_batch([PROMPT] * 8, max_tokens=5)
-        watcher.cancel()
-        assert peak == 2
+        batch = asyncio.create_task(fleet.generate_batch([PROMPT] * 8, max_tokens=5))
+        # All eight were admitted or made to wait before the first one arrived (admission
+        # never waits for I/O): with two held at the server, two are outstanding.
+        await arrived(fake, "/inference/v1/generate", 2)
+        assert fleet.state(fake.url).outstanding == 2
+        release.set()
+        assert len(await batch) == 8
+        assert len(fake.requests_to("/inference/v1/generate")) == 8
         fleet.set_concurrency_limit(None)
         assert fleet.state(fake.url).max_concurrency is None
 
@@ -267,10 +269,7 @@ async def test_retried_elsewhere_only_when_the_request_never_arrived(
     async with az.Fleet([fakes[1].url, fakes[2].url]) as fleet:
         fleet.state(fakes[2].url).routed = 10
         task = asyncio.create_task(fleet.generate(PROMPT, max_tokens=100))
-        for _ in range(500):
-            if fakes[1].generation_requests:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: fakes[1].generation_requests > 0)  # it reached the server
         assert fakes[1].generation_requests == 1
         await fakes[1].stop()
         with pytest.raises(az.AsyncSyncError):

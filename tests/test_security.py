@@ -3,40 +3,73 @@ and the bearer token is sent on every request but never logged or put in an erro
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import logging
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import asyncsync as az
+from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
 from asyncsync.testing import Fault
 from tests.publish_fakes import shm_fakes
 
 TOKEN = "sk-test-0123456789abcdef-SECRET"
 WEIGHTS = {f"model.layers.{i}.w": torch.full((256,), float(i)) for i in range(6)}
-#: JSON's own value types: what a body may contain once parsed.
-JSON_TYPES = (dict, list, str, int, float, bool, type(None))
 PACKAGE = Path(az.__file__).parent
+#: A string that could carry a pickle: base64 (what a pickle would travel as in JSON).
+BASE64 = re.compile(r"[A-Za-z0-9+/]{8,}={0,2}")
 
 
-def _only_json_values(value: object, where: str = "body") -> None:
-    assert isinstance(value, JSON_TYPES), f"{where} is a {type(value).__name__}"
-    if isinstance(value, dict):
+def _strict_json(body: bytes) -> Any:
+    """``body`` parsed as RFC 8259 JSON: UTF-8, no NaN or Infinity, no repeated key
+    (Python's json accepts both; a server's parser may read them differently)."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), f"a key is repeated: {keys}"
+        return dict(pairs)
+
+    return json.loads(body.decode("utf-8"), parse_constant=refuse, object_pairs_hook=unique)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
         for key, item in value.items():
-            assert isinstance(key, str), f"{where} has a non-string key {key!r}"
-            _only_json_values(item, f"{where}.{key}")
+            yield key
+            yield from _strings(item)
     elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _only_json_values(item, f"{where}[{i}]")
+        for item in value:
+            yield from _strings(item)
+
+
+def _pickled(text: str) -> bool:
+    """Whether ``text`` is base64 of a pickle (protocols 2 and later start with 0x80)."""
+    if not BASE64.fullmatch(text) or len(text) % 4:
+        return False
+    return base64.b64decode(text)[:1] == b"\x80"
+
+
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
 
 
 @pytest.mark.asyncio
 async def test_shm_round_payloads_are_plain_json() -> None:
-    """Every body a publish sends (init, start, each chunk, finish) is UTF-8 JSON of
-    plain values: nothing a server would have to unpickle."""
+    """Every body a publish sends (init, each chunk, finish; 0.32's start has none) is
+    strict UTF-8 JSON with exactly the fields of the wire type the worker reads, and no
+    string in it is a base64 pickle: nothing a server would have to unpickle."""
     async with (
         shm_fakes(1) as fakes,
         az.Fleet([fakes[0].url]) as fleet,
@@ -44,14 +77,29 @@ async def test_shm_round_payloads_are_plain_json() -> None:
     ):
         await publisher.publish(WEIGHTS, version="v1", pause="keep")
         bodies = [r for r in fakes[0].requests if r.body]
-    paths = {r.path for r in bodies}
-    assert {"/init_weight_transfer_engine", "/update_weights"} <= paths
-    assert sum(r.path == "/update_weights" for r in bodies) > 1  # several chunks
+    paths = [r.path for r in bodies]
+    assert sorted(set(paths)) == [
+        "/finish_weight_update", "/init_weight_transfer_engine", "/update_weights",
+    ]  # fmt: skip
+    assert paths.count("/update_weights") > 1  # several chunks
     for request in bodies:
         assert request.headers.get("Content-Type", "").startswith("application/json")
-        parsed = json.loads(request.body.decode("utf-8"))  # strict UTF-8 JSON
-        _only_json_values(parsed, request.path)
+        parsed = _strict_json(request.body)
         assert b"\x80\x04\x95" not in request.body  # a pickle protocol 4+ header
+        assert [s for s in _strings(parsed) if _pickled(s)] == [], request.path
+        # Each body holds exactly the fields of the wire type the worker reads, and
+        # reads back as what was sent.
+        if request.path == "/init_weight_transfer_engine":
+            assert set(parsed) == {"init_info"}
+            assert set(parsed["init_info"]) == _fields(ShmInitFields)
+            assert ShmInitFields(**parsed["init_info"]).to_json() == parsed["init_info"]
+        elif request.path == "/update_weights":
+            assert set(parsed) == {"update_info"}
+            info = parsed["update_info"]
+            assert set(info) == _fields(ShmUpdateFields)
+            assert json.loads(json.dumps(ShmUpdateFields.parse(info).to_json())) == info
+        else:
+            assert parsed == {"weight_version": "v1"}
 
 
 #: The one module that pickles: CUDA IPC handles for vLLM's ipc engine, behind the

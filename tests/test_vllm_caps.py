@@ -1,12 +1,14 @@
-"""Capability probing (asyncsync/_vllm_caps.py): the engine contract read from vLLM's
+"""Capability probing (asyncsync/_wire/caps.py): the engine contract read from vLLM's
 base class, the server options read from vLLM's own parser, a running server's features
 read from its answers; what is missing is named in a typed error."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import pickle
+import re
 import stat
 import sys
 from pathlib import Path
@@ -25,6 +27,8 @@ from asyncsync._wire.caps import (
     probe_server_options,
     server_flags,
 )
+
+VERSIONS_DOCS = Path(__file__).resolve().parents[1] / "docs" / "versions.md"
 
 
 # The worker-side base classes' signatures, as vLLM's wheels declare them.
@@ -115,10 +119,15 @@ def test_a_missing_flag_is_named_with_the_version() -> None:
         UnsupportedVLLMError, match=r"vLLM 0\.22\.0 .*--weight-transfer-config"
     ) as info:
         server_flags(options, tokenizer=True, backend="asyncsync_shm")
-    assert (
-        info.value.missing
-        == "its server has no --weight-transfer-config option (needed for weight transfer)"
+    assert (info.value.version, info.value.missing) == (
+        "0.22.0",
+        "its server has no --weight-transfer-config option (needed for weight transfer)",
     )
+    # The example docs/versions.md quotes, word for word.
+    documented = re.search(r"raises `asyncsync.UnsupportedVLLMError`.*?for example\s+`([^`]+)`",
+                           VERSIONS_DOCS.read_text(), re.S)  # fmt: skip
+    assert documented is not None
+    assert " ".join(documented[1].split()) == str(info.value)
 
 
 def _interpreter(tmp_path: Path, body: str) -> str:
@@ -195,8 +204,12 @@ def test_one_choice_for_n_names_the_older_generate_route() -> None:
     fixed in 0.29): refused, never taken as a complete answer, and the error says why."""
     from asyncsync._wire.generation import GENERATE_ROUTE, Malformed, parse_answer
 
-    with pytest.raises(Malformed, match=r"1 choices for n=2 \(vLLM < 0.29 answers n > 1"):
+    with pytest.raises(Malformed) as info:
         parse_answer(GENERATE_027, GENERATE_ROUTE, 2, None)
+    # What docs/versions.md says the error says, word for word.
+    documented = re.search(r"the error says `([^`]+)`", VERSIONS_DOCS.read_text())
+    assert documented is not None
+    assert str(info.value) == documented[1]
     with pytest.raises(Malformed, match=r"^1 choices for n=2$"):
         parse_answer(GENERATE_027, "/v1/completions", 2, None)
 
@@ -256,3 +269,108 @@ def test_installed_trainer_api_matches_the_installed_vllm(backend: str) -> None:
     trainers = getattr(factory, "WeightTransferTrainerFactory", None)
     registered = trainers is not None and backend in trainers._registry
     assert api == ("engine" if registered else "callback"), vllm.__version__
+
+
+# ------------------------------------------------------------ version-number gates
+PACKAGE = Path(az.__file__).parent
+#: Every place the package compares a version number instead of probing, and why; each
+#: threshold it compares with is named in docs/versions.md's "Decided by the version
+#: number". A new comparison fails `test_version_number_gates_are_the_documented_ones`
+#: until it is described there and listed here.
+VERSION_GATES = {
+    "_wire/control.py:protocol_for_version": "the RL protocol generation (bodies differ)",
+    "_wire/control.py:generate_keeps_all_choices": "n > 1 on the generate route (< 0.29)",
+    "testing/_fake/_state.py:protocol_of": "the fake imitates the version it is given",
+}
+
+
+#: A version written as a string (``"0.29"``, ``"v0.32.1"``), or the start of one; not a
+#: dotted address (``"127.0.0.1"``).
+VERSION_TEXT = re.compile(r"v?\d{1,2}\.(\d{1,3}(\.\d{0,3})?)?")
+
+
+def _int_tuple(node: ast.AST) -> tuple[int, ...] | None:
+    """A version as a tuple of ints (``(0, 29)``, ``(0, 32, 1)``); not ``(403, 404)``."""
+    if not isinstance(node, ast.Tuple) or not 2 <= len(node.elts) <= 3:
+        return None
+    values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+    if len(values) == len(node.elts) and all(type(v) is int for v in values) and values[0] < 10:
+        return tuple(values)
+    return None
+
+
+def _named(node: ast.AST) -> str | None:
+    """The name a ``Name`` or ``Attribute`` node ends with."""
+    if isinstance(node, ast.Name):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _compared_versions(node: ast.Compare, constants: dict[str, tuple[int, ...]]) -> set[str]:
+    """The version numbers one comparison compares with."""
+    sides = (node.left, *node.comparators)
+    # a protocol generation ("0.23", "0.32") is a name the gate chose, not a number read
+    protocol = any(_named(side) == "protocol" for side in sides)
+    found = set()
+    for side in sides:
+        value = _int_tuple(side)
+        if value is None and isinstance(side, ast.Name):
+            value = constants.get(side.id)
+        if value is not None:
+            found.add(".".join(map(str, value)))
+        elif _named(side) == "__version__":
+            found.add("__version__")
+        elif (
+            isinstance(side, ast.Constant)
+            and isinstance(side.value, str)
+            and not protocol
+            and VERSION_TEXT.fullmatch(side.value)
+        ):
+            found.add(side.value)
+    return found
+
+
+def _version_check(node: ast.AST, constants: dict[str, tuple[int, ...]]) -> set[str]:
+    """What ``node`` compares a version number with (empty: nothing)."""
+    if isinstance(node, ast.Compare):
+        return _compared_versions(node, constants)
+    if isinstance(node, ast.Call) and _named(node.func) == "startswith":
+        texts = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        return {"startswith"} if any(VERSION_TEXT.fullmatch(str(s)) for s in texts) else set()
+    return {"Version"} if _named(node) == "Version" else set()  # packaging's
+
+
+def _version_gates() -> dict[str, set[str]]:
+    """``{"<module>:<function>": thresholds}`` for every comparison in the package with a
+    version number: a tuple of ints (written out or a module constant), a string
+    that is or starts a version (``"0.3"``), ``__version__``, or packaging's ``Version``."""
+    gates: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        constants = {
+            target.id: value
+            for node in tree.body
+            if isinstance(node, ast.Assign) and (value := _int_tuple(node.value)) is not None
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        module = path.relative_to(PACKAGE).as_posix()
+        for func in ast.walk(tree):
+            if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                for node in ast.walk(func):
+                    if found := _version_check(node, constants):
+                        gates.setdefault(f"{module}:{func.name}", set()).update(found)
+    return gates
+
+
+def test_version_number_gates_are_the_documented_ones() -> None:
+    gates = _version_gates()
+    assert sorted(gates) == sorted(VERSION_GATES), (
+        "a version-number gate appeared or went away: probe instead, or describe it in "
+        f"docs/versions.md and VERSION_GATES: {gates}"
+    )
+    text = (PACKAGE.parent / "docs" / "versions.md").read_text()
+    section = text[text.index("## Decided by the version number") :]
+    section = section[: section.index("\n## ", 1)]
+    thresholds = sorted({t for found in gates.values() for t in found})
+    assert [t for t in thresholds if t not in section] == [], section

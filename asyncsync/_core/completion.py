@@ -56,7 +56,9 @@ class Completion:
             strings (ids cannot be recovered from those): ``{text: logprob}``.
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``...
         stop_reason: the stop token id or string that ended generation, if any.
-        weight_versions: spans over output tokens (see `WeightVersionSpan`).
+        weight_versions: spans over output tokens (see `WeightVersionSpan`). Before
+            the first publish a vLLM >= 0.32 server names its start-up weights
+            ``"default"``; client-side spans say None until a version is known.
         server: base URL of the server that generated it.
         route: ``/inference/v1/generate`` or ``/v1/completions``.
         latency: seconds from sending the request to the parsed response.
@@ -68,7 +70,8 @@ class Completion:
         admitted_version / completed_version: the caller's record of the server's weight
             version when the request was sent and when it completed.
         staleness: versions behind the fleet's newest version at completion (the oldest
-            version among this completion's tokens); None when unknown or not via a fleet.
+            version among this completion's tokens); None when unknown, not via a
+            fleet, or before anything was published through the fleet.
         lora: the LoRA adapter it was generated with (``Fleet.generate(..., lora=...)``),
             None for the base model.
         lora_versions: spans over output tokens of the adapter's version (exact: each

@@ -16,6 +16,7 @@ __all__ = [
     "FleetError",
     "GenerationAborted",
     "GenerationError",
+    "IncompatibleWeightsError",
     "ProtocolError",
     "PublishError",
     "ServerError",
@@ -130,7 +131,7 @@ class ProtocolError(AsyncSyncError):
 
 class UnsupportedVLLMError(ProtocolError):
     """The installed or running vLLM lacks something asyncsync needs (found by probing
-    it, not by its version number; see docs/versions.md).
+    it; a server's RL protocol is read from its version number: see docs/versions.md).
 
     Attributes:
         version: the vLLM version, as the probe read it (``"unknown"`` if it could not).
@@ -150,6 +151,73 @@ class UnsupportedVLLMError(ProtocolError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.version, self.missing), {"server": self.server})
+
+
+class IncompatibleWeightsError(ProtocolError, ValueError):
+    """Weights refused before anything was sent: they do not fit the checkpoint the
+    servers serve (a name it does not have, a shape or a dtype that differs, a
+    checkpoint tensor a full round does not update). Checked in the trainer process
+    against each server's checkpoint table, which asyncsync's weight-transfer engine
+    describes (learned once per server); no server was touched, every server keeps its
+    weights and stays clean. Also a `ValueError`: bad input raises before anything is
+    sent (docs/errors.md).
+
+    Weights that cannot describe themselves (a stream) are checked tensor by tensor as
+    they are produced: then ``whole`` is False, the error names the first mismatch,
+    and one found after the round's first chunk fails the round (`PublishError`,
+    caused by this error) like any other error.
+
+    Attributes:
+        problems: every mismatch, one sentence each (the message shows the first ones).
+        parameters: the names involved, in the order the problems list them.
+        servers: the servers whose checkpoint the weights were checked against.
+        whole: the whole round was checked at once (its metadata), before anything
+            was sent.
+    """
+
+    #: problems shown in the message; `problems` holds all of them
+    shown = 20
+
+    def __init__(
+        self,
+        problems: Sequence[str],
+        *,
+        parameters: Sequence[str] = (),
+        servers: Sequence[str] = (),
+        whole: bool = True,
+    ) -> None:
+        self.problems: tuple[str, ...] = tuple(problems)
+        self.parameters: tuple[str, ...] = tuple(parameters)
+        self.servers: tuple[str, ...] = tuple(servers)
+        self.whole = whole
+        where = ", ".join(self.servers) or "the servers"
+        lines = list(self.problems[: self.shown])
+        if len(self.problems) > self.shown:
+            lines.append(f"... and {len(self.problems) - self.shown} more (.problems)")
+        when = (
+            "refused before anything was sent"
+            if whole
+            else "found as the weights were produced (a stream is checked tensor by tensor)"
+        )
+        super().__init__(
+            f"the weights do not fit the checkpoint served at {where} "
+            f"({len(self.problems)} problem(s), {when}): " + "; ".join(lines)
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_incompatible,
+            (self.problems, self.parameters, self.servers, self.whole),
+        )
+
+
+def _rebuild_incompatible(
+    problems: tuple[str, ...],
+    parameters: tuple[str, ...],
+    servers: tuple[str, ...],
+    whole: bool,
+) -> IncompatibleWeightsError:
+    return IncompatibleWeightsError(problems, parameters=parameters, servers=servers, whole=whole)
 
 
 class GenerationError(AsyncSyncError):

@@ -24,7 +24,7 @@ from asyncsync._core.types import Phase, ProtocolGeneration
 
 logger = logging.getLogger("asyncsync.fleet")
 
-__all__ = ["UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
+__all__ = ["LOOKUP_OPS", "UPDATE_OPS", "Reason", "ServerState", "observe", "unreachable"]
 
 #: Why a server is skipped by routing; the first four and ``dirty_draft`` are the
 #: server's own state (`ServerState.unfit`), the others depend on the fleet and the
@@ -51,6 +51,10 @@ UPDATE_OPS = frozenset(
 )
 #: The two starts: of a round into the served model, and into its draft model.
 _STARTS = frozenset({"start_weight_update", "start_draft_weight_update"})
+#: Questions asked about the served model (its limits, its checkpoint) on the side of
+#: other calls: their outcomes change nothing here (last_error keeps the cause of the
+#: last real failure; health is what the calls they serve find out).
+LOOKUP_OPS = frozenset({"describe", "models"})
 
 
 @dataclass(slots=True)
@@ -172,6 +176,8 @@ def observe(
     ``version``: the weight version the call sets when it succeeds (finish, update of
     the version). ``connected``: whether a failed request got as far as a connection.
     """
+    if op in LOOKUP_OPS:
+        return  # a side question: what the calls it serves find out is what counts
     if error is None:
         state.healthy = True
         state.last_error = None

@@ -198,7 +198,7 @@ class FleetControl:
         ``publish(..., target="draft")`` runs it."""
         return await self._fan(
             "start_draft_weight_update",
-            lambda p, u: draft_wire.plan_start_draft_weight_update(p, u),
+            draft_wire.plan_start_draft_weight_update,
             targets,
             require,
         )
@@ -227,8 +227,15 @@ class FleetControl:
         plan: Plan[None] = lambda p, u: wire.plan_update_weights(p, update_info, packed, u)  # noqa: E731
         if not expect_failure:
             return await self._fan("update_weights", plan, targets, require)
+        # The rejection is the answer asked for, not a failure: each server's last_error
+        # keeps what went wrong before (the cause of the round that is being ended).
+        targets = self._members.resolve(targets)
+        before = {u: self._members.state(u).last_error for u in targets}
         result = await self._fan("update_weights", plan, targets, "none")
         result = FleetResult(result.operation, {u: _rejected(o) for u, o in result.items()})
+        for url, outcome in result.items():
+            if outcome.ok and url in before:
+                self._members.state(url).last_error = before[url]
         result.raise_on_failure(check_require(self.require if require is None else require))
         return result
 

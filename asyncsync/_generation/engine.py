@@ -37,6 +37,7 @@ from asyncsync._core.errors import (
 )
 from asyncsync._core.state import ServerState
 from asyncsync._core.types import Route
+from asyncsync._generation.served import ServedLookup
 from asyncsync._http.transport import Endpoint, never_sent
 from asyncsync._wire.control import Call, Malformed, describe_error_body, generate_keeps_all_choices
 from asyncsync._wire.generation import (
@@ -95,8 +96,11 @@ def _route_unavailable(err: AsyncSyncError) -> bool:
 class GenerationEngine:
     """Token-in-token-out on one server (see the module docstring)."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, served: ServedLookup | None = None) -> None:
         self.endpoint = endpoint
+        #: The served model's limits, learned before the first generation (when the
+        #: caller gave none): prompts outside them are refused before they are sent.
+        self.served = served if served is not None else ServedLookup(endpoint)
         #: Whether the server serves /inference/v1/generate (None: not tried yet).
         self.generate_route: bool | None = None
         self._warned = False
@@ -135,6 +139,10 @@ class GenerationEngine:
         """Send a generation (a scoring request with ``prompt_logprobs``) on the route
         ``send.route`` resolves to, falling back once; returns (path, parsed answer,
         latency)."""
+        served = self.served
+        if not served.known:
+            await served.learn()
+        served.check(prompt)
         timeouts = self.endpoint.timeouts
         if send.timeout is not None:
             timeouts = timeouts.with_generate(send.timeout)
@@ -202,6 +210,10 @@ class GenerationEngine:
         self, prompt: list[int], req: GenerationRequest, route: Route, deadline: float | None
     ) -> tuple[str, aiohttp.ClientResponse]:
         """Send a streamed generation; returns (path, the open 200 response)."""
+        served = self.served
+        if not served.known:
+            await served.learn()
+        served.check(prompt)
         if route == "auto" and req.n > 1:
             await self.endpoint.server_version()  # route_for depends on it
         path = self.route_for(route, req.n)

@@ -206,7 +206,7 @@ class Endpoint:
                 if state.vllm_version is None:
                     call = plan_version()
                     version = await self.request(call, call.encode())
-                    state.protocol = protocol_for_version(version)
+                    state.protocol = protocol_for_version(version, server=self.url)
                     state.vllm_version = version
         return state.vllm_version
 

@@ -29,22 +29,26 @@ import json
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core.errors import UnsupportedVLLMError
+from asyncsync._publish.checkpoint import Checkpoints
+from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.report import PublishReport
 from asyncsync._publish.round import PublishRound
-from asyncsync._publish.weights import WeightSource
+from asyncsync._publish.weights import WeightsLike, WeightSource, check_weights, is_factory, resolve
 from asyncsync._wire.draft import DRAFT_START_ROUTE
+from asyncsync._wire.served import CheckpointTable
 from asyncsync.backends._base import SendStats
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
     from asyncsync._core.types import FleetResult
+    from asyncsync.backends import TrainerBackend
     from asyncsync.fleet import Fleet
 
-__all__ = ["TARGETS", "DraftRound", "Target", "check_draft_servers", "check_target"]
+__all__ = ["TARGETS", "DraftRound", "DraftRounds", "Target", "check_target"]
 
 #: What a round loads into: the served model, or its speculative draft model.
 Target = Literal["main", "draft"]
@@ -77,6 +81,48 @@ class DraftRound(PublishRound):
         return report
 
 
+class DraftRounds:
+    """A publisher's record of its draft rounds: the draft's version (apart from the
+    served model's) and its own delta chain (the servers keep a mirror per model)."""
+
+    def __init__(self) -> None:
+        self.version: str | None = None
+        self._chain: DeltaChain | None = None
+
+    def published(self, target: object, verify: object, main: str | None) -> str | None:
+        """The version a round into ``target`` must differ from (``main``: the served
+        model's), after ``target`` and ``verify`` were checked (`check_target`)."""
+        check_target(target, verify=verify)
+        return self.version if target == "draft" else main
+
+    def chain_round(
+        self, delta: bool, backend: str, options: Any, targets: Sequence[str], version: str
+    ) -> ChainRound | None:
+        self._chain, chain = chain_round(self._chain, delta, backend, options, targets, version)
+        return chain
+
+    async def checked(
+        self,
+        fleet: Fleet,
+        weights: WeightsLike,
+        targets: Sequence[str],
+        backend: TrainerBackend,
+        executor: Executor,
+    ) -> tuple[WeightSource | None, Checkpoints]:
+        """The weights checked before the round touches any server (a factory's in the
+        thread), against the *draft's* checkpoint where its directory is readable here:
+        `IncompatibleWeightsError` listing every mismatch; every target must run a
+        draft model (`UnsupportedVLLMError` naming it)."""
+        source = None if is_factory(weights) else resolve(weights)
+        if source is not None:
+            check_weights(source)
+            backend.check(source)
+        checkpoints = await draft_checkpoints(fleet, targets, executor)
+        if source is not None:
+            source = checkpoints.checked(source)
+        return source, checkpoints
+
+
 def check_target(target: object, *, verify: object) -> None:
     """``target`` is ``"main"`` or ``"draft"``; a draft round takes no ``verify``
     (vLLM's ``/weight_checker`` and a greedy probe see the served model only)."""
@@ -89,13 +135,10 @@ def check_target(target: object, *, verify: object) -> None:
         )
 
 
-async def check_draft_servers(
-    fleet: Fleet, urls: Sequence[str], source: WeightSource | None, executor: Executor
-) -> None:
+async def draft_checkpoints(fleet: Fleet, urls: Sequence[str], executor: Executor) -> Checkpoints:
     """Before a draft round touches anything: every target speaks vLLM >= 0.32 and runs
-    a draft model (``/server_info``), else `UnsupportedVLLMError` naming it; where the
-    draft's directory is readable here (the same host), the weights must be its
-    checkpoint's tensors with its shapes (ValueError naming the first that is not)."""
+    a draft model (``/server_info``), else `UnsupportedVLLMError` naming it; the draft
+    checkpoints' tables, of those whose directory is readable here (the same host)."""
     for url in urls:
         client = fleet.client(url)
         if await client.protocol() != "0.32":
@@ -105,64 +148,43 @@ async def check_draft_servers(
                 server=url,
             )
     found = await fleet.draft_models(targets=urls, require="all")
-    for url, draft in found.values_by_url:
+    tables: dict[str, CheckpointTable] = {}
+    loop = asyncio.get_running_loop()
+    for url, draft in found.values_by_url.items():
         if not draft.has_draft_model or draft.model is None:
-            why = f"speculative method {draft.method!r}" if draft.method else "no speculative config"
+            why = f"method {draft.method!r}" if draft.method else "no speculative config"
             raise UnsupportedVLLMError(
                 fleet.client(url).server_state.vllm_version or "0.32",
                 f"a draft model to publish into ({why}; start it with --speculative-config "
-                "'{\"method\": \"draft_model\", \"model\": ...}')",
+                '\'{"method": "draft_model", "model": ...}\')',
                 server=url,
             )
-        meta = source.metadata() if source is not None else None
-        if meta is None:
-            continue
-        loop = asyncio.get_running_loop()  # a few KB of file headers, read off the loop
-        shapes = await loop.run_in_executor(executor, _checkpoint_shapes, draft.model)
-        if shapes is not None:
-            _check_against(meta, shapes, draft.model, url)
+        # a few KB of file headers, read off the loop
+        table = await loop.run_in_executor(executor, _checkpoint_table, draft.model, draft.dtype)
+        if table is not None:
+            tables[url] = table
+    return Checkpoints(tables)
 
 
-def _check_against(
-    meta: Sequence[tuple[str, object, tuple[int, ...]]],
-    shapes: dict[str, tuple[int, ...]],
-    where: str,
-    url: str,
-) -> None:
-    for name, _dtype, shape in meta:
-        if name not in shapes:
-            raise ValueError(
-                f"parameter {name!r} is not in the draft model's checkpoint ({where}, "
-                f"served by {url}): a draft round publishes the draft's own tensors"
-            )
-        if tuple(shape) != shapes[name]:
-            raise ValueError(
-                f"parameter {name!r}: shape {list(shape)} does not match the draft model's "
-                f"{list(shapes[name])} ({where}, served by {url})"
-            )
-    missing = sorted(set(shapes) - {m[0] for m in meta})
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ValueError(
-            f"the weights lack the draft model's {', '.join(map(repr, missing[:3]))}{more} "
-            f"({where}, served by {url}): a draft round updates every tensor of the draft"
-        )
+#: safetensors' dtype names, as torch names them
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
-def _checkpoint_shapes(model: str) -> dict[str, tuple[int, ...]] | None:
-    """The tensor shapes of the safetensors checkpoint in directory ``model`` (from the
-    file headers: a few KB read), or None when it is not a readable directory here."""
+def _checkpoint_table(model: str, served_dtype: str | None) -> CheckpointTable | None:
+    """The table of the safetensors checkpoint in directory ``model`` (from the file
+    headers: a few KB read), or None when it is not a readable directory here."""
     path = Path(model)
     try:
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        shapes: dict[str, tuple[int, ...]] = {}
+        entries: dict[str, tuple[str, tuple[int, ...]]] = {}
         for file in files:
             with file.open("rb") as fh:
                 (length,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(length))
             for name, entry in header.items():
                 if name != "__metadata__":
-                    shapes[name] = tuple(int(d) for d in entry["shape"])
+                    dtype = _DTYPES.get(entry["dtype"], str(entry["dtype"]).lower())
+                    entries[name] = (dtype, tuple(int(d) for d in entry["shape"]))
     except (OSError, ValueError, KeyError, struct.error):
         return None
-    return shapes or None
+    return CheckpointTable(entries, served_dtype) if entries else None

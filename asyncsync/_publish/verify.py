@@ -29,9 +29,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._core.errors import FleetError, UnsupportedVLLMError, WeightMismatchError
+from asyncsync._core.errors import (
+    AsyncSyncError,
+    FleetError,
+    UnsupportedVLLMError,
+    WeightMismatchError,
+)
 from asyncsync._core.types import Outcome
-from asyncsync._publish.weights import WeightsLike, WeightSource, resolve
+from asyncsync._publish.weights import WeightsLike, WeightSource
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -52,10 +57,8 @@ __all__ = [
     "Verify",
     "VerifyLike",
     "as_verify",
-    "check_checksum_route",
     "compare_checksums",
     "score_probe",
-    "verify_now",
     "verify_servers",
 ]
 
@@ -393,7 +396,6 @@ async def verify_servers(
 ) -> dict[str, Verification | Exception]:
     """Check every target at once: a `Verification` per server, or the error
     that kept it from being checked (no ``/weight_checker``, no answer...)."""
-    from asyncsync._core.errors import AsyncSyncError
 
     async def one(url: str) -> Verification | Exception:
         result = Verification(url)
@@ -450,19 +452,17 @@ async def check_checksum_route(fleet: Fleet, targets: Sequence[str]) -> None:
 
 
 async def verify_now(
-    fleet: Fleet, urls: Sequence[str], checks: Verify, weights: WeightsLike, executor: Executor
+    fleet: Fleet, urls: list[str], source: WeightSource, checks: Verify, executor: Executor
 ) -> dict[str, Verification]:
-    """`AsyncWeightPublisher.verify`: ``urls`` checked against ``weights`` (their digests
-    taken in ``executor``: read once); a mismatched server is marked dirty; a server that
-    could not be checked makes one `FleetError` of every server's result, raised after
-    the mismatched ones were marked."""
-    urls = list(urls)
-    if checks.checksum:
-        await check_checksum_route(fleet, urls)
+    """`AsyncWeightPublisher.verify`: the trainer's digests of ``source`` (taken in the
+    worker thread), then every server checked; mismatched servers are marked dirty
+    before anything is raised, and servers that could not be checked raise one
+    `FleetError` carrying every server's result."""
     expected: dict[str, str] = {}
     if checks.checksum:
+        await check_checksum_route(fleet, urls)
         digests = TrainerDigests(checks.dtype)
-        tap = DigestTap(resolve(weights), digests)
+        tap = DigestTap(source, digests)
         await asyncio.get_running_loop().run_in_executor(executor, lambda: [None for _ in tap])
         expected = digests.expected()
     found = await verify_servers(fleet, urls, checks, expected, executor)

@@ -238,9 +238,13 @@ class Trajectory:
         return out
 
     def to_lists(self, *, fill: float = 0.0, require_logprobs: bool = True) -> dict[str, Any]:
-        """Plain lists for a trainer: ``token_ids``, ``loss_mask``, ``logprobs`` (``fill``
-        where there is none), ``weight_versions`` (None for prompt/tool tokens).
-        ``require_logprobs``: every sampled token must have a logprob."""
+        """Plain lists for a trainer, aligned with each other: ``token_ids`` (ints),
+        ``loss_mask`` (ints: 1 on sampled tokens, 0 on prompt and tool tokens),
+        ``logprobs`` (floats: ``fill``, 0.0 by default, where there is none: prompt and
+        tool tokens), ``weight_versions`` (strings; None for prompt/tool tokens and
+        where a sampled token's version is unknown). ``require_logprobs``: every
+        sampled token must have a logprob (ValueError otherwise; False: those get
+        ``fill`` too)."""
         return {
             "token_ids": list(self._ids),
             "loss_mask": list(self._mask),
@@ -251,9 +255,10 @@ class Trajectory:
     def to_tensors(
         self, *, device: Any = None, fill: float = 0.0, require_logprobs: bool = True
     ) -> dict[str, Any]:
-        """Torch tensors: ``token_ids`` (long), ``loss_mask`` (long), ``logprobs``
-        (float32), and ``weight_versions`` as a list (strings are not tensors). Needs
-        torch."""
+        """Torch tensors: ``token_ids`` (long), ``loss_mask`` (long 0/1, not bool:
+        ``.bool()`` to index with it), ``logprobs`` (float32, ``fill`` where there is
+        none), and ``weight_versions`` as a list (strings and None are not tensors).
+        Needs torch."""
         import torch
 
         data = self.to_lists(fill=fill, require_logprobs=require_logprobs)

@@ -1,5 +1,7 @@
 """What the installed vLLM can do, probed from vLLM itself rather than read from its
-version number: the one place that knows how vLLM generations differ (docs/versions.md).
+version number (docs/versions.md). Two decisions read a server's version number instead
+(`asyncsync._wire.control`: the RL protocol generation, and ``n > 1`` on the generate
+route); tests/test_vllm_caps.py lists every such comparison.
 
 - `engine_contract`: which worker-engine contract vLLM's ``WeightTransferEngine``
   base class expects (its constructor and ``receive_weights`` signatures); the plugin

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from asyncsync._core import encoding as _json
 from asyncsync._core.errors import ProtocolError, UnsupportedVLLMError
 from asyncsync._core.types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
+from asyncsync._wire.served import ServedModel, describe_payload, parse_described, parse_models
 
 __all__ = [
     "NO_BODY",
@@ -122,18 +123,21 @@ def describe_error_body(body: bytes) -> str | None:
     return None
 
 
-def protocol_for_version(version: str) -> ProtocolGeneration:
+def protocol_for_version(version: str, *, server: str | None = None) -> ProtocolGeneration:
     """The protocol generation of a server reporting ``version`` (``GET /version``).
 
     vLLM >= 0.32 speaks the current protocol; 0.23 up to 0.32 the 0.23 one. Older servers
-    have no weight-transfer routes: `UnsupportedVLLMError` (docs/versions.md).
+    have no weight-transfer routes: `UnsupportedVLLMError` (docs/versions.md), naming
+    ``server``.
     """
     match = _VERSION_RE.match(version)
     if match is None:
-        raise ProtocolError(f"cannot read the vLLM version {version!r}")
+        raise ProtocolError(f"cannot read the vLLM version {version!r}", server=server)
     parsed = (int(match.group(1)), int(match.group(2)))
     if parsed < _MIN_SUPPORTED:
-        raise UnsupportedVLLMError(version, "it has no weight-transfer routes (vLLM >= 0.23 has)")
+        raise UnsupportedVLLMError(
+            version, "it has no weight-transfer routes (vLLM >= 0.23 has)", server=server
+        )
     return "0.32" if parsed >= _CURRENT else "0.23"
 
 
@@ -477,6 +481,36 @@ def plan_shutdown_weight_transfer_engine(
     return Call(
         "shutdown_weight_transfer_engine", "POST", "/shutdown_weight_transfer_engine",
         "update", _parse_message, _MESSAGE,
+    )  # fmt: skip
+
+
+def _malformed_as(parse: Callable[[Any], T]) -> Callable[[Any], T]:
+    def parsed(data: Any) -> T:
+        try:
+            return parse(data)
+        except ValueError as exc:
+            raise Malformed(str(exc)) from exc
+
+    return parsed
+
+
+def plan_describe(*, checkpoint: bool) -> Call[ServedModel]:
+    """Ask the server's weight-transfer engine what it serves (``POST /collective_rpc``,
+    dev mode; answered by asyncsync's engines only, see `asyncsync._wire.served`):
+    vocabulary size and context length, and with ``checkpoint`` the checkpoint's table.
+    Lookups are not retried: a server that cannot be reached now is asked again when
+    it is next needed (and a generation fails over without waiting for retries)."""
+    return Call(
+        "describe", "POST", "/collective_rpc", "control", _malformed_as(parse_described),
+        '{"results": [asyncsync engine answer]}', payload=describe_payload(checkpoint=checkpoint),
+    )  # fmt: skip
+
+
+def plan_models() -> Call[int | None]:
+    """``GET /v1/models``: the served model's ``max_model_len``."""
+    return Call(
+        "models", "GET", "/v1/models", "control", _malformed_as(parse_models),
+        '{"data": [{"max_model_len": int}]}',
     )  # fmt: skip
 
 

@@ -34,11 +34,13 @@ class DraftModel:
             None without speculative decoding.
         model: the draft model's directory or name (None when the method has none).
         num_speculative_tokens: tokens proposed per step.
+        dtype: the dtype the draft computes in (``draft_model_config.dtype``), when said.
     """
 
     method: str | None
     model: str | None = None
     num_speculative_tokens: int | None = None
+    dtype: str | None = None
 
     @property
     def has_draft_model(self) -> bool:
@@ -54,11 +56,15 @@ def _parse_draft(data: Any) -> DraftModel:
         return DraftModel(method=None)
     if not isinstance(spec, dict):
         raise Malformed("'speculative_config' is not an object")
-    method, model, tokens = spec.get("method"), spec.get("model"), spec.get("num_speculative_tokens")
+    method, model = spec.get("method"), spec.get("model")
+    tokens = spec.get("num_speculative_tokens")
+    config = spec.get("draft_model_config")
+    dtype = config.get("dtype") if isinstance(config, dict) else None
     return DraftModel(
         method=method if isinstance(method, str) else None,
         model=model if isinstance(model, str) else None,
         num_speculative_tokens=tokens if isinstance(tokens, int) else None,
+        dtype=str(dtype).removeprefix("torch.") if isinstance(dtype, str) else None,
     )
 
 

@@ -211,8 +211,13 @@ def reference_greedy(
     prompt_token_ids: Sequence[int],
     max_new_tokens: int,
 ) -> list[int]:
-    """Greedy decoding with transformers (argmax, EOS ignored): the ground truth that a
-    vLLM server serving the same weights must reproduce token for token."""
+    """Greedy decoding with transformers: ``max_new_tokens`` argmax tokens, EOS ignored
+    (an end-of-sequence token is returned and decoding goes on past it). The ground
+    truth that a vLLM server serving the same weights reproduces token for token on one
+    CPU, when it generates with ``temperature=0.0, ignore_eos=True`` (without
+    ``ignore_eos`` a server stops at EOS: its output is then a prefix). Across CPUs,
+    near-ties may break the other way: `check_greedy` compares a server's tokens
+    teacher-forced, with a tolerance, and accepts a generation that stopped at EOS."""
     import torch
 
     model = _load(model_or_dir)

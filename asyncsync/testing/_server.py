@@ -138,9 +138,12 @@ class LocalVLLMServer:
         tokenizer: load the tokenizer beside the model; ``False`` serves token-only
             (``--skip-tokenizer-init``: ``/v1/completions`` then answers 400).
         port: TCP port; a free one is picked when ``None``.
+        host: the address the server binds (``--host``; loopback by default: the RL
+            routes have no authentication, see docs/security.md).
         extra_args: more command-line arguments for the vLLM server.
         env: extra environment variables for the server process.
         startup_timeout: seconds to wait for ``/health``.
+        stop_timeout: seconds `astop` waits after SIGTERM before it sends SIGKILL.
         max_model_len: passed as ``--max-model-len``.
         dtype: passed as ``--dtype``: the dtype the server computes in (``"float32"``,
             ``"bfloat16"``...).

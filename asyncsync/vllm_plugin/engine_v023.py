@@ -10,7 +10,12 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
-from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, send_from_trainer
+from asyncsync.vllm_plugin.shm_engine import (
+    CheckpointTable,
+    ShmReceiver,
+    describe,
+    send_from_trainer,
+)
 
 __all__ = ["ShmWeightTransferEngineV023"]
 
@@ -34,7 +39,7 @@ class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
         self.config = config
         self.parallel_config = parallel_config
         self.model = model
-        model_config = _current_model_config()
+        model_config = self.model_config = _current_model_config()
         table = None
         if model_config is not None:
             served = str(model_config.dtype).removeprefix("torch.")
@@ -63,5 +68,13 @@ class ShmWeightTransferEngineV023(WeightTransferEngine):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.receiver.close()
+
+    def __call__(self, query: str, checkpoint: str = "0") -> dict[str, Any]:
+        """The trainer's question through vLLM's dev-mode ``/collective_rpc`` (see the
+        0.3x engine's)."""
+        return describe(
+            self.receiver.backend_name, self.receiver.table, self.model_config, query,
+            checkpoint,
+        )  # fmt: skip
 
     trainer_send_weights = staticmethod(send_from_trainer)

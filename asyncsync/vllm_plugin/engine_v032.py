@@ -11,7 +11,12 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
 from asyncsync.vllm_plugin._mirror import Mirror
-from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, send_from_trainer
+from asyncsync.vllm_plugin.shm_engine import (
+    CheckpointTable,
+    ShmReceiver,
+    describe,
+    send_from_trainer,
+)
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
@@ -126,6 +131,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     def shutdown(self) -> None:
         self.receiver.close()
+
+    def __call__(self, query: str, checkpoint: str = "0") -> dict[str, Any]:
+        """The trainer's question, through vLLM's dev-mode ``/collective_rpc``
+        (``{"method": "weight_transfer_engine", "args": [query]}``: vLLM calls the
+        worker's engine): what this server serves (`asyncsync._wire.served`)."""
+        return describe(
+            self.receiver.backend_name, self.receiver.table, self.model_config, query,
+            checkpoint,
+        )  # fmt: skip
 
     # vLLM 0.25-0.27 still declare this static trainer method abstract on the worker-side
     # base class (dropped in 0.28); without it the engine cannot be built there.

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from asyncsync._wire.served import DESCRIBE_QUERY, ServedModel, quoted_names
+from asyncsync._wire.served import CheckpointTable as _WireTable
 from asyncsync.backends._wire import (
     BACKEND_NAME,
     Manifest,
@@ -50,7 +52,7 @@ from asyncsync.vllm_plugin._mirror import Mirror
 
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
-__all__ = ["BufferViews", "CheckpointTable", "ShmReceiver"]
+__all__ = ["BufferViews", "CheckpointTable", "ShmReceiver", "describe", "read_checkpoint"]
 
 _SAFETENSORS_DTYPES = {
     "F64": "float64",
@@ -83,70 +85,89 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass
-class CheckpointTable:
+class CheckpointTable(_WireTable):
     """Names, dtypes and shapes of the checkpoint the server loaded (from the
-    safetensors headers: a few KB read, no tensor data)."""
-
-    entries: dict[str, tuple[str, tuple[int, ...]]]
-    served_dtype: str | None = None
+    safetensors headers: a few KB read, no tensor data); the rule is
+    `asyncsync._wire.served.CheckpointTable`'s, which the trainer checks a round with
+    before it sends anything."""
 
     @classmethod
     def from_model_path(cls, model_path: str, served_dtype: str | None) -> CheckpointTable | None:
-        path = Path(model_path)
-        if not path.is_dir():
-            try:
-                from huggingface_hub import snapshot_download
-
-                path = Path(snapshot_download(model_path, local_files_only=True))
-            except Exception:  # the hub cache may be absent: validation degrades, loudly
-                logger.warning(
-                    "asyncsync_shm: cannot read the checkpoint of %r; updates are checked "
-                    "for consistency but not against the checkpoint's names and shapes",
-                    model_path,
-                )
-                return None
-        entries: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            with file.open("rb") as fh:
-                (length,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(length))
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                dtype = _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"].lower())
-                entries[name] = (dtype, tuple(int(d) for d in meta["shape"]))
-        if not entries:
-            return None
-        return cls(entries, served_dtype)
+        table, why = read_checkpoint(model_path, served_dtype)
+        if table is None:
+            logger.warning(
+                "asyncsync_shm: %s; updates are checked for consistency but not against "
+                "the checkpoint's names and shapes",
+                why,
+            )
+        return table
 
     def check(self, name: str, dtype_name: str, shape: tuple[int, ...]) -> None:
-        if name not in self.entries:
-            raise ShmFormatError(
-                f"unknown parameter {name!r}: the served model has no such checkpoint tensor"
-            )
-        want_dtype, want_shape = self.entries[name]
-        if tuple(shape) != want_shape:
-            raise ShmFormatError(
-                f"parameter {name!r}: shape {list(shape)} does not match the served "
-                f"model's {list(want_shape)}"
-            )
-        allowed = {want_dtype} | ({self.served_dtype} if self.served_dtype else set())
-        if dtype_name not in allowed:
-            raise ShmFormatError(
-                f"parameter {name!r}: dtype {dtype_name} does not match the served "
-                f"model's {' or '.join(sorted(allowed))}"
-            )
-
-    def missing(self, received: Iterable[str]) -> list[str]:
-        got = set(received)
-        return [n for n in self.entries if n not in got]
+        found = self.problem(name, dtype_name, shape)
+        if found is not None:
+            raise ShmFormatError(found)
 
 
-def _some(names: list[str], shown: int = 5) -> str:
-    """The first ``shown`` names, quoted, and how many more there are."""
-    text = ", ".join(repr(n) for n in names[:shown])
-    return f"{text} and {len(names) - shown} more" if len(names) > shown else text
+def read_checkpoint(
+    model_path: str, served_dtype: str | None
+) -> tuple[CheckpointTable | None, str]:
+    """The table of the checkpoint at ``model_path`` (a directory, or a hub name in the
+    local cache), or None and why it could not be read."""
+    path = Path(model_path)
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model_path, local_files_only=True))
+        except Exception as exc:  # the hub cache may be absent: validation degrades, loudly
+            return None, f"cannot read the checkpoint of {model_path!r} ({type(exc).__name__})"
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with file.open("rb") as fh:
+            (length,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(length))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"].lower())
+            entries[name] = (dtype, tuple(int(d) for d in meta["shape"]))
+    if not entries:
+        return None, f"no safetensors checkpoint in {str(path)!r}"
+    return CheckpointTable(entries, served_dtype), ""
+
+
+def describe(
+    backend: str,
+    table: CheckpointTable | None,
+    model_config: Any,
+    query: str,
+    checkpoint: str = "0",
+) -> dict[str, Any]:
+    """An engine's answer to the trainer's question (vLLM's ``/collective_rpc`` calls
+    the engine: see `asyncsync._wire.served`): the served model's vocabulary size and
+    context length, and with ``checkpoint="1"`` the checkpoint's table."""
+    if query != DESCRIBE_QUERY:
+        raise ValueError(f"{backend}: unknown question {query!r} (asks {DESCRIBE_QUERY!r})")
+    vocab = max_len = model = None
+    if model_config is not None:
+        model = str(getattr(model_config, "model", "")) or None
+        max_len = getattr(model_config, "max_model_len", None)
+        get_vocab = getattr(model_config, "get_vocab_size", None)
+        vocab = int(get_vocab()) if callable(get_vocab) else None
+    unknown = None
+    if checkpoint == "1" and table is None:
+        unknown = (
+            f"{backend} could not read the served checkpoint of {model!r}; its updates are "
+            "checked for consistency only"
+        )
+    return ServedModel(
+        backend=backend,
+        model=model,
+        vocab_size=vocab,
+        max_model_len=int(max_len) if isinstance(max_len, int) else None,
+        checkpoint=table if checkpoint == "1" else None,
+        checkpoint_unknown=unknown,
+    ).to_json()
 
 
 @dataclass
@@ -404,7 +425,7 @@ class ShmReceiver:
         )
         missing = [n for n in expected if n not in pending]
         if missing:
-            raise ShmFormatError(f"round is incomplete: missing {_some(missing)}")
+            raise ShmFormatError(f"round is incomplete: missing {quoted_names(missing)}")
 
     def _load(
         self,
@@ -486,13 +507,11 @@ class ShmReceiver:
     def _check_manifest(self, manifest: Manifest) -> None:
         if self.table is None:
             return
-        for name, dtype_name, shape in zip(
-            manifest.names, manifest.dtype_names, manifest.shapes, strict=True
-        ):
-            self.table.check(name, dtype_name, shape)
-        missing = self.table.missing(manifest.names)
-        if missing:
-            raise ShmFormatError(f"the round does not update {_some(missing)}")
+        problems = self.table.problems(
+            zip(manifest.names, manifest.dtype_names, manifest.shapes, strict=True)
+        )
+        if problems:  # every one, as the trainer's own check lists them
+            raise ShmFormatError("; ".join(problems))
 
     def _mapping(self, ref: SegmentRef) -> _Mapping:
         """The mapping of ``ref``, cached: a segment is mapped once and reused by later

@@ -1,14 +1,35 @@
-"""The fake's control routes: health, version, pausing, aborts, world size."""
+"""The fake's control routes: health, version, pausing, aborts, world size, the served
+model (``/v1/models``) and dev mode's ``/collective_rpc``."""
 
 from __future__ import annotations
 
 import json
+import time
+from typing import Any
 
 from aiohttp import web
 
-from asyncsync.testing._fake._responses import openai_error, validation_error
+from asyncsync._wire.served import (
+    ASYNCSYNC_ENGINES,
+    DESCRIBE_METHOD,
+    DESCRIBE_QUERY,
+    CheckpointTable,
+    ServedModel,
+)
+from asyncsync.testing._fake._responses import (
+    openai_error,
+    read_json,
+    validation_error,
+    worker_failure,
+)
 from asyncsync.testing._fake._routes import RouteGroup, route
 from asyncsync.testing._fake._state import PAUSE_MODES, FakeState
+
+
+def _engine_class(backend: str) -> str:
+    """The class name vLLM's error names for a backend's engine."""
+    known = {"nccl": "NCCLWeightTransferEngine", "ipc": "IPCWeightTransferEngine"}
+    return known.get(backend, f"{backend.title().replace('_', '')}WeightTransferEngine")
 
 
 def _serves_abort(state: FakeState) -> bool:
@@ -70,3 +91,55 @@ class ControlRoutes(RouteGroup):
             return openai_error(400, "Request body must be a JSON object", "Bad Request")
         ids = body.get("request_ids")
         return web.json_response({"status": "aborted", "aborted": len(ids) if ids else 0})
+
+    @route("GET", "/v1/models")
+    async def _models(self, request: web.Request) -> web.Response:
+        state = self.state
+        card = {
+            "id": state.model, "object": "model", "created": int(time.time()),
+            "owned_by": "vllm", "root": state.model, "parent": None,
+            "max_model_len": state.max_model_len, "permission": [],
+        }  # fmt: skip
+        return web.json_response({"object": "list", "data": [card]})
+
+    @route("POST", "/collective_rpc")
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        """Dev mode's ``/collective_rpc``, as vLLM runs it: ``getattr(worker,
+        method)(*args, **kwargs)`` on every worker. Only ``weight_transfer_engine`` is
+        an attribute here: asyncsync's engines answer `DESCRIBE_QUERY`, every other
+        engine is not callable (vLLM's worker failure)."""
+        ok, body = await read_json(request)
+        if not ok:
+            return openai_error(400, "JSON decode error", "Bad Request")
+        if not isinstance(body, dict):
+            return openai_error(400, "Request body must be a JSON object", "Bad Request")
+        method = body.get("method")
+        if method is None:
+            return openai_error(400, "Missing 'method' in request body", "Bad Request")
+        if method != DESCRIBE_METHOD:
+            return worker_failure(f"Method {method!r} is not implemented.")
+        backend = self.state.backend
+        if backend not in ASYNCSYNC_ENGINES:
+            name = "NoneType" if backend is None else _engine_class(backend)
+            return worker_failure(f"'{name}' object is not callable")
+        args, kwargs = body.get("args", []), body.get("kwargs", {})
+        if list(args) != [DESCRIBE_QUERY]:
+            return worker_failure(f"{backend}: unknown question {args!r}")
+        answer = self._described(backend, kwargs)
+        return web.json_response({"results": [answer] * self.state.world_size})
+
+    def _described(self, backend: str, kwargs: Any) -> dict[str, Any]:
+        """What asyncsync's engine answers (`ServedModel`), from the fake's settings."""
+        state = self.state
+        table, unknown = None, None
+        if isinstance(kwargs, dict) and kwargs.get("checkpoint") == "1":
+            if state.checkpoint is None:
+                unknown = f"{backend}: the fake was given no checkpoint"
+            else:
+                entries = {n: (d, tuple(s)) for n, (d, s) in state.checkpoint.items()}
+                table = CheckpointTable(entries, state.dtype)
+        served = ServedModel(
+            backend=backend, model=state.model, vocab_size=state.lm.vocab_size,
+            max_model_len=state.max_model_len, checkpoint=table, checkpoint_unknown=unknown,
+        )  # fmt: skip
+        return served.to_json()

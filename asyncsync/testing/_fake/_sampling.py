@@ -140,6 +140,7 @@ class Job:
             sample.token_ids.append(token)
             sample.generations.append(gen)
             sample.versions.append(state.weight_version)
+            state.tokens_generated += 1
             context = [*context, token]
             if on_token is not None:
                 await on_token(sample, len(sample.token_ids) - 1)

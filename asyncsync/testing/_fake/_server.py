@@ -68,6 +68,13 @@ class FakeVLLMServer(FakeState):
         max_recorded: how many requests (`requests`) and accepted updates
             (`updates`) the server keeps, the oldest dropped first; ``None``: all
             of them (memory grows with every request).
+        checkpoint: ``{name: (dtype name, shape)}`` of the checkpoint the server
+            loaded, which a ``backend`` of asyncsync's (``"asyncsync_shm"``,
+            ``"asyncsync_gloo"``) describes through ``/collective_rpc`` like the real
+            plugin (a publish checks its weights against it); other backends answer
+            that their engine is not callable, as vLLM's own engines do.
+        dtype: the dtype the server computes in (a tensor may come in it or in the
+            checkpoint's dtype).
 
     Generation follows `FakeLM` (deterministic, closed-form logprobs). Pausing
     behaves like vLLM: new requests wait until resume; ``mode="abort"`` ends in-flight

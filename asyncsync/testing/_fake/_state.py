@@ -64,6 +64,8 @@ class FakeState:
         max_model_len: int = 256,
         model: str = "fake-model",
         max_recorded: int | None = 10_000,
+        checkpoint: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+        dtype: str = "float32",
     ) -> None:
         if max_recorded is not None and max_recorded < 0:
             raise ValueError(f"max_recorded must be >= 0 or None, got {max_recorded}")
@@ -93,6 +95,9 @@ class FakeState:
         self.lm = FakeLM(vocab_size)
         self.max_model_len = max_model_len
         self.model = model
+        # What asyncsync's engine (backend asyncsync_shm/asyncsync_gloo) describes.
+        self.checkpoint = checkpoint
+        self.dtype = dtype
         self._hold_nothing_yet(max_recorded)
 
     def _event_size(self, event: int) -> int:
@@ -133,6 +138,8 @@ class FakeState:
         self._recorded: deque[RecordedRequest] = deque(maxlen=max_recorded)
         self.cancelled: list[str] = []
         self.generation_requests = 0
+        #: tokens sampled so far, every request's together (a test waits for the k-th)
+        self.tokens_generated = 0
 
     # ------------------------------------------------------------ faults and history
     def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:

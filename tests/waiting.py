@@ -1,0 +1,54 @@
+"""Waiting in tests for what was observed, never for a fixed time.
+
+docs/development.md ("Checking a test under load"): a test that sleeps a fixed time to
+let something happen depends on the machine's speed; one that waits for the observed
+condition (a recorded request, a sampled token, a state) does not. The deadline here
+only catches a hang, so it is generous: a loaded CI runner is slow, not stuck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from asyncsync.testing import FakeVLLMServer
+
+__all__ = ["HANG", "arrived", "wait_until", "wait_until_blocking"]
+
+#: Seconds after which a condition not reached is a hang, not a slow machine.
+HANG = 60.0
+#: How often the condition is looked at (it is a plain attribute read).
+_POLL = 0.005
+
+
+async def wait_until(
+    condition: Callable[[], bool], *, within: float = HANG, what: str | None = None
+) -> None:
+    """Return as soon as ``condition()`` holds; fail after ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"not reached within {within:g} s: {what or condition}")
+        await asyncio.sleep(_POLL)
+
+
+def wait_until_blocking(
+    condition: Callable[[], bool], *, within: float = HANG, what: str | None = None
+) -> None:
+    """`wait_until` for a thread without an event loop (the blocking facade's tests)."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {within:g} s: {what or condition}")
+        time.sleep(_POLL)
+
+
+async def arrived(server: FakeVLLMServer, route: str, count: int = 1) -> None:
+    """Wait until ``server`` has recorded ``count`` requests to ``route`` (a request is
+    recorded as it arrives, before any fault holds it)."""
+    await wait_until(
+        lambda: len(server.requests_to(route)) >= count,
+        what=f"{count} request(s) to {route} on {server.url}",
+    )
