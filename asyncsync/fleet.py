@@ -17,7 +17,7 @@ import aiohttp
 
 from asyncsync._core.completion import Completion, PromptScores
 from asyncsync._core.errors import ClosedError, ServerUnavailableError
-from asyncsync._core.state import ServerState
+from asyncsync._core.state import Reason, ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import Require, Route, check_require
 from asyncsync._fleet.adapters import AdapterTable
@@ -256,6 +256,19 @@ class Fleet(FleetControl, FleetVersions):
         """URLs of the servers whose state satisfies ``predicate``, e.g.
         ``fleet.where(lambda s: s.healthy and not s.dirty)``."""
         return [s.url for s in self._members.states() if predicate(s)]
+
+    def routing_reasons(
+        self, *, min_version: str | None = None, lora: str | None = None
+    ) -> dict[str, Reason | None]:
+        """Why each server would be skipped by a generation now (None: eligible);
+        ``lora=name``: by a generation with that adapter (``no_adapter``,
+        ``stale_adapter`` before the base reasons, as routing decides)."""
+        reasons = super().routing_reasons(min_version=min_version)
+        if lora is None:
+            return reasons
+        states = self._members.states()
+        lacking = self._dispatch.adapters.skipped(lora, states, self.max_staleness)
+        return {url: lacking.get(url, reason) for url, reason in reasons.items()}
 
     def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
         """Mark servers (all when None) dirty, or clean with ``dirty=False`` (their draft
