@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import asyncsync as az
+from asyncsync._wire.served import describe_payload
 from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
 from asyncsync.testing import Fault
 from tests.publish_fakes import shm_fakes
@@ -79,7 +80,8 @@ async def test_shm_round_payloads_are_plain_json() -> None:
         bodies = [r for r in fakes[0].requests if r.body]
     paths = [r.path for r in bodies]
     assert sorted(set(paths)) == [
-        "/finish_weight_update", "/init_weight_transfer_engine", "/update_weights",
+        "/collective_rpc", "/finish_weight_update", "/init_weight_transfer_engine",
+        "/update_weights",
     ]  # fmt: skip
     assert paths.count("/update_weights") > 1  # several chunks
     for request in bodies:
@@ -96,8 +98,11 @@ async def test_shm_round_payloads_are_plain_json() -> None:
         elif request.path == "/update_weights":
             assert set(parsed) == {"update_info"}
             info = parsed["update_info"]
-            assert set(info) == _fields(ShmUpdateFields)
+            # ``delta`` only in chunk 0 of a delta chain's round (this one is full)
+            assert set(info) == _fields(ShmUpdateFields) - {"delta"}
             assert json.loads(json.dumps(ShmUpdateFields.parse(info).to_json())) == info
+        elif request.path == "/collective_rpc":  # the checkpoint question, once
+            assert parsed == describe_payload(checkpoint=True)
         else:
             assert parsed == {"weight_version": "v1"}
 
