@@ -49,7 +49,7 @@ def spec_server(target_dir: Path, draft_dir: Path) -> Iterator[LocalVLLMServer]:
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
     server = LocalVLLMServer(
         target_dir, backend="shm", tokenizer=False, startup_timeout=SERVER_STARTUP_TIMEOUT,
-        extra_args=["--speculative-config", json.dumps(spec)],
+        extra_args=["--speculative-config", json.dumps(spec)], log_stats=True,
     )  # fmt: skip
     with server:
         yield server
@@ -92,6 +92,9 @@ async def _greedy_with_acceptance(
     c = await fleet.generate(
         PROMPT, max_tokens=TOKENS, temperature=0.0, logprobs=0, ignore_eos=True
     )
+    # vLLM records a step's counters after it hands out the step's tokens: a later
+    # answer (one token, from the prefill: nothing proposed) means they are recorded.
+    await fleet.generate([1, 2, 3], max_tokens=1, temperature=0.0)
     after = await asyncio.to_thread(_spec_counters, url)
     check_greedy(target_dir, PROMPT, c.token_ids, logprobs=c.logprobs, max_new_tokens=TOKENS)
     return c, (after[0] - before[0], after[1] - before[1])
