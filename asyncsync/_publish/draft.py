@@ -141,7 +141,8 @@ async def draft_checkpoints(fleet: Fleet, urls: Sequence[str], executor: Executo
     checkpoints' tables, of those whose directory is readable here (the same host)."""
     for url in urls:
         client = fleet.client(url)
-        if await client.protocol() != "0.32":
+        protocol = await client.protocol()  # the RL protocol generation, not a number
+        if protocol != "0.32":
             raise UnsupportedVLLMError(
                 client.server_state.vllm_version or "0.23",
                 f"{DRAFT_START_ROUTE} (publish(target='draft'))",
