@@ -244,10 +244,14 @@ async def test_moe_in_many_chunks_loads_exactly_what_vllms_own_reload_loads(
         rounds = [(1, BUFFER_BYTES), (2, BUFFER_BYTES), (3, None)]  # two syncs, one chunk
         for step, buffer_bytes in rounds:
             weights = _perturbed(original, seed=100 + step)
-            options = {} if buffer_bytes is None else {"buffer_bytes": buffer_bytes}
+            options = (
+                az.backends.Shm()
+                if buffer_bytes is None
+                else az.backends.Shm(buffer_bytes=buffer_bytes)
+            )
             if buffer_bytes is not None:
                 assert _expert_spread(weights, buffer_bytes) >= 3
-            async with az.AsyncWeightPublisher(fleet, **options) as publisher:
+            async with az.AsyncWeightPublisher(fleet, backend=options) as publisher:
                 report = await _publish_once(
                     target, publisher, weights, f"moe-{step}", len(weights)
                 )
