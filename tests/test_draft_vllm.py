@@ -155,6 +155,10 @@ async def test_draft_rounds_load_into_the_draft_exactly_and_only_there(
         )
         _, chained = await _greedy_with_acceptance(fleet, url, target_dir)
         assert chained == started_with
+        print(
+            f"draft acceptance (accepted, proposed): started {started_with}, "
+            f"served weights {same}, started weights again {again}, delta chain {chained}"
+        )
         assert publisher.draft_version == "d4"
         assert not fleet.state(url).dirty_draft
         assert fleet.state(url).available
