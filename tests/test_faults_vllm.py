@@ -184,22 +184,24 @@ async def test_a_killed_trainer_leaves_nothing_once_the_servers_moved_on(
 async def test_a_prompt_longer_than_the_context_is_a_typed_error_and_harmless(
     vllm_fleet: VLLMFleet,
 ) -> None:
-    """vLLM refuses a prompt longer than ``--max-model-len`` (256 here) with a 400;
-    asyncsync raises it as a ServerError naming the status, and the server keeps
-    serving (unlike an id outside the vocabulary, which ``vocab_size`` guards)."""
+    """A prompt longer than ``--max-model-len`` (256 here): by default asyncsync learned
+    the context length from the server and refuses it before sending; told a larger one
+    (the caller's word wins, the server is not asked), vLLM's own 400 comes back as a
+    ServerError naming the status. Either way the server keeps serving (unlike an id
+    outside the vocabulary, which the learned ``vocab_size`` guards)."""
     server = vllm_fleet.token_only_server
+    too_long = [7] * (server.max_model_len + 10)
     async with az.Fleet([server.url]) as fleet:
+        with pytest.raises(ValueError, match=f"max_model_len={server.max_model_len}, as the"):
+            await fleet.generate(too_long, max_tokens=2)
+        completion = await fleet.generate(PROMPT, max_tokens=2, temperature=0.0)
+        assert len(completion.token_ids) == 2
+    async with az.Fleet([server.url], max_model_len=10 * server.max_model_len) as fleet:
         client = fleet.client(server.url)
         with pytest.raises(az.ServerError) as info:
-            await client.generate([7] * (server.max_model_len + 10), max_tokens=2)
+            await client.generate(too_long, max_tokens=2)
         assert info.value.status == 400
         assert server.url in str(info.value)
         completion = await client.generate(PROMPT, max_tokens=2, temperature=0.0)
         assert len(completion.token_ids) == 2
         assert fleet.state(server.url).healthy
-    # Told the context length, asyncsync refuses such a prompt before sending it.
-    async with az.Fleet([server.url], max_model_len=server.max_model_len) as fleet:
-        with pytest.raises(ValueError, match=f"max_model_len={server.max_model_len}"):
-            await fleet.generate([7] * server.max_model_len, max_tokens=2)
-        completion = await fleet.generate(PROMPT, max_tokens=2, temperature=0.0)
-        assert len(completion.token_ids) == 2

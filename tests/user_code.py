@@ -119,6 +119,22 @@ def _value_of(hint: Any, owner: type | None) -> Instance | None:
     return None
 
 
+def _protocol_value(value: Any, method: str) -> Any:
+    """What ``await value`` (``method="__await__"``) or ``with value as x`` gives, for an
+    instance of one of asyncsync's classes that annotates that method with another
+    class (``Launch.__aenter__ -> ServerGroup``, ``__await__ -> Generator[..., ServerGroup]``);
+    else ``value`` itself (an async method's result, or ``__aenter__`` returning self)."""
+    if not isinstance(value, Instance) or not ours(value.cls):
+        return value
+    fn = vars(value.cls).get(method)
+    hint = _hints(fn).get("return") if fn is not None else None
+    if method == "__await__" and typing.get_origin(hint) is not None:
+        args = typing.get_args(hint)  # Generator[yield, send, result]
+        hint = args[-1] if len(args) == 3 else None
+    found = _value_of(hint, value.cls) if hint is not None else None
+    return found if found is not None else value
+
+
 class UserCode:
     """Resolve one text's code blocks, in order (names carry over from block to block,
     as a reader carries them), collecting what does not exist in `problems`.
@@ -142,8 +158,8 @@ class UserCode:
         """What ``node`` evaluates to, as far as known (None: unknown)."""
         if isinstance(node, ast.Name):
             return self.env.get(node.id)
-        if isinstance(node, ast.Await):
-            return self.value(node.value)  # an async method's annotation is the result's
+        if isinstance(node, ast.Await):  # an async method's annotation is the result's,
+            return _protocol_value(self.value(node.value), "__await__")  # or __await__'s
         if isinstance(node, ast.Attribute):
             return self._attribute(node)
         if isinstance(node, ast.Call):
@@ -294,8 +310,10 @@ class UserCode:
         elif isinstance(node, ast.With | ast.AsyncWith):
             for item in node.items:
                 self.check(item.context_expr)
-                if item.optional_vars is not None:  # asyncsync's __aenter__ returns self
-                    self._bind(item.optional_vars, self.value(item.context_expr))
+                if item.optional_vars is not None:  # what __aenter__ / __enter__ returns
+                    enter = "__aenter__" if isinstance(node, ast.AsyncWith) else "__enter__"
+                    value = self.value(item.context_expr)
+                    self._bind(item.optional_vars, _protocol_value(value, enter))
             self.run(node.body)
         elif isinstance(node, ast.For | ast.AsyncFor):
             self.check(node.iter)

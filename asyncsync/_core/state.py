@@ -83,6 +83,9 @@ class ServerState:
         last_error: the most recent failure, None after a success.
         max_concurrency: the most generations routed here at once (None: no limit).
         routed: generations routed here so far (load spread).
+        host: the server's host identity (``Fleet(..., hosts=...)``, a Ray server
+            group's, or probed from its address by ``Fleet.resolve_hosts``); None
+            while unknown.
     """
 
     url: str
@@ -97,6 +100,7 @@ class ServerState:
     last_error: BaseException | None = None
     max_concurrency: int | None = None
     routed: int = 0
+    host: str | None = None
     update_target: Literal["main", "draft"] = "main"
     dirty_draft: bool = False
     draft_version: str | None = None
@@ -139,6 +143,13 @@ class ServerState:
             self.dirty = dirty
         if not dirty:
             self.updating = False
+
+    def mark_by_hand(self, *, dirty: bool) -> None:
+        """``Fleet.mark_dirty``: dirty is the served model's weights; clean is both
+        models (the served one and its draft)."""
+        self.mark(dirty=dirty)
+        if not dirty:
+            self.mark(dirty=False, draft=True)
 
     def record_draft_version(self, version: str) -> None:
         """A draft round finished here: the draft model holds ``version`` (the one

@@ -139,6 +139,10 @@ class Dispatcher:
             self.probes.maybe_start(states)
             await members.changed(_RECHECK if remaining is None else min(_RECHECK, remaining))
 
+    def engine(self, state: ServerState) -> GenerationEngine:
+        """The generation engine that serves a request admitted on ``state``."""
+        return self.members.generator(state)
+
     def release(self, state: ServerState) -> None:
         state.outstanding -= 1
         self.members.notify()
@@ -175,7 +179,7 @@ class Dispatcher:
         while True:
             state = await self.admit(send, tried)
             try:
-                return await call(self.members.generator(state), *args, **kwargs)
+                return await call(self.engine(state), *args, **kwargs)
             except AsyncSyncError as err:
                 if not self.failed_over(send, state, err):
                     raise
@@ -219,7 +223,7 @@ class _FleetLease:
     async def acquire(self) -> GenerationEngine:
         self._let_go()
         state = self._held = await self._dispatcher.admit(self._send, self._tried)
-        return self._dispatcher.members.generator(state)
+        return self._dispatcher.engine(state)
 
     def unreached(self, err: AsyncSyncError) -> bool:
         assert self._held is not None

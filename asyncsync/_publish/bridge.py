@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -73,6 +73,8 @@ class FleetCalls(Protocol):
     async def finish(self, weight_version: str | None) -> None: ...
 
     async def world_sizes(self) -> dict[str, int]: ...
+
+    async def servers(self) -> list[str]: ...
 
 
 class SyncFleetClient:
@@ -134,6 +136,18 @@ class SyncFleetClient:
     def world_sizes(self) -> dict[str, int]:
         """Each targeted server's ``/get_world_size`` (NCCL rank offsets)."""
         return self._bridge.call(self._calls.world_sizes)
+
+    def lane(self, urls: Sequence[str]) -> SyncFleetClient:
+        """A client whose calls go only to ``urls`` of this client's servers (one
+        transport's share of a mixed round), recorded in the same round."""
+        lane = getattr(self._calls, "lane", None)
+        if lane is None:
+            raise TypeError(f"{type(self._calls).__name__} calls cannot be split into lanes")
+        return SyncFleetClient(self._bridge, lane(urls), version=self.version)
+
+    def servers(self) -> list[str]:
+        """The targeted servers still in the round."""
+        return self._bridge.call(self._calls.servers)
 
     def update_deadline(self) -> float | None:
         """The update deadline (seconds) of the targeted servers' calls, if the calls

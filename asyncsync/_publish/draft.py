@@ -64,9 +64,9 @@ class DraftRound(PublishRound):
     async def _start_route(self, urls: list[str]) -> FleetResult[None]:
         return await self.fleet.start_draft_weight_update(targets=urls, require="none")
 
-    async def finish(self, weight_version: str | None) -> None:
+    async def _finish_on(self, live: list[str], weight_version: str | None) -> FleetResult[None]:
         # The served model's version is not the draft's: vLLM would set it from here.
-        await super().finish(None)
+        return await super()._finish_on(live, None)
 
     def _mark_dirty(self, urls: list[str]) -> None:
         self.fleet._mark_draft_dirty(urls)

@@ -18,6 +18,12 @@ on without the lost server. A collective transport (gloo, nccl) cannot: a lost m
 breaks the collective. There the round stops the send, ends the survivors' updates and
 sends the whole round once more to the survivors, whose backend builds a new group
 without the lost servers (see `PublishRound.send`).
+
+A mixed round (``backend="auto"``: shm to the servers on the trainer's host, gloo to the
+others) is still one round with one version: its backend sends each transport's share
+through a `Lane`, the same calls restricted to some of the round's servers. Every
+phase records into the one round (outcomes, drops, timings); only the servers of a
+collective transport (``collective``, a set of URLs) make a loss a regroup.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence, Set
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -56,6 +62,7 @@ T = TypeVar("T")
 
 __all__ = [
     "InitCalls",
+    "Lane",
     "Phase",
     "PublishReport",
     "PublishRound",
@@ -97,39 +104,92 @@ class _Regroup(Exception):
     """A collective transport lost a server: the send stops, to go again without it."""
 
 
+#: Some of a round's servers (a lane), or None: all of them.
+_Only = Set[str] | None
+
+
 class InitCalls:
     """The fan-outs a backend may make outside a round's phases (its init, world sizes),
-    to the servers in the round (``live``)."""
+    to the servers in the round (``live``), or to those of them in ``only``."""
 
     def __init__(self, fleet: Fleet, targets: Sequence[str]) -> None:
         self.fleet = fleet
         self.live = list(targets)
 
-    async def init(self, init_info: InitInfo) -> None:
-        await self.fleet.init_weight_transfer_engine(init_info, targets=self.live, require="all")
+    def _live(self, only: _Only) -> list[str]:
+        return [url for url in self.live if only is None or url in only]
 
-    async def world_sizes(self) -> dict[str, int]:
-        result = await self.fleet.get_world_size(targets=self.live, require="all")
+    def lane(self, urls: Sequence[str]) -> Lane:
+        """These calls restricted to ``urls`` (one transport's servers)."""
+        return Lane(self, frozenset(urls))
+
+    async def servers(self, only: _Only = None) -> list[str]:
+        """The servers still in the round (of ``only``)."""
+        return self._live(only)
+
+    async def init(self, init_info: InitInfo, only: _Only = None) -> None:
+        await self.fleet.init_weight_transfer_engine(
+            init_info, targets=self._live(only), require="all"
+        )
+
+    async def world_sizes(self, only: _Only = None) -> dict[str, int]:
+        result = await self.fleet.get_world_size(targets=self._live(only), require="all")
         return dict(result.values_by_url)
 
-    def update_deadline(self) -> float | None:
+    def update_deadline(self, only: _Only = None) -> float | None:
         """The shortest update deadline of the servers (None: some have none)."""
-        limits = [self.fleet.client(url).timeouts.update for url in self.live]
+        limits = [self.fleet.client(url).timeouts.update for url in self._live(only)]
         known = [x for x in limits if x is not None]
         return min(known) if known and len(known) == len(limits) else None
 
-    async def start(self) -> None:
+    async def start(self, only: _Only = None) -> None:
         raise RuntimeError("start_weight_update is only allowed inside a publish round")
 
     async def _start_route(self, urls: list[str]) -> FleetResult[None]:
         """The start of a round into the served model (`DraftRound`: its draft)."""
         return await self.fleet.start_weight_update(targets=urls, require="none")
 
-    async def update(self, update_info: UpdateInfo) -> None:
+    def _mark_dirty(self, urls: list[str]) -> None:
+        """What this round may have left half loaded on ``urls`` is dirty (the served
+        model's weights; `DraftRound`: the draft model's)."""
+        self.fleet.mark_dirty(urls)
+
+    async def update(self, update_info: UpdateInfo, only: _Only = None) -> None:
         raise RuntimeError("update_weights is only allowed inside a publish round")
 
-    async def finish(self, weight_version: str | None) -> None:
+    async def finish(self, weight_version: str | None, only: _Only = None) -> None:
         raise RuntimeError("finish_weight_update is only allowed inside a publish round")
+
+
+class Lane:
+    """A round's calls restricted to some of its servers: what one transport of a mixed
+    round sends through (`asyncsync._publish.bridge.FleetCalls`). Its phases are the
+    round's: outcomes, drops and timings land in the one round."""
+
+    def __init__(self, calls: InitCalls, urls: frozenset[str]) -> None:
+        self._calls = calls
+        self.urls = urls
+
+    async def servers(self) -> list[str]:
+        return await self._calls.servers(self.urls)
+
+    async def init(self, init_info: InitInfo) -> None:
+        await self._calls.init(init_info, self.urls)
+
+    async def world_sizes(self) -> dict[str, int]:
+        return await self._calls.world_sizes(self.urls)
+
+    def update_deadline(self) -> float | None:
+        return self._calls.update_deadline(self.urls)
+
+    async def start(self) -> None:
+        await self._calls.start(self.urls)
+
+    async def update(self, update_info: UpdateInfo) -> None:
+        await self._calls.update(update_info, self.urls)
+
+    async def finish(self, weight_version: str | None) -> None:
+        await self._calls.finish(weight_version, self.urls)
 
 
 class PublishRound(InitCalls):
@@ -137,7 +197,8 @@ class PublishRound(InitCalls):
 
     ``need``: how many servers must go through the whole round for it to be published
     (``publish(min_servers=...)``). ``collective``: the backend's payloads are
-    collectives across every server (a lost server breaks them). ``resendable``: the
+    collectives across every server (a lost server breaks them); or the set of servers
+    whose transport is collective (a mixed round). ``resendable``: the
     weights can be iterated again (a collective round is then sent again once without
     a lost server). ``abort_info`` is the backend's update that ends an open update on a
     server (``TrainerBackend.abort_info``). ``published_version`` is the last published
@@ -155,7 +216,7 @@ class PublishRound(InitCalls):
         reset_prefix_cache: bool,
         abort_info: Mapping[str, Any],
         published_version: str | None,
-        collective: bool = False,
+        collective: bool | Set[str] = False,
         resendable: bool = True,
         seconds: dict[str, float] | None = None,
         verify: Verify | None = None,
@@ -165,7 +226,8 @@ class PublishRound(InitCalls):
         self.targets = list(targets)
         self.version = version
         self.need = need
-        self.collective = collective
+        #: the servers on a collective transport (losing one of them is a regroup)
+        self.collective = frozenset(self.targets if collective is True else collective or ())
         self.resendable = resendable
         self.pause_mode = pause
         self.reset_cache = reset_prefix_cache
@@ -250,19 +312,20 @@ class PublishRound(InitCalls):
                 raise
             self.regroup = False
 
-    async def init(self, init_info: InitInfo) -> None:
+    async def init(self, init_info: InitInfo, only: _Only = None) -> None:
         await self._phase(
             Phase.INIT,
             lambda live: self.fleet.init_weight_transfer_engine(
                 init_info, targets=live, require="none"
             ),
+            only,
         )
 
-    async def world_sizes(self) -> dict[str, int]:
+    async def world_sizes(self, only: _Only = None) -> dict[str, int]:
         result = await self._phase(
-            Phase.INIT, lambda live: self.fleet.get_world_size(targets=live, require="none")
+            Phase.INIT, lambda live: self.fleet.get_world_size(targets=live, require="none"), only
         )
-        return {url: result[url].unwrap() for url in self.live}
+        return {url: result[url].unwrap() for url in self._live(only)}
 
     async def probe(self) -> None:
         """Servers last seen unhealthy answer ``/health`` (control deadline) or drop
@@ -319,9 +382,9 @@ class PublishRound(InitCalls):
                 await run_to_the_end(future)
             raise
 
-    async def start(self) -> None:
+    async def start(self, only: _Only = None) -> None:
         self.start_attempted = True
-        await self._phase(Phase.START, self._start_on)
+        await self._phase(Phase.START, self._start_on, only)
 
     async def _start_on(self, live: list[str]) -> FleetResult[None]:
         """Start on ``live``; a server still holding a round an earlier trainer left
@@ -338,14 +401,15 @@ class PublishRound(InitCalls):
         self.open.update(again.succeeded)
         return FleetResult(result.operation, {**result.outcomes, **again.outcomes})
 
-    async def update(self, update_info: UpdateInfo) -> None:
+    async def update(self, update_info: UpdateInfo, only: _Only = None) -> None:
         await self._phase(
             Phase.UPDATE,
             lambda live: self.fleet.update_weights(update_info, targets=live, require="none"),
+            only,
         )
 
-    async def finish(self, weight_version: str | None) -> None:
-        await self._phase(Phase.FINISH, lambda live: self._finish_on(live, weight_version))
+    async def finish(self, weight_version: str | None, only: _Only = None) -> None:
+        await self._phase(Phase.FINISH, lambda live: self._finish_on(live, weight_version), only)
 
     async def _finish_on(self, live: list[str], weight_version: str | None) -> FleetResult[None]:
         result = await self.fleet._finish(weight_version, targets=live)
@@ -382,10 +446,10 @@ class PublishRound(InitCalls):
         return FleetResult("verify", outcomes)
 
     # ------------------------------------------------------------------ who is left
-    async def _phase(self, phase: Phase, call: _Call) -> FleetResult[Any]:
-        """One fan-out of ``phase`` to the servers left: its seconds added, the servers
-        it failed on dropped (`_drop`)."""
-        result: FleetResult[Any] = await self._timed(phase, lambda: call(list(self.live)))
+    async def _phase(self, phase: Phase, call: _Call, only: _Only = None) -> FleetResult[Any]:
+        """One fan-out of ``phase`` to the servers left (of ``only``): its seconds added,
+        the servers it failed on dropped (`_drop`)."""
+        result: FleetResult[Any] = await self._timed(phase, lambda: call(self._live(only)))
         self._drop(phase, result)
         return result
 
@@ -401,15 +465,16 @@ class PublishRound(InitCalls):
     def _drop(self, phase: Phase, result: FleetResult[Any]) -> None:
         """The servers ``phase`` failed on leave the round. In a collective transport's
         init or update, a server that answered an error while another gave no answer
-        is the collective's casualty, not lost: it stays for the round sent again."""
+        is the collective's casualty, not lost: it stays for the round sent again. A
+        server on a per-server transport is lost by its own failure alone."""
         failed = [url for url in result.failed if url in self.live]
         if not failed:
             return
-        collective = self.collective and phase in (Phase.INIT, Phase.START, Phase.UPDATE)
-        lost = failed
-        if collective and phase in (Phase.INIT, Phase.UPDATE):
-            silent = [url for url in failed if _no_answer(result[url].error)]
-            lost = silent or failed
+        in_collective = phase in (Phase.INIT, Phase.START, Phase.UPDATE)
+        collective = [url for url in failed if in_collective and url in self.collective]
+        lost = [url for url in failed if url not in collective]  # each its own failure
+        silent = [url for url in collective if _no_answer(result[url].error)]
+        lost += silent if silent and phase in (Phase.INIT, Phase.UPDATE) else collective
         for url in lost:
             self._lose(url, phase, result[url].error or RuntimeError("failed"))
         if len(self.live) < self.need:
@@ -428,11 +493,6 @@ class PublishRound(InitCalls):
         self.live.remove(url)
         self.outcomes[url] = ServerOutcome(url, ok=False, phase=phase, error=error, dirty=True)
         self._mark_dirty([url])
-
-    def _mark_dirty(self, urls: list[str]) -> None:
-        """What this round may have left half loaded on ``urls`` is dirty (the served
-        model's weights; `DraftRound`: the draft model's)."""
-        self.fleet.mark_dirty(urls)
 
     def lost(self) -> list[str]:
         """The servers that dropped out, in fleet order."""

@@ -1,6 +1,7 @@
 """What a server says about the model it serves, as plain JSON (no I/O, no torch).
 
-asyncsync's worker-side engines (``asyncsync_shm``, ``asyncsync_gloo``) answer a
+asyncsync's worker-side engines (``asyncsync_shm``, ``asyncsync_gloo``,
+``asyncsync_auto``) answer a
 question the trainer asks through vLLM's dev-mode ``POST /collective_rpc``: vLLM calls
 ``getattr(worker, method)(*args, **kwargs)`` on every worker, and ``method`` names the
 worker's ``weight_transfer_engine`` attribute, which is the engine itself; asyncsync's
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 #: The server-side engines that answer (asyncsync's plugin); vLLM's own do not.
-ASYNCSYNC_ENGINES = ("asyncsync_shm", "asyncsync_gloo")
+ASYNCSYNC_ENGINES = ("asyncsync_shm", "asyncsync_gloo", "asyncsync_auto")
 #: The worker attribute ``/collective_rpc`` calls: vLLM's worker keeps its engine there.
 DESCRIBE_METHOD = "weight_transfer_engine"
 #: The question asyncsync's engines answer when called.

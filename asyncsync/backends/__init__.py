@@ -22,11 +22,12 @@ from asyncsync.backends._base import (
     TrainerApi,
     TrainerBackend,
 )
-from asyncsync.backends._options import IPC, NCCL, BackendOptions, Gloo, Shm
+from asyncsync.backends._options import IPC, NCCL, Auto, BackendOptions, Gloo, Shm
 
 __all__ = [
     "IPC",
     "NCCL",
+    "Auto",
     "BackendOptions",
     "Gloo",
     "InitInfo",
@@ -49,6 +50,7 @@ _REGISTRY: dict[str, type[TrainerBackend] | str] = {
     "gloo": "asyncsync.backends.gloo:GlooBackend",
     "nccl": "asyncsync.backends.nccl:NcclBackend",
     "ipc": "asyncsync.backends.ipc:IpcBackend",
+    "auto": "asyncsync.backends.auto:AutoBackend",
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -24,6 +24,7 @@ from asyncsync.backends._options import BackendOptions
 
 if TYPE_CHECKING:
     from asyncsync._publish.weights import WeightSource
+    from asyncsync.fleet import Fleet
 
 #: Which trainer-engine style drives a round: vLLM 0.3x's ``send_weights`` with a
 #: synchronous client (``"engine"``) or vLLM 0.23's ``trainer_send_weights`` with a
@@ -93,6 +94,18 @@ class TrainerBackend(ABC):
     @abstractmethod
     def init_info(self) -> InitInfo:
         """What ``/init_weight_transfer_engine`` sends (one mapping, or one per server)."""
+
+    async def prepare(self, fleet: Fleet, targets: Sequence[str]) -> None:
+        """On the event loop, before each round (and before the first init): learn what
+        the backend needs to know of the servers (``"auto"``: their hosts). Default:
+        nothing."""
+        del fleet, targets
+
+    def collective_servers(self, urls: Iterable[str]) -> frozenset[str]:
+        """Which of ``urls`` this backend reaches through a collective (a lost one is a
+        regroup): all of them or none, by `collective`; a mixed backend says per
+        server."""
+        return frozenset(urls) if self.collective else frozenset()
 
     def init(self, client: SyncFleetClient) -> None:
         """Rank 0, worker thread, once before the first round: initialize the servers'

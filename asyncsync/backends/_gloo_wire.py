@@ -21,10 +21,18 @@ from typing import Any
 
 from asyncsync.backends._wire import PROTOCOL_VERSION, ShmFormatError, ShmUpdateFields, nbytes
 
-__all__ = ["GLOO_BACKEND_NAME", "GlooInitFields", "GlooUpdateFields", "chunk_extent"]
+__all__ = [
+    "AUTO_BACKEND_NAME",
+    "GLOO_BACKEND_NAME",
+    "GlooInitFields",
+    "GlooUpdateFields",
+    "chunk_extent",
+]
 
 #: vLLM ``--weight-transfer-config`` backend name of the worker engine.
 GLOO_BACKEND_NAME = "asyncsync_gloo"
+#: The worker engine that takes either transport, chosen by each init (``backend="auto"``).
+AUTO_BACKEND_NAME = "asyncsync_auto"
 
 
 @dataclass

@@ -23,6 +23,7 @@ __all__ = [
     "INSECURE_SERIALIZATION_OPT_IN",
     "IPC",
     "NCCL",
+    "Auto",
     "BackendOptions",
     "Gloo",
     "Shm",
@@ -194,3 +195,34 @@ class IPC(BackendOptions):
         if self.allow_insecure_serialization is not True:
             raise ValueError(INSECURE_SERIALIZATION_OPT_IN)
         _positive_int("IPC", "packed_buffer_size_bytes", self.packed_buffer_size_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Auto(BackendOptions):
+    """``"auto"``: each server on the transport its host allows, in one round: ``shm`` for
+    the servers on the trainer's host, ``gloo`` for the others (servers run
+    ``asyncsync_auto``, which takes either; docs/ray.md#one-round-two-transports).
+
+    Attributes:
+        buffer_bytes: each buffer of both transports (see `Shm` and `Gloo`).
+        zero_copy: the shm servers read the trainer's tensors in place (see `Shm`).
+        master_address: what the gloo servers connect to (see `Gloo`).
+        master_port: the trainer's gloo store port (see `Gloo`).
+        create_timeout_s: the gloo rendezvous's deadline.
+        op_timeout_s: gloo's own bound on an abandoned operation (see `Gloo`).
+    """
+
+    name: ClassVar[str] = "auto"
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    zero_copy: ZeroCopyMode = False
+    master_address: str | None = None
+    master_port: int | None = None
+    create_timeout_s: float = 60.0
+    op_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("Auto", "buffer_bytes", self.buffer_bytes)
+        check_zero_copy_mode(self.zero_copy)
+        _port("Auto", self.master_port)
+        _positive_seconds("Auto", "create_timeout_s", self.create_timeout_s)
+        _positive_seconds("Auto", "op_timeout_s", self.op_timeout_s, optional=True)

@@ -20,13 +20,14 @@ import aiohttp
 
 from asyncsync._wire.caps import ProbeError, ServerOptions, probe_server_options, server_flags
 
-__all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError"]
+__all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError", "remove_ring_buffers"]
 
 #: Short names accepted by ``LocalVLLMServer(backend=...)`` and the vLLM weight-transfer
 #: backend each one selects. Any other string is passed to vLLM unchanged.
 BACKEND_NAMES: dict[str, str] = {
     "shm": "asyncsync_shm",
     "gloo": "asyncsync_gloo",
+    "auto": "asyncsync_auto",
     "nccl": "nccl",
     "ipc": "ipc",
 }
@@ -107,6 +108,16 @@ def process_group_members(pgid: int) -> list[int]:
 _RING_BUFFERS_SEEN: set[str] = set()
 
 
+def remove_ring_buffers(names: set[str]) -> None:
+    """Remove vLLM ring buffers whose processes are all gone (vLLM removes them on a
+    clean exit, not when it is killed: ~400 MiB of RAM-backed /dev/shm per server)."""
+    for name in sorted(names):
+        if not name.startswith(_RING_BUFFER) or "/" in name:
+            continue  # only vLLM's own ring buffers, only in /dev/shm
+        with contextlib.suppress(FileNotFoundError):
+            (_SHM_DIR / name).unlink()
+
+
 def leftover_ring_buffers() -> list[str]:
     """The vLLM ring buffers of servers this process started that still exist."""
     return sorted(n for n in _RING_BUFFERS_SEEN if (_SHM_DIR / n).exists())
@@ -151,6 +162,10 @@ class LocalVLLMServer:
             e.g. ``"1"`` or ``"0-3"``). Give servers sharing a small machine different
             cores: two servers bound to the same core slow each other down many times.
         log_path: where the server's stdout/stderr go (a temp file by default).
+        watchdog: stop the server when this process dies, even by SIGKILL (a
+            ``ray.kill`` of the actor that started it): a small watchdog process then
+            terminates the server's process group and removes its ring buffers
+            (`asyncsync.testing._reaper`).
         lora: serve LoRA adapters loaded at runtime (``--enable-lora`` and
             ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; `AsyncWeightPublisher.publish_lora`).
         max_lora_rank: the largest adapter rank it loads (``--max-lora-rank``).
@@ -176,6 +191,7 @@ class LocalVLLMServer:
         dtype: str = "float32",
         cpu_cores: str | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        watchdog: bool = False,
         lora: bool = False,
         max_lora_rank: int = 16,
         max_loras: int = 2,
@@ -213,6 +229,8 @@ class LocalVLLMServer:
         #: `astop` when a server killed from outside left them behind)
         self.ring_buffers: set[str] = set()
         self.options: ServerOptions | None = None
+        self.watchdog = watchdog
+        self._watchdog: subprocess.Popen[bytes] | None = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -305,6 +323,42 @@ class LocalVLLMServer:
             env=self._environment(),
             start_new_session=True,
         )
+        if self.watchdog:
+            self._start_watchdog(self.process.pid)
+
+    def _start_watchdog(self, pgid: int) -> None:
+        """The watchdog (`asyncsync.testing._reaper`) of process group ``pgid``: its
+        stdin is a pipe only this process writes, so it sees end of file when this
+        process dies, however it dies. The process started here forks the watchdog
+        and exits (the watchdog is nobody's child to kill along with this one)."""
+        self._watchdog = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("_reaper.py")), str(pgid),
+             str(self.stop_timeout)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log_file,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def _tell_watchdog(self, line: str) -> None:
+        watchdog = self._watchdog
+        if watchdog is None or watchdog.stdin is None:
+            return
+        with contextlib.suppress(OSError):  # it is gone: nothing to tell
+            watchdog.stdin.write(f"{line}\n".encode())
+            watchdog.stdin.flush()
+
+    async def _stop_watchdog(self) -> None:
+        """The server is stopped: the watchdog exits without touching anything."""
+        watchdog = self._watchdog
+        if watchdog is None:
+            return
+        self._tell_watchdog("done")
+        self._watchdog = None
+        with contextlib.suppress(OSError):
+            if watchdog.stdin is not None:
+                watchdog.stdin.close()
+        await asyncio.to_thread(watchdog.wait)  # the forking parent, exited at once
 
     def _failure(self, reason: str) -> ServerStartError:
         return ServerStartError(
@@ -352,6 +406,8 @@ class LocalVLLMServer:
         """Remember the ring buffers the server's processes map now (vLLM creates them
         at start-up); `astop` removes whatever of them a killed server left."""
         found = ring_buffers_of(process_group_members(pgid))
+        for name in sorted(found - self.ring_buffers):
+            self._tell_watchdog(f"ring {name}")
         self.ring_buffers |= found
         _RING_BUFFERS_SEEN.update(found)
 
@@ -376,17 +432,14 @@ class LocalVLLMServer:
                 while process_group_members(pgid) or proc.poll() is None:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
         finally:
-            self._close_log()
             self.process = None
             self._remove_ring_buffers()
+            await self._stop_watchdog()
+            self._close_log()
 
     def _remove_ring_buffers(self) -> None:
-        """Every process of the group is gone: the ring buffers it mapped are garbage
-        (vLLM removes them on a clean exit, not when it is killed: ~400 MiB of
-        RAM-backed /dev/shm per server)."""
-        for name in sorted(self.ring_buffers):
-            with contextlib.suppress(FileNotFoundError):
-                (_SHM_DIR / name).unlink()
+        """Every process of the group is gone: the ring buffers it mapped are garbage."""
+        remove_ring_buffers(self.ring_buffers)
         self.ring_buffers.clear()
 
     @staticmethod

@@ -3,7 +3,8 @@
 Loaded by vLLM in every process through the ``vllm.general_plugins`` entry point
 ``asyncsync_shm = asyncsync.vllm_plugin:register``. Registration is lazy (a module path),
 so vLLM processes that never use the backends import nothing more. Worker engines:
-``asyncsync_shm`` (vLLM 0.32 and 0.23 contracts) and ``asyncsync_gloo`` (0.3x). Trainer
+``asyncsync_shm`` (vLLM 0.32 and 0.23 contracts), ``asyncsync_gloo`` and
+``asyncsync_auto`` (either transport, chosen by each init; 0.3x). Trainer
 engines (vLLM's ``WeightTransferTrainerFactory``, where it exists) under the same names:
 see `asyncsync.vllm_plugin.trainer`.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
+from asyncsync.backends._gloo_wire import AUTO_BACKEND_NAME, GLOO_BACKEND_NAME
 from asyncsync.backends._trainer_factory import register_trainer_engines
 from asyncsync.backends._wire import BACKEND_NAME
 
@@ -80,5 +81,9 @@ def register() -> None:
     if GLOO_BACKEND_NAME not in registry and ADAPTERS["engine-owns-round"] == (module, cls):
         WeightTransferEngineFactory.register_engine(
             GLOO_BACKEND_NAME, "asyncsync.vllm_plugin.gloo_engine", "GlooWeightTransferEngine"
+        )
+    if AUTO_BACKEND_NAME not in registry and ADAPTERS["engine-owns-round"] == (module, cls):
+        WeightTransferEngineFactory.register_engine(
+            AUTO_BACKEND_NAME, "asyncsync.vllm_plugin.auto_engine", "AutoWeightTransferEngine"
         )
     register_trainer_engines()

@@ -1,0 +1,144 @@
+"""Generations through an OpenAI-compatible router in front of a fleet's servers.
+
+With ``Fleet(control_urls, router_url=...)`` every control call and weight round still
+goes to every server (a router would forward a weight call to one replica only), while
+generations go to the router, which picks the replica. asyncsync cannot choose the
+server then, so routing by server state becomes two rules by version:
+
+- admission waits while a round holds any server mid-update (``updating``): a router
+  must not be handed a request that could land on a server whose layers are being
+  replaced;
+- the staleness bound applies to the answer: the weight versions come from the server
+  that answered (``weight_versions`` of ``/inference/v1/generate``), and a completion
+  more than ``max_staleness`` published versions behind is sent again, up to once per
+  server, before `GenerationError` names the versions it got.
+
+Prompts are checked against the limits of the servers behind the router, not asked of
+the router (which may not forward ``/collective_rpc``): `ServersBehind` learns each
+server's vocabulary size and context length through its own client and keeps the
+smallest of each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Set
+
+from asyncsync._core.completion import Completion
+from asyncsync._core.errors import AsyncSyncError, GenerationError
+from asyncsync._core.state import ServerState
+from asyncsync._fleet.adapters import AdapterTable
+from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
+from asyncsync._fleet.members import Members
+from asyncsync._fleet.routing import VersionHistory
+from asyncsync._generation.engine import GenerationEngine
+from asyncsync._generation.served import ServedLookup
+from asyncsync._http.transport import Endpoint
+from asyncsync._wire.generation import GenerationRequest, SendOptions
+from asyncsync.client import AsyncVLLMClient
+
+__all__ = ["RouterDispatcher", "ServersBehind"]
+
+#: The longest a waiting generation sleeps before it looks again (state changes wake it).
+_RECHECK = 0.5
+
+
+class RouterDispatcher(Dispatcher):
+    """A `Dispatcher` whose every generation goes to one router (see the module)."""
+
+    def __init__(
+        self,
+        members: Members,
+        history: VersionHistory,
+        policy: RoutingPolicy,
+        probe: Callable[[list[str]], Awaitable[object]],
+        adapters: AdapterTable,
+        router: AsyncVLLMClient,
+    ) -> None:
+        super().__init__(members, history, policy, probe, adapters)
+        self.router = router
+        given = router.vocab_size, router.max_model_len
+        limits = ServersBehind(router.endpoint, members, given)
+        router._served = router.generator.served = limits
+
+    async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerState:
+        """Wait until no server is mid-update, then count the request on the router."""
+        if send.lora is not None:
+            raise TypeError(
+                "Fleet.generate(..., lora=...) is not supported through a router "
+                "(router_url): the fleet cannot choose a server holding the adapter; "
+                "use a Fleet without router_url for LoRA generations"
+            )
+        limit = self.policy.admission_timeout
+        limit = limit if send.admission_timeout is None else send.admission_timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            updating = [s.url for s in self.members.states() if s.updating]
+            if not updating:
+                state = self.router.server_state
+                state.outstanding += 1
+                state.routed += 1
+                return state
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise GenerationError(
+                    f"no generation through the router within {limit:g} s: a round holds "
+                    f"{', '.join(updating)} mid-update"
+                )
+            await self.members.changed(_RECHECK if remaining is None else min(_RECHECK, remaining))
+
+    def engine(self, state: ServerState) -> GenerationEngine:
+        return self.router.generator
+
+    def failed_over(self, send: SendOptions, state: ServerState, err: AsyncSyncError) -> bool:
+        return False  # the router is the only way in: its failure is the caller's
+
+    async def generate(
+        self, prompt: list[int], req: GenerationRequest, send: SendOptions
+    ) -> list[Completion]:
+        """One generation through the router; sent again while its answer is staler than
+        the bound (at most once per server)."""
+        bound = self.policy.max_staleness
+        tries = max(1, len(self.members))
+        seen: list[int | None] = []
+        for _ in range(tries):
+            out = await super().generate(prompt, req, send)
+            worst = max((c.staleness or 0 for c in out), default=0)
+            if bound is None or worst <= bound:
+                return out
+            seen.append(worst)
+        raise GenerationError(
+            f"the router's answers were {seen} published versions behind in {tries} "
+            f"tries, more than max_staleness={bound}: a server behind the router is stale "
+            "(a partial round lost it); publish again or take it out of the router"
+        )
+
+
+class ServersBehind(ServedLookup):
+    """The prompt limits of a router's answers: the smallest vocabulary size and
+    context length among the servers behind it, each learned by the server's own client
+    (`ServedLookup`); the router itself is never asked."""
+
+    def __init__(
+        self, endpoint: Endpoint, members: Members, given: tuple[int | None, int | None]
+    ) -> None:
+        super().__init__(endpoint, vocab_size=given[0], max_model_len=given[1])
+        self.members = members
+
+    async def learn(self) -> None:
+        async with self._lock:
+            if self.known:
+                return
+            lookups = [self.members.client(url)._served for url in self.members.urls]
+            await asyncio.gather(*(lookup.learn() for lookup in lookups))
+            if self._ask_vocab:
+                self.vocab_size = _smallest(lookup.vocab_size for lookup in lookups)
+            if self._ask_len:
+                self.max_model_len = _smallest(lookup.max_model_len for lookup in lookups)
+            self.known = bool(lookups) and all(lookup.known for lookup in lookups)
+
+
+def _smallest(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
