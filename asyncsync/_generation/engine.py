@@ -71,7 +71,10 @@ def _generation_call(path: str, n: int, logprobs: int | None, stream: bool) -> C
     every request of that shape instead of being rebuilt per request)."""
     if stream:
         return Call("generate_stream", "POST", path, "generate", lambda _: None, "SSE")
-    parse = functools.partial(parse_answer, path=path, n=n, logprobs=logprobs)
+
+    def parse(data: Any) -> list[Completion]:  # positional: a keyword partial costs more
+        return parse_answer(data, path, n, logprobs)
+
     what = "choices with token_ids" if path == GENERATE_ROUTE else "completion choices"
     return Call(
         "generate", "POST", path, "generate", parse, '{"choices": [' + what + "]}",

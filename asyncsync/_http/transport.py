@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
@@ -247,11 +248,38 @@ class Endpoint:
         server's state either way. ``timeouts`` overrides the deadlines.
         """
         timeouts = timeouts or self.timeouts
+        # The resend rule reads the after-5xx flag as it stood when the call was sent.
+        after_server_error = self._after_server_error
+        try:
+            # The common case: one try, and no retry or resend bookkeeping built for it.
+            value = await self._send_once(call, body, timeouts)
+        except AsyncSyncError as err:
+            failed = err
+        else:
+            self._succeeded(call, value)
+            return value
+        # Outside the handler: what the retries raise does not chain onto this failure.
+        value = await self._retried(call, body, timeouts, failed, after_server_error)
+        self._succeeded(call, value)
+        return value
+
+    async def _retried(
+        self,
+        call: Call[T],
+        body: bytes | None,
+        timeouts: Timeouts,
+        failed: AsyncSyncError,
+        after_server_error: bool,
+    ) -> T:
+        """The rest of `request` once its first try failed with ``failed``: the
+        closed-connection resends, then the retries of idempotent calls."""
         policy = self.retry if call.idempotent else NO_RETRY
+        send = functools.partial(self._send_once, call, body, timeouts)
+        first: AsyncSyncError | None = failed
         attempt = 1
         while True:
             try:
-                value = await self._resent(call, lambda: self._send_once(call, body, timeouts))
+                return await self._resent(call, send, after_server_error, first)
             except AsyncSyncError as err:
                 if attempt >= policy.attempts or not is_retryable(err, policy):
                     raise
@@ -262,24 +290,38 @@ class Endpoint:
                 )  # fmt: skip
                 await asyncio.sleep(delay)
                 attempt += 1
-                continue
-            self._succeeded(call, value)
-            return value
+                first, after_server_error = None, self._after_server_error
 
-    async def _resent(self, call: Call[Any], send: Callable[[], Awaitable[T]]) -> T:
+    async def _resent(
+        self,
+        call: Call[Any],
+        send: Callable[[], Awaitable[T]],
+        after_server_error: bool,
+        failed: AsyncSyncError | None = None,
+    ) -> T:
         """``send()``, sent again by the closed-connection rule (`request`); a failure
-        is recorded in the server's state and raised."""
-        resends = _ClosedConnectionResends(call, self._after_server_error)
+        is recorded in the server's state and raised. ``failed``: the first send already
+        failed with it."""
+        resends = _ClosedConnectionResends(call, after_server_error)
+        if failed is not None:
+            self._resend_or_raise(resends, call, failed)
         while True:
             try:
                 return await send()
             except AsyncSyncError as err:
-                if resends.again(err):
-                    logger.debug("%s %s: resent on another connection", self.url, call.route)
-                    continue
-                err = resends.reported(err)
-                self._failed(call, err)
-                raise err from err.__cause__
+                self._resend_or_raise(resends, call, err)
+
+    def _resend_or_raise(
+        self, resends: _ClosedConnectionResends, call: Call[Any], err: AsyncSyncError
+    ) -> None:
+        """Return when the rule sends ``call`` again after ``err``; else record the
+        failure to report and raise it."""
+        if resends.again(err):
+            logger.debug("%s %s: resent on another connection", self.url, call.route)
+            return
+        reported = resends.reported(err)
+        self._failed(call, reported)
+        raise reported from reported.__cause__
 
     def _succeeded(self, call: Call[Any], value: Any) -> None:
         self._after_server_error = False
@@ -293,7 +335,9 @@ class Endpoint:
         session = self.transport.open(self.url)
         deadlines = self._deadlines if timeouts is self.timeouts else _deadlines(timeouts)
         try:
-            async with session.request(
+            # Awaited, then entered: what ``async with session.request(...)`` does, minus
+            # a wrapper coroutine held for the whole exchange.
+            resp = await session.request(
                 call.method,
                 self.url_of(call.route),
                 params=call.params or None,
@@ -301,7 +345,8 @@ class Endpoint:
                 headers=self.headers if body is None else self._json_headers,
                 timeout=deadlines[call.phase],
                 allow_redirects=False,
-            ) as resp:
+            )
+            async with resp:
                 payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise map_error(exc, call, self.url, timeouts) from exc
@@ -317,7 +362,9 @@ class Endpoint:
         A non-2xx answer raises the same errors as `request`, and a generation whose
         pooled connection was closed before the headers came is sent again by the same
         rule; the caller releases the returned response."""
-        resp = await self._resent(call, lambda: self._open_stream(call, body, deadline))
+        resp = await self._resent(
+            call, lambda: self._open_stream(call, body, deadline), self._after_server_error
+        )
         self._succeeded(call, None)
         return resp
 

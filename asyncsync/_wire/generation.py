@@ -174,9 +174,13 @@ class GenerationRequest(NamedTuple):
     #: Further vLLM sampling parameters (``ignore_eos``, ``min_tokens``...), sent as given.
     extra: Mapping[str, Any] = _NO_EXTRA
 
-    def sampling(self) -> dict[str, Any]:
-        """vLLM's ``sampling_params`` for this request (fields left None are not sent)."""
-        params: dict[str, Any] = {"n": self.n}
+    def sampling(self, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """vLLM's ``sampling_params`` for this request (fields left None are not sent),
+        added to ``params`` when given (the body of ``/v1/completions``, built in one
+        dict instead of copied into another)."""
+        if params is None:
+            params = {}
+        params["n"] = self.n
         if self.max_tokens is not None:
             params["max_tokens"] = self.max_tokens
         if self.temperature is not None:
@@ -374,7 +378,7 @@ def request_body(
             sampling["prompt_logprobs"] = prompt_logprobs
         body = {"token_ids": prompt, "sampling_params": sampling}
     else:
-        body = {"prompt": prompt, **req.sampling()}
+        body = req.sampling({"prompt": prompt})
         body["return_token_ids"] = True
         body["return_tokens_as_token_ids"] = True
         if prompt_logprobs is not None:
@@ -538,35 +542,36 @@ def parse_choice(
     later), ``"delta"`` (a streamed piece: missing ids mean none, unless it has text).
     ``tokens_before``: tokens earlier pieces delivered (weight-version spans cover all).
     """
-    if not isinstance(raw, dict) or not _is_int(raw.get("index", 0)):
+    if type(raw) is not dict and not isinstance(raw, dict):
         raise Malformed("a choice is not an object with an index")
-    reason, stop, text = raw.get("finish_reason"), raw.get("stop_reason"), raw.get("text")
+    get = raw.get
+    index = get("index", 0)
+    if type(index) is not int and not _is_int(index):
+        raise Malformed("a choice is not an object with an index")
+    reason, stop, text = get("finish_reason"), get("stop_reason"), get("text")
     if reason is not None and type(reason) is not str:
         raise Malformed("finish_reason is not a string")
     if stop is not None and not (type(stop) is int or type(stop) is str):
         raise Malformed("stop_reason is not an int or string")
     if text is not None and type(text) is not str:
         raise Malformed("text is not a string")
-    prompt = raw.get("prompt_token_ids")
+    prompt = get("prompt_token_ids")
+    # Positional, in field order (a keyword call costs twice as much, per choice):
+    # prompt_token_ids, token_ids, logprobs, top_logprobs, finish_reason,
+    # weight_versions, server, route, latency, index, stop_reason, retokenized,
+    # top_logprobs_text, text.
     c = Completion(
-        prompt_token_ids=ABSENT if prompt is None else _int_list(prompt, "prompt_token_ids"),
-        token_ids=_choice_ids(raw, ids_rule),
-        logprobs=None,
-        top_logprobs=None,
-        finish_reason=reason,
-        weight_versions=(),
-        server="",
-        route=path,
-        latency=0.0,
-        index=raw.get("index", 0),
-        stop_reason=stop,
-        text=text,
-    )
+        ABSENT if prompt is None else _int_list(prompt, "prompt_token_ids"),
+        _choice_ids(raw, ids_rule), None, None, reason, (), "", path, 0.0, index, stop,
+        False, None, text,
+    )  # fmt: skip
     if want_logprobs and (c.token_ids or c.token_ids is ABSENT):
-        _read_logprobs(c, raw.get("logprobs"))
-    spans = parse_spans(raw.get("weight_versions"), tokens_before + len(c.token_ids))
-    if spans:
-        c.weight_versions = tuple(spans)
+        _read_logprobs(c, get("logprobs"))
+    versions = get("weight_versions")
+    if versions is not None:
+        spans = parse_spans(versions, tokens_before + len(c.token_ids))
+        if spans:
+            c.weight_versions = tuple(spans)
     return c
 
 
@@ -614,8 +619,11 @@ def parse_answer(data: Any, path: str, n: int, logprobs: int | None) -> list[Com
             hint += "use route='completions' or send n requests)"
         raise Malformed(f"{len(choices)} choices for n={n}{hint}")
     rule: IdsRule = "required" if path == GENERATE_ROUTE else "fallback"
-    out = [parse_choice(raw, logprobs is not None, rule, path) for raw in choices]
-    if n > 1:
+    want_logprobs = logprobs is not None
+    if n == 1:
+        out = [parse_choice(choices[0], want_logprobs, rule, path)]
+    else:
+        out = [parse_choice(raw, want_logprobs, rule, path) for raw in choices]
         out.sort(key=lambda c: c.index)
     raw_prompt = data.get("prompt_token_ids")
     request_id = data.get("request_id" if path == GENERATE_ROUTE else "id")
@@ -773,11 +781,8 @@ class StreamFailed(Exception):
 
 
 def _empty(index: int, path: str) -> Completion:
-    return Completion(
-        prompt_token_ids=ABSENT, token_ids=[], logprobs=None, top_logprobs=None,
-        finish_reason=None, weight_versions=(), server="", route=path, latency=0.0,
-        index=index,
-    )  # fmt: skip
+    # Positional, in field order (see parse_choice).
+    return Completion(ABSENT, [], None, None, None, (), "", path, 0.0, index)
 
 
 def _accumulate(acc: Completion, piece: Completion) -> None:
