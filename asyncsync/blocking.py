@@ -388,6 +388,8 @@ class Fleet(_Closing[az.Fleet]):
     lora_limits = blocking_method(az.Fleet.lora_limits)
     init_weight_transfer_engine = blocking_method(az.Fleet.init_weight_transfer_engine)
     start_weight_update = blocking_method(az.Fleet.start_weight_update)
+    start_draft_weight_update = blocking_method(az.Fleet.start_draft_weight_update)
+    draft_models = blocking_method(az.Fleet.draft_models)
     update_weights = blocking_method(az.Fleet.update_weights)
     finish_weight_update = blocking_method(az.Fleet.finish_weight_update)
     shutdown_weight_transfer_engine = blocking_method(az.Fleet.shutdown_weight_transfer_engine)
@@ -439,6 +441,12 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
         """The last published version (None before any): see
         `asyncsync.AsyncWeightPublisher.version`."""
         return self._async.version
+
+    @property
+    def draft_version(self) -> str | None:
+        """The last version published into the servers' draft model: see
+        `asyncsync.AsyncWeightPublisher.draft_version`."""
+        return self._async.draft_version
 
     @property
     def last_report(self) -> az.PublishReport | None:

@@ -324,9 +324,9 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         return [s.url for s in self._members.states() if predicate(s)]
 
     def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
-        """Mark servers (all when None) dirty, or clean with ``dirty=False``."""
+        """Mark servers (all when None) dirty, or clean with ``dirty=False`` (drafts too)."""
         for url in self._members.resolve(urls):
-            self._members.state(url).mark(dirty=dirty)
+            self._members.state(url).mark_by_hand(dirty=dirty)
         self._members.notify()
 
     def mark_clean(self, urls: _Targets = None) -> None:

@@ -32,6 +32,7 @@ from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
 from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
+from asyncsync._publish.draft import DraftRound, DraftRounds, Target
 from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
@@ -53,11 +54,10 @@ from asyncsync._publish.verify import (
     verify_now,
 )
 from asyncsync._publish.weights import (
-    FiniteChecked,
     WeightsLike,
     WeightSource,
-    check_finite,
     check_weights,
+    finite,
     is_factory,
     resolve,
 )
@@ -154,6 +154,8 @@ class AsyncWeightPublisher:
         self._lora: LoraRounds | None = None
         #: the record of a delta chain (`publish(..., delta=True)`), made on first use
         self._chain: DeltaChain | None = None
+        #: the rounds into the servers' draft model (``target="draft"``): own version, chain
+        self._draft = DraftRounds()
         if fleet is not None:
             fleet._on_close(self._release)
 
@@ -250,17 +252,18 @@ class AsyncWeightPublisher:
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
         delta: bool = False,
+        target: Target = "main",
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
-        A round runs to the end on every server that still answers: a server that fails
-        (an error or malformed answer, no answer within the deadline, a refused
-        connection) drops out of the round and is marked dirty (it serves nothing until
-        a later round reaches it), and the others are never aborted because of it. The
-        round is published when at least ``min_servers`` of the targets went through it
-        (``"all"``: every one): the version advances, `PublishReport.lost` names the
-        servers that dropped out, a warning is logged. A collective transport that loses
-        a server sends the round again to the others, in a new group (docs/publishing.md).
+        A round runs to the end on every server that still answers: a server that fails (an
+        error or malformed answer, no answer within the deadline, a refused connection)
+        drops out of the round and is marked dirty (serving nothing until a round reaches
+        it), and the others are never aborted because of it. The round is published when at
+        least ``min_servers`` of the targets went through it (``"all"``: every one): the
+        version advances, `PublishReport.lost` names the servers that dropped out, a warning
+        is logged. A collective transport that loses a server sends the round again to the
+        others, in a new group (docs/publishing.md).
 
         Bad input is refused before any server is touched (ValueError/TypeError naming
         it): a bad version, names or tensors, what the backend cannot carry, and weights
@@ -274,12 +277,12 @@ class AsyncWeightPublisher:
         forward pass) or a `Verify`. A server that does not match drops out at
         ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
         (shm, gloo) sends only what changed since the version every target acknowledged
-        (else a full round); `PublishReport.delta` says what (docs/delta.md).
+        (else a full round; docs/delta.md). ``target="draft"``: the draft model (docs/draft.md).
 
         Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
         version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        _check_round(version, self.version, pause)
+        _check_round(version, self._draft.published(target, verify, self.version), pause)
         checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -287,16 +290,19 @@ class AsyncWeightPublisher:
             if self._closed:
                 raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
             if not self.is_sender:
-                return await self._publish_non_sender(weights, version)
+                return await self._non_sender(weights, version)
             if check_finite:
-                weights = await self._finite(weights)
+                weights = await finite(weights, self._executor)
             targets = self._targets(targets)
             need = _need(min_servers, targets)
-            if checks is not None and checks.checksum:
-                assert self.fleet is not None  # rank 0's
-                await check_checksum_route(self.fleet, targets)
-            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta)
+            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
             return await self._publish(weights, version, *args)
+
+    @property
+    def draft_version(self) -> str | None:
+        """The last version published into the servers' draft model
+        (``publish(..., target="draft")``), None before the first."""
+        return self._draft.version
 
     async def verify(
         self,
@@ -321,18 +327,6 @@ class AsyncWeightPublisher:
             urls = self._targets(targets)
             return await verify_now(self.fleet, urls, resolve(weights), checks, self._executor)
 
-    async def _finite(self, weights: WeightsLike) -> WeightsLike:
-        """Weights whose NaN/Inf are refused: read now (off the loop) when they can be
-        read twice, else checked as they are produced."""
-        if is_factory(weights):
-            return lambda: FiniteChecked(resolve(weights))
-        source = resolve(weights)
-        if not source.reiterable:
-            return FiniteChecked(source)
-        check_weights(source)
-        await asyncio.get_running_loop().run_in_executor(self._executor, check_finite, source)
-        return weights
-
     async def _publish(
         self,
         weights: WeightsLike,
@@ -344,13 +338,14 @@ class AsyncWeightPublisher:
         verify: Verify | None,
         need: int,
         delta: bool = False,
+        target: Target = "main",
     ) -> PublishReport:
-        assert self.fleet is not None
+        assert self.fleet is not None  # rank 0's
+        if verify is not None and verify.checksum:
+            await check_checksum_route(self.fleet, targets)
         await self._backend.prepare(self.fleet, targets)
-        self._chain, chain = chain_round(
-            self._chain, delta, self.backend, self.options, targets, version
-        )
-        source, checkpoints = await self._checked(weights, targets)
+        draft = target == "draft"
+        chain, source, checkpoints = await self._prepared(weights, targets, version, delta, draft)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
@@ -360,10 +355,10 @@ class AsyncWeightPublisher:
         # stream, and not with other ranks, which iterate the weights once (their
         # collectives, an FSDP all-gather, would wait for rank 0 forever).
         resendable = (source is None or source.reiterable) and self.world_size == 1
-        round_ = PublishRound(
+        round_ = (DraftRound if draft else PublishRound)(
             self.fleet, targets, version=version, need=need, pause=pause,
             reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
-            published_version=self.version,
+            published_version=self.draft_version if draft else self.version,
             collective=self._backend.collective_servers(targets),
             resendable=resendable, verify=verify, digests=digests,
         )  # fmt: skip
@@ -381,16 +376,44 @@ class AsyncWeightPublisher:
                 _hooks.publish_failed(version, exc)
             raise
         finally:
-            self.version = round_.published_version
+            if draft:
+                self._draft.version = round_.published_version
+            else:
+                self.version = round_.published_version
             if bar is not None:
                 bar.close()
+        return await self._published(report, chain)
+
+    async def _prepared(
+        self, weights: WeightsLike, targets: list[str], version: str, delta: bool, draft: bool
+    ) -> tuple[ChainRound | None, WeightSource | None, Checkpoints]:
+        """A round's delta chain (a draft round's: the draft's own) and its weights
+        checked against the targets' checkpoints, before any server is touched."""
+        assert self.fleet is not None
+        if draft:
+            chain = self._draft.chain_round(delta, self.backend, self.options, targets, version)
+            found = await self._draft.checked(
+                self.fleet, weights, targets, self._backend, self._executor
+            )
+            return chain, *found
+        self._chain, chain = chain_round(
+            self._chain, delta, self.backend, self.options, targets, version
+        )
+        return chain, *await self._checked(weights, targets)
+
+    async def _published(self, report: PublishReport, chain: ChainRound | None) -> PublishReport:
         if chain is not None:
             chain.done(report)
         self.last_report = report
         _hooks.published(report)
-        if self._lora is not None:  # servers that lost their adapters get them again
+        # servers that lost their adapters get them again (a draft round drops none)
+        if self._lora is not None and report.target == "main":
             await self._lora.after_base_round(report.servers)
         return report
+
+    async def _non_sender(self, weights: WeightsLike, version: str) -> PublishReport:
+        self.version = version
+        return await _non_sender_round(self._backend, self._executor, weights, version)
 
     async def publish_lora(
         self, name: str, adapter: Any, *, version: str, config: Any = None, base: Any = None,
@@ -463,22 +486,6 @@ class AsyncWeightPublisher:
         # changed set of servers (a new group), so a later round reaches them.
         self._initialized = True
 
-    async def _publish_non_sender(self, weights: WeightsLike, version: str) -> PublishReport:
-        began = time.perf_counter()
-        job = _SendJob(self._backend, weights, None, None)
-        stats = await asyncio.get_running_loop().run_in_executor(
-            self._executor, job, None, threading.Event()
-        )
-        self.version = version
-        return PublishReport(
-            version=version,
-            servers=[],
-            bytes=0,
-            chunks=0,
-            params=stats.params,
-            seconds={"total": time.perf_counter() - began},
-        )
-
 
 class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
@@ -521,6 +528,24 @@ class _SendJob:
             if client is not None:
                 client.settle()
             _barrier()
+
+
+async def _non_sender_round(
+    backend: TrainerBackend, executor: ThreadPoolExecutor, weights: WeightsLike, version: str
+) -> PublishReport:
+    """A rank other than 0 iterates the weights with rank 0 (its collectives) and sends
+    nothing."""
+    began = time.perf_counter()
+    job = _SendJob(backend, weights, None, None)
+    stats = await asyncio.get_running_loop().run_in_executor(executor, job, None, threading.Event())
+    return PublishReport(
+        version=version,
+        servers=[],
+        bytes=0,
+        chunks=0,
+        params=stats.params,
+        seconds={"total": time.perf_counter() - began},
+    )
 
 
 def _from_keywords(

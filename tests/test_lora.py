@@ -198,5 +198,17 @@ async def test_generate_with_an_adapter_no_server_holds_waits_then_names_why() -
     async with FakeVLLMServer() as fake, az.Fleet([fake.url]) as fleet:
         with pytest.raises(az.GenerationError, match="no_adapter"):
             await fleet.generate([1, 2], max_tokens=2, lora="p", admission_timeout=0.2)
+        assert fleet.routing_reasons(lora="p") == {fake.url: "no_adapter"}
+        assert fleet.routing_reasons() == {fake.url: None}  # the base model serves
+        adapters = fleet._dispatch.adapters
+        for version in ("v1", "v2"):
+            adapters.published("p", version)
+        adapters.loaded(fake.url, "p", "v1")
+        fleet.max_staleness = 0
+        assert fleet.routing_reasons(lora="p") == {fake.url: "stale_adapter"}
+        fleet.max_staleness = 1
+        assert fleet.routing_reasons(lora="p") == {fake.url: None}
+        fleet.mark_dirty([fake.url])
+        assert fleet.routing_reasons(lora="p") == {fake.url: "dirty"}
         with pytest.raises(ValueError, match="lora must be"):
             await fleet.generate([1, 2], lora="")

@@ -105,6 +105,18 @@ async def test_adapter_rounds_are_exact_and_versioned(
             assert c.lora_versions[0].version == "l2"
         samples = await fleet.generate_n(PROMPT, n=2, max_tokens=4, ignore_eos=True, lora="policy")
         assert [s.lora_token_versions for s in samples] == [["l2"] * 4] * 2
+        # Streamed and in a trajectory: the same adapter version, exactly, per token.
+        async with fleet.stream(
+            PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True, lora="policy"
+        ) as stream:
+            deltas = [d async for d in stream]
+        assert deltas
+        streamed = stream.completion
+        check_greedy(_merged(second), PROMPT, streamed.token_ids, max_new_tokens=8)
+        assert (streamed.lora, streamed.lora_token_versions) == ("policy", ["l2"] * 8)
+        traj = az.Trajectory(PROMPT)
+        await traj.generate(fleet, max_tokens=4, temperature=0.0, ignore_eos=True, lora="policy")
+        assert traj.lora_versions == [None] * len(PROMPT) + [("policy", "l2")] * 4
 
         # A base round drops the worker's adapters; vLLM reloads them from their
         # directories, which are alive: the adapter serves exactly on the new base.

@@ -102,3 +102,27 @@ def test_per_token_versions_follow_spans() -> None:
     assert traj.weight_versions == [None, "v1", "v1", "v2"]
     assert traj.versions() == {"v1", "v2"}
     assert "4 tokens" in repr(traj)
+
+
+def test_each_token_carries_the_adapter_version_that_sampled_it() -> None:
+    traj = az.Trajectory([1, 2])
+    first = _completion(
+        [1, 2], [3, 4, 5], lora="policy",
+        lora_versions=(az.WeightVersionSpan("l1", 0, 2), az.WeightVersionSpan("l2", 2, 3)),
+    )  # fmt: skip
+    traj.add_completion(first)
+    traj.add_tool([6])
+    traj.add_completion(_completion(traj.next_prompt(), [7]))  # the base model
+    traj.add_completion(
+        _completion(
+            traj.next_prompt(),
+            [8, 9],
+            lora="critic",
+            lora_versions=(az.WeightVersionSpan("c7", 0, 2),),
+        )
+    )
+    assert traj.lora_versions == [
+        None, None, ("policy", "l1"), ("policy", "l1"), ("policy", "l2"), None, None,
+        ("critic", "c7"), ("critic", "c7"),
+    ]  # fmt: skip
+    assert len(traj.lora_versions) == len(traj.token_ids)

@@ -26,8 +26,10 @@ from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import VersionHistory
 from asyncsync._http.transport import Transport
 from asyncsync._wire import control as wire
+from asyncsync._wire import draft as draft_wire
 from asyncsync._wire import lora as lora_wire
 from asyncsync._wire.control import WeightComparison
+from asyncsync._wire.draft import DraftModel
 from asyncsync._wire.lora import LoraLimits
 
 __all__ = ["FleetControl"]
@@ -186,6 +188,28 @@ class FleetControl:
             targets,
             require,
         )
+
+    async def start_draft_weight_update(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /start_draft_weight_update`` on every target (vLLM >= 0.32, a server
+        running a speculative draft model): an update whose chunks load into the draft
+        model; marks the started servers ``updating``. Low level: a round of
+        ``publish(..., target="draft")`` runs it."""
+        return await self._fan(
+            "start_draft_weight_update",
+            draft_wire.plan_start_draft_weight_update,
+            targets,
+            require,
+        )
+
+    async def draft_models(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[DraftModel]:
+        """Each target's speculative decoding configuration (``GET /server_info``, dev
+        mode): its method, draft model and tokens proposed per step."""
+        plan = draft_wire.plan_server_draft()
+        return await self._fan("server_info", lambda _p, _u: plan, targets, require)
 
     async def update_weights(
         self, update_info: Mapping[str, Any] | Sequence[Mapping[str, Any]], *,

@@ -20,7 +20,7 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import AsyncSyncError, GenerationAborted, GenerationError
 from asyncsync._core.state import ServerState
-from asyncsync._fleet.adapters import AdapterTable
+from asyncsync._fleet.adapters import AdapterTable, served_name, tag
 from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import (
     SessionTable,
@@ -205,8 +205,6 @@ class Dispatcher:
     def stream(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> CompletionStream:
-        if send.lora is not None:
-            raise TypeError("Fleet.stream(..., lora=...) is not supported: use Fleet.generate")
         return CompletionStream(_FleetLease(self, send), prompt, req, send)
 
 
@@ -218,6 +216,9 @@ class _FleetLease:
         self._send = send
         self._held: ServerState | None = None
         self._tried: set[str] = set()
+        #: (server, adapter, version) a ``lora=name`` stream is sent with, in use until
+        #: it ends (its directory is kept as long)
+        self._using: tuple[str, str, str] | None = None
 
     async def acquire(self) -> GenerationEngine:
         self._let_go()
@@ -230,12 +231,30 @@ class _FleetLease:
         self._dispatcher.failed_over(self._send, self._held, err)
         return len(self._tried) < len(self._dispatcher.members)
 
+    def request(self, engine: GenerationEngine, req: GenerationRequest) -> GenerationRequest:
+        name = self._send.lora
+        if name is None:
+            return req
+        url = engine.endpoint.url
+        adapters = self._dispatcher.adapters
+        version = adapters.held(url, name)
+        if version is None:  # unloaded between admission and now: never silently
+            raise GenerationError(f"adapter {name!r} is not loaded on {url}", server=url)
+        adapters.begin_use(url, name, version)
+        self._using = (url, name, version)
+        return req._replace(model=served_name(name, version))
+
     def release(self, completions: list[Completion] | None) -> None:
         if completions:
+            if self._using is not None:
+                tag(completions, self._using[1], self._using[2])
             self._dispatcher.tag(completions)
         self._let_go()
 
     def _let_go(self) -> None:
+        if self._using is not None:
+            self._dispatcher.adapters.end_use(*self._using)
+            self._using = None
         if self._held is not None:
             self._dispatcher.release(self._held)
             self._held = None

@@ -88,12 +88,32 @@ class FleetVersions:
         """Forget a session's server (a new turn may then go anywhere)."""
         self._dispatch.sessions.drop(session_id)
 
-    def routing_reasons(self, *, min_version: str | None = None) -> dict[str, Reason | None]:
-        """Why each server would be skipped by a generation now (None: eligible)."""
+    def routing_reasons(
+        self, *, min_version: str | None = None, lora: str | None = None
+    ) -> dict[str, Reason | None]:
+        """Why each server would be skipped by a generation now (None: eligible);
+        ``lora=name``: by a generation with that adapter (``no_adapter``,
+        ``stale_adapter`` before the base reasons, as routing decides)."""
         _, skipped = choose(
             self.servers, self._history, max_staleness=self.max_staleness, min_version=min_version
         )
+        if lora is not None:
+            skipped.update(self._dispatch.adapters.skipped(lora, self.servers, self.max_staleness))
         return {url: skipped.get(url) for url in self.urls}
+
+    def _mark_draft_dirty(self, urls: Iterable[str]) -> None:
+        """A draft round left these servers' draft models of no known version."""
+        for url in urls:
+            self._members.state(url).mark(dirty=True, draft=True)
+        self._members.notify()
+
+    def _published_draft(self, version: str, urls: Iterable[str]) -> None:
+        """A draft round committed ``version`` on ``urls``: their draft models hold it.
+        Their served versions, and the fleet's, are unchanged (speculative decoding does
+        not change what the served model samples)."""
+        for url in urls:
+            self._members.state(url).record_draft_version(version)
+        self._members.notify()
 
     async def wait_for_version(
         self,

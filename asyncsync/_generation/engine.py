@@ -314,6 +314,10 @@ class StreamLease(Protocol):
     def unreached(self, err: AsyncSyncError) -> bool:
         """The request never reached that server: True to try another one."""
 
+    def request(self, engine: GenerationEngine, req: GenerationRequest) -> GenerationRequest:
+        """The request as sent to ``engine``'s server (a fleet's LoRA stream: that
+        server's newest version of the adapter)."""
+
     def release(self, completions: list[Completion] | None) -> None:
         """The stream ended (completions when it finished, else None)."""
 
@@ -329,6 +333,9 @@ class OneServer:
 
     def unreached(self, err: AsyncSyncError) -> bool:
         return False
+
+    def request(self, engine: GenerationEngine, req: GenerationRequest) -> GenerationRequest:
+        return req
 
     def release(self, completions: list[Completion] | None) -> None:
         if completions:
@@ -422,8 +429,9 @@ class CompletionStream:
             self._started = loop.time()
             try:
                 path, self._resp = await engine.open_stream(
-                    self._prompt, self._req, self._send.route, self._deadline
-                )
+                    self._prompt, self._lease.request(engine, self._req), self._send.route,
+                    self._deadline,
+                )  # fmt: skip
             except AsyncSyncError as err:
                 if never_sent(err) and self._lease.unreached(err):
                     continue  # a fleet picks another server

@@ -98,6 +98,9 @@ class PublishReport:
             was sent again to the others in a new group; else 1.
         delta: a round of ``publish(..., delta=True)``: whether it was a delta or a full
             one and what changed (a ``DeltaStats``); None otherwise.
+        target: what the round loaded into: ``"main"`` (the served model) or
+            ``"draft"`` (its speculative draft model; ``version`` is then the draft's,
+            and the servers' served versions did not change).
     """
 
     version: str
@@ -111,6 +114,7 @@ class PublishReport:
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
     delta: Any = None
+    target: str = "main"
 
     @property
     def total_seconds(self) -> float:
@@ -125,8 +129,9 @@ class PublishReport:
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
         lost = f"; lost {', '.join(self.lost)}" if self.lost else ""
+        into = " (draft model)" if self.target == "draft" else ""
         return (
-            f"published {self.version!r} to {len(self.servers)} server(s){lost}: "
+            f"published {self.version!r}{into} to {len(self.servers)} server(s){lost}: "
             f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
             f"({phases})"
         )

@@ -145,6 +145,15 @@ class InitCalls:
     async def start(self, only: _Only = None) -> None:
         raise RuntimeError("start_weight_update is only allowed inside a publish round")
 
+    async def _start_route(self, urls: list[str]) -> FleetResult[None]:
+        """The start of a round into the served model (`DraftRound`: its draft)."""
+        return await self.fleet.start_weight_update(targets=urls, require="none")
+
+    def _mark_dirty(self, urls: list[str]) -> None:
+        """What this round may have left half loaded on ``urls`` is dirty (the served
+        model's weights; `DraftRound`: the draft model's)."""
+        self.fleet.mark_dirty(urls)
+
     async def update(self, update_info: UpdateInfo, only: _Only = None) -> None:
         raise RuntimeError("update_weights is only allowed inside a publish round")
 
@@ -381,14 +390,14 @@ class PublishRound(InitCalls):
         """Start on ``live``; a server still holding a round an earlier trainer left
         open has that round ended, then is started again."""
         self.touched.update(live)
-        result = await self.fleet.start_weight_update(targets=live, require="none")
+        result = await self._start_route(live)
         self.open.update(result.succeeded)
         stale = [u for u in result.failed if is_stale_round_error(result[u].error)]
         if not stale:
             return result
-        self.fleet.mark_dirty(stale)
+        self.fleet.mark_dirty(stale)  # whichever model the stale round was loading
         await self._end_updates(stale)
-        again = await self.fleet.start_weight_update(targets=stale, require="none")
+        again = await self._start_route(stale)
         self.open.update(again.succeeded)
         return FleetResult(result.operation, {**result.outcomes, **again.outcomes})
 
@@ -483,7 +492,7 @@ class PublishRound(InitCalls):
         """``url`` drops out at ``phase``: dirty, sent nothing more in this round."""
         self.live.remove(url)
         self.outcomes[url] = ServerOutcome(url, ok=False, phase=phase, error=error, dirty=True)
-        self.fleet.mark_dirty([url])
+        self._mark_dirty([url])
 
     def lost(self) -> list[str]:
         """The servers that dropped out, in fleet order."""
@@ -537,7 +546,7 @@ class PublishRound(InitCalls):
             self.outcomes[url].dirty = True
         if reached:
             logger.warning("round %r left %s dirty", self.version, ", ".join(reached))
-            self.fleet.mark_dirty(reached)
+            self._mark_dirty(reached)
         for url in self.paused:
             if self._timed_out(url):
                 self.fleet.state(url).paused = True  # its pause may still run

@@ -8,7 +8,9 @@ so FSDP-style materialization happens off the event loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Any
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "check_finite",
     "check_tensor",
     "check_weights",
+    "finite",
     "is_factory",
     "resolve",
 ]
@@ -196,3 +199,17 @@ def resolve(weights: WeightsLike) -> WeightSource:
             f"(name, tensor), or a callable returning one; got {type(weights).__name__}"
         )
     return WeightSource(weights)
+
+
+async def finite(weights: WeightsLike, executor: Executor) -> WeightsLike:
+    """``publish(check_finite=True)``: weights whose NaN/Inf are refused: read now (in
+    ``executor``, off the loop) when they can be read twice, else checked as they are
+    produced."""
+    if is_factory(weights):
+        return lambda: FiniteChecked(resolve(weights))
+    source = resolve(weights)
+    if not source.reiterable:
+        return FiniteChecked(source)
+    check_weights(source)
+    await asyncio.get_running_loop().run_in_executor(executor, check_finite, source)
+    return weights

@@ -79,6 +79,8 @@ class Trajectory:
         self._mask: list[int] = []
         self._logprobs: list[float | None] = []
         self._versions: list[str | None] = []
+        #: (adapter, its version) of each token sampled with ``lora=name``, else None
+        self._lora: list[tuple[str, str] | None] = []
         self._segments: list[Segment] = []
         self.session_id = session_id if session_id is not None else uuid.uuid4().hex
         self.check_prefix = check_prefix
@@ -101,6 +103,7 @@ class Trajectory:
         self._mask.extend([1 if trainable else 0] * len(ids))
         self._logprobs.extend(logprobs if logprobs is not None else [None] * len(ids))
         self._versions.extend(versions if versions is not None else [None] * len(ids))
+        self._lora.extend(_adapter_versions(completion, len(ids)))
         self._segments.append(Segment(kind, start, len(self._ids), completion, trainable))
         return self
 
@@ -186,6 +189,14 @@ class Trajectory:
         """The weight version that sampled each token (None for prompt/tool tokens or
         where unknown)."""
         return list(self._versions)
+
+    @property
+    def lora_versions(self) -> list[tuple[str, str] | None]:
+        """The LoRA adapter and its version that sampled each token, as ``(name,
+        version)`` (``Fleet.generate(..., lora=name)``; `Completion.lora_token_versions`),
+        None for prompt/tool tokens and tokens of the base model; aligned with
+        `token_ids`. A trajectory may mix adapters and versions across turns."""
+        return list(self._lora)
 
     @property
     def segments(self) -> tuple[Segment, ...]:
@@ -276,3 +287,11 @@ class Trajectory:
         if not lags or any(lag is None for lag in lags):
             return None
         return max(lag for lag in lags if lag is not None)
+
+
+def _adapter_versions(completion: Completion | None, n: int) -> list[tuple[str, str] | None]:
+    """Each of a segment's ``n`` tokens' (adapter, version), None where there is none."""
+    if completion is None or completion.lora is None:
+        return [None] * n
+    name = completion.lora
+    return [None if v is None else (name, v) for v in completion.lora_token_versions]

@@ -174,6 +174,8 @@ class LocalVLLMServer:
         max_lora_rank: the largest adapter rank it loads (``--max-lora-rank``).
         max_loras: adapters active in one batch (``--max-loras``; each published version
             of an adapter is one).
+        log_stats: keep vLLM's statistics (its ``/metrics`` counters, e.g. speculative
+            decoding's accepted tokens); off by default (``--disable-log-stats``).
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class LocalVLLMServer:
         lora: bool = False,
         max_lora_rank: int = 16,
         max_loras: int = 2,
+        log_stats: bool = False,
     ) -> None:
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0, got {startup_timeout!r}")
@@ -222,7 +225,7 @@ class LocalVLLMServer:
             )
         self.lora = lora
         self.max_lora_rank = max_lora_rank
-        self.max_loras = max_loras
+        self.max_loras, self.log_stats = max_loras, log_stats
         self._log_path = Path(log_path) if log_path is not None else None
         self._log_file: Any = None
         self.process: subprocess.Popen[bytes] | None = None
@@ -276,7 +279,7 @@ class LocalVLLMServer:
             str(self.max_model_len),
             "--dtype",
             self.dtype,
-            "--disable-log-stats",
+            *([] if self.log_stats else ["--disable-log-stats"]),
         ]
         cmd += server_flags(
             self.options, tokenizer=self.tokenizer, backend=self.weight_transfer_backend

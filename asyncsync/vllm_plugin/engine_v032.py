@@ -10,6 +10,7 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
+from asyncsync.vllm_plugin._mirror import Mirror
 from asyncsync.vllm_plugin.shm_engine import (
     CheckpointTable,
     ShmReceiver,
@@ -31,7 +32,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
-    supports_draft_weight_update = False
+    #: vLLM retargets the engine at the speculative draft model for a round started with
+    #: ``/start_draft_weight_update`` (`set_weight_update_target`); the receiver follows
+    supports_draft_weight_update = True
     #: the version-neutral receive logic (validation, loading) this engine drives
     receiver_cls: type[ShmReceiver] = ShmReceiver
 
@@ -46,6 +49,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         served = str(self.model_config.dtype).removeprefix("torch.")
         table = CheckpointTable.from_model_path(str(self.model_config.model), served)
         self.receiver = self.receiver_cls(model, table)
+        #: the draft model's checkpoint table and mirror, made at its first round
+        self._draft: tuple[torch.nn.Module, CheckpointTable | None, Mirror] | None = None
+        self._main = (model, table, self.receiver.mirror)
         self.initialized = False
         #: calls of vLLM's initialize/finalize_layerwise_reload made by this engine; each
         #: is also logged (INFO, in the server's log), so a test can count them from the
@@ -56,6 +62,28 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         init_info.check_protocol()
         self.initialized = True
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        """A draft round (vLLM calls this before `start_weight_update`): the receiver
+        checks chunks against the draft's own checkpoint (its names and shapes) and
+        keeps the draft's own delta mirror."""
+        super().set_weight_update_target(model, model_config)
+        if model is self._main[0]:
+            self.receiver.retarget(*self._main)
+            return
+        if self._draft is None or self._draft[0] is not model:
+            served = str(model_config.dtype).removeprefix("torch.")
+            table = CheckpointTable.from_model_path(str(model_config.model), served)
+            self._draft = (model, table, Mirror())
+        self.receiver.retarget(*self._draft)
+        logger.info(
+            "%s: this round loads into the draft model %s", self.receiver.backend_name,
+            model_config.model,
+        )  # fmt: skip
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        self.receiver.retarget(*self._main)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload

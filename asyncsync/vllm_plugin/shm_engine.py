@@ -286,6 +286,15 @@ class ShmReceiver:
         #: the checkpoint copy of delta rounds (`asyncsync.vllm_plugin._mirror`)
         self.mirror = Mirror()
 
+    def retarget(
+        self, model: torch.nn.Module, table: CheckpointTable | None, mirror: Mirror
+    ) -> None:
+        """Receive the next round into ``model`` (vLLM's speculative draft model for a
+        draft round, the served model otherwise): validated against its own
+        checkpoint's ``table``, its delta rounds chained on its own ``mirror``. The
+        segment mappings (and a gloo receiver's group) are the transport's, shared."""
+        self.model, self.table, self.mirror = model, table, mirror
+
     # ------------------------------------------------------------------ rounds
     def begin_round(self) -> None:
         self.round = None

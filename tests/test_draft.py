@@ -1,0 +1,77 @@
+"""Draft-model rounds without a server: what a draft round does to a server's state (its
+draft dirty, never its served model), the ``/server_info`` parser, and the input checks
+(the real rounds are in test_draft_vllm.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import asyncsync as az
+from asyncsync._core.state import ServerState, observe
+from asyncsync._publish.draft import check_target
+from asyncsync._wire.control import Malformed
+from asyncsync._wire.draft import DraftModel, _parse_draft
+
+
+def test_a_failed_draft_round_dirties_the_draft_only_and_a_draft_round_repairs_it() -> None:
+    state = ServerState("http://a")
+    state.record_version("v3")
+    observe(state, "start_draft_weight_update", "update", None)
+    assert state.updating
+    assert state.update_target == "draft"
+    observe(state, "update_weights", "update", az.ServerError("boom", status=500))
+    assert (state.dirty, state.dirty_draft, state.updating) == (False, True, False)
+    assert state.unfit() == "dirty_draft"  # speculative decoding would run it
+    assert state.weight_version == "v3"
+
+    # A round of the served model does not repair the draft ...
+    observe(state, "start_weight_update", "update", None)
+    assert state.update_target == "main"
+    observe(state, "finish_weight_update", "update", None, version="v4")
+    assert (state.dirty, state.dirty_draft) == (False, True)
+    assert state.weight_version == "v4"
+    # ... a draft round does, and leaves the served version alone.
+    observe(state, "start_draft_weight_update", "update", None)
+    observe(state, "finish_weight_update", "update", None)
+    state.record_draft_version("d1")
+    assert (state.dirty, state.dirty_draft, state.updating) == (False, False, False)
+    assert (state.weight_version, state.draft_version) == ("v4", "d1")
+    assert state.available
+
+
+def test_a_failed_round_of_the_served_model_leaves_the_draft_clean() -> None:
+    state = ServerState("http://a")
+    observe(state, "start_weight_update", "update", None)
+    observe(state, "update_weights", "update", az.ServerError("boom", status=500))
+    assert (state.dirty, state.dirty_draft) == (True, False)
+    assert state.unfit() == "dirty"
+
+
+def test_server_info_says_whether_a_draft_model_runs() -> None:
+    none = _parse_draft({"vllm_config": {"speculative_config": None}})
+    assert (none.method, none.has_draft_model) == (None, False)
+    spec = {
+        "method": "draft_model",
+        "model": "/models/draft",
+        "num_speculative_tokens": 3,
+        "draft_model_config": {"dtype": "torch.bfloat16"},
+    }
+    draft = _parse_draft({"vllm_config": {"speculative_config": spec}})
+    assert draft == DraftModel(
+        method="draft_model", model="/models/draft", num_speculative_tokens=3, dtype="bfloat16"
+    )
+    assert draft.has_draft_model
+    ngram = _parse_draft({"vllm_config": {"speculative_config": {"method": "ngram"}}})
+    assert not ngram.has_draft_model
+    for bad in ({}, {"vllm_config": 3}, {"vllm_config": {"speculative_config": [1]}}):
+        with pytest.raises(Malformed):
+            _parse_draft(bad)
+
+
+def test_the_target_and_verify_are_checked() -> None:
+    check_target("main", verify="checksum")
+    check_target("draft", verify=None)
+    with pytest.raises(ValueError, match="target must be 'main' or 'draft', got 'eagle'"):
+        check_target("eagle", verify=None)
+    with pytest.raises(ValueError, match="takes no verify"):
+        check_target("draft", verify="probe")
