@@ -3,6 +3,7 @@ receiver, in this process), and the publisher against fakes that load with it.""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -106,11 +107,23 @@ class _Finishing(ShmWorker):
             self.receiver.end_round()
 
 
+#: The buffers `_send` packed into, closed after each test (a test replays them).
+_PACKED: list[ShmBuffers] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_packed_buffers() -> Iterator[None]:
+    yield
+    while _PACKED:
+        _PACKED.pop().close()
+
+
 def _send(
     chain: DeltaChain, weights: dict[str, torch.Tensor], version: str, kind: str
 ) -> list[tuple[dict[str, Any], ShmBuffers]]:
     """One round of the chain packed into fresh buffers (kept: a test replays them)."""
     buffers = ShmBuffers(1 << 20)
+    _PACKED.append(buffers)
     sent: list[dict[str, Any]] = []
     source = chain.source(WeightSource(weights), version, kind)
     stream_chunks(iter(source), None, buffers, sent.append, fields=round_fields_of(source))
