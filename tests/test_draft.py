@@ -5,6 +5,7 @@ draft dirty, never its served model), the ``/server_info`` parser, and the input
 from __future__ import annotations
 
 import pytest
+import torch
 
 import asyncsync as az
 from asyncsync._core.state import ServerState, observe
@@ -75,3 +76,21 @@ def test_the_target_and_verify_are_checked() -> None:
         check_target("eagle", verify=None)
     with pytest.raises(ValueError, match="takes no verify"):
         check_target("draft", verify="probe")
+
+
+@pytest.mark.asyncio
+async def test_a_server_without_server_info_is_named_before_a_draft_round() -> None:
+    """A server that cannot say whether it runs a draft model (no dev mode, so no
+    ``/server_info``: the fake has none) is refused with a ProtocolError naming it and
+    the flag, before any round touches a server."""
+    async with (
+        az.testing.FakeVLLMServer() as fake,
+        az.Fleet([fake.url]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend="shm") as publisher,
+    ):
+        weights = {"w": torch.ones(4)}
+        with pytest.raises(az.ProtocolError, match="VLLM_SERVER_DEV_MODE") as info:
+            await publisher.publish(weights, version="d1", target="draft")
+        assert info.value.server == fake.url
+        assert not any(r.path.endswith("weight_update") for r in fake.requests)
+        assert publisher.draft_version is None

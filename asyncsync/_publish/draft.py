@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from asyncsync._core.errors import UnsupportedVLLMError
+from asyncsync._core.errors import ProtocolError, UnsupportedVLLMError
 from asyncsync._publish.checkpoint import Checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.report import PublishReport
@@ -148,7 +148,12 @@ async def draft_checkpoints(fleet: Fleet, urls: Sequence[str], executor: Executo
                 f"{DRAFT_START_ROUTE} (publish(target='draft'))",
                 server=url,
             )
-    found = await fleet.draft_models(targets=urls, require="all")
+    found = await fleet.draft_models(targets=urls, require="none")
+    for outcome in found.values():
+        # no /server_info (no dev mode): the server's ProtocolError names it and the flag
+        if isinstance(outcome.error, ProtocolError):
+            raise outcome.error
+    found.raise_on_failure("all")
     tables: dict[str, CheckpointTable] = {}
     loop = asyncio.get_running_loop()
     for url, draft in found.values_by_url.items():
