@@ -65,15 +65,18 @@ async def main(urls: list[str] | None) -> None:
                     # each of its greedy tokens first (check_greedy holds on any CPU)
                     check_greedy(model, PROMPT, tokens, max_new_tokens=8)
 
-                # A broken round is refused with the parameter's name; nothing is lost.
+                # Weights that do not fit the served model are refused before any server
+                # is touched, every mismatch named; nothing is lost, nobody needs a resync.
                 bad = dict(model.named_parameters())
                 bad["model.norm.weight"] = torch.ones(127)
                 try:
                     await publisher.publish(bad, version="step-2")
-                except az.PublishError as err:
-                    print("refused:", err.outcomes[fleet.urls[0]].error)
+                except az.IncompatibleWeightsError as err:
+                    print("refused:", err.problems)
                     print("published version is still", publisher.version)
-                    print("servers to resync:", err.needs_resync)
+                    assert not any(s.dirty for s in fleet.servers)
+                else:
+                    raise AssertionError("a weight of the wrong shape was published")
                 await publisher.publish(model, version="step-2")
                 print(
                     "after a good round:",
