@@ -48,7 +48,6 @@ from asyncsync._wire.chat import (
     CHAT_ROUTE,
     ChatRequestError,
     Rendered,
-    ServedModel,
     chat_fallback_body,
     chat_request,
     check_messages,
@@ -58,6 +57,7 @@ from asyncsync._wire.chat import (
     plan_models,
     plan_render,
 )
+from asyncsync._wire.control import ModelEntry
 from asyncsync._wire.generation import client_spans
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class ChatFallbackWarning(UserWarning):
 class _ServerChat:
     """What is known about one server's chat routes."""
 
-    models: list[ServedModel] | None = None
+    models: list[ModelEntry] | None = None
     render: bool | None = None  # None: not tried yet
     warned: bool = False
 
@@ -307,7 +307,7 @@ class ChatSession:
             return names[0]
         raise ChatRequestError(f"model {requested!r} is not served here (served: {names})", "model")
 
-    async def _models(self, url: str) -> list[ServedModel]:
+    async def _models(self, url: str) -> list[ModelEntry]:
         state = self._chat.of(url)
         if state.models is None:
             call = plan_models()

@@ -10,7 +10,7 @@ Pure functions and small records, no I/O:
   render must come along when a parser is configured).
 - ``POST /v1/chat/completions`` with ``return_token_ids``: the fallback for servers
   without scale-out (`ChatAnswer`: prompt ids, sampled ids, logprobs, the message).
-- ``GET /v1/models``: the served model names and their context length (`ServedModel`).
+- ``GET /v1/models``: the served model names and their context length (`ModelEntry`).
 
 `check_chat_request` validates what a caller (or an HTTP client of the gateway) sends,
 naming the offending field the way OpenAI's errors do (``messages[2].role``).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncsync._core.completion import Completion
-from asyncsync._wire.control import Call, Malformed
+from asyncsync._wire.control import Call, Malformed, ModelEntry, parse_model_entries
 
 __all__ = [
     "CHAT_ROUTE",
@@ -34,7 +34,6 @@ __all__ = [
     "ChatAnswer",
     "ChatRequestError",
     "Rendered",
-    "ServedModel",
     "chat_fallback_body",
     "check_chat_request",
     "check_messages",
@@ -74,14 +73,6 @@ class Rendered:
 
     token_ids: list[int]
     sampling_params: dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class ServedModel:
-    """One entry of ``GET /v1/models``."""
-
-    id: str
-    max_model_len: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,20 +303,6 @@ def parse_chat_answer(data: Any) -> ChatAnswer:
     return ChatAnswer(prompt, ids, logprobs, response)
 
 
-def parse_models(data: Any) -> list[ServedModel]:
-    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        raise Malformed("expected {'data': [models]}")
-    out = []
-    for entry in data["data"]:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            raise Malformed("a model entry has no id")
-        length = entry.get("max_model_len")
-        out.append(ServedModel(entry["id"], length if type(length) is int else None))
-    if not out:
-        raise Malformed("the server lists no model")
-    return out
-
-
 @functools.cache
 def plan_render() -> Call[Rendered]:
     return Call(
@@ -350,7 +327,8 @@ def plan_chat() -> Call[ChatAnswer]:
 
 
 @functools.cache
-def plan_models() -> Call[list[ServedModel]]:
+def plan_models() -> Call[list[ModelEntry]]:
     return Call(
-        "models", "GET", MODELS_ROUTE, "control", parse_models, "{data: [models]}", idempotent=True
-    )
+        "models", "GET", MODELS_ROUTE, "control", parse_model_entries, "{data: [models]}",
+        idempotent=True,
+    )  # fmt: skip

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 from asyncsync._core import encoding as _json
 from asyncsync._core.errors import ProtocolError, UnsupportedVLLMError
 from asyncsync._core.types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
-from asyncsync._wire.served import ServedModel, describe_payload, parse_described, parse_models
+from asyncsync._wire.served import ServedModel, describe_payload, parse_described
 
 __all__ = [
     "NO_BODY",
@@ -506,11 +506,41 @@ def plan_describe(*, checkpoint: bool) -> Call[ServedModel]:
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One entry of ``GET /v1/models``: a name the server serves (its model's, or a LoRA
+    adapter's) and its context length."""
+
+    id: str
+    max_model_len: int | None
+
+
+def parse_model_entries(data: Any) -> list[ModelEntry]:
+    """``GET /v1/models``'s answer, the one parser of that route."""
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        raise Malformed("expected {'data': [models]}")
+    out = []
+    for entry in data["data"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            raise Malformed("a model entry has no string 'id'")
+        length = entry.get("max_model_len")
+        valid = type(length) is int and length >= 1
+        out.append(ModelEntry(entry["id"], length if valid else None))
+    if not out:
+        raise Malformed("the server lists no model")
+    return out
+
+
+def _context_length(data: Any) -> int | None:
+    lengths = [m.max_model_len for m in parse_model_entries(data) if m.max_model_len]
+    return lengths[0] if lengths else None
+
+
 def plan_models() -> Call[int | None]:
     """``GET /v1/models``: the served model's ``max_model_len``."""
     return Call(
-        "models", "GET", "/v1/models", "control", _malformed_as(parse_models),
-        '{"data": [{"max_model_len": int}]}',
+        "models", "GET", "/v1/models", "control", _context_length,
+        '{"data": [{"id": str, "max_model_len": int}]}',
     )  # fmt: skip
 
 

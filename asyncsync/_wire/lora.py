@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncsync._wire.control import Call, Malformed
+from asyncsync._wire.control import Call, Malformed, parse_model_entries
 
 __all__ = [
     "LoraLimits",
@@ -56,14 +56,7 @@ def _parse_success(body: bytes) -> None:
 
 
 def _parse_models(data: Any) -> list[str]:
-    items = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        raise Malformed("'data' missing or not a list")
-    ids = [item.get("id") for item in items if isinstance(item, dict)]
-    named = [i for i in ids if isinstance(i, str)]
-    if len(named) != len(items):
-        raise Malformed("a model entry has no string 'id'")
-    return named
+    return [entry.id for entry in parse_model_entries(data)]
 
 
 def _parse_limits(data: Any) -> LoraLimits:

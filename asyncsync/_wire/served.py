@@ -16,7 +16,7 @@ plugin). The worker validates every update with it before loading anything; the
 trainer checks a whole round with `CheckpointTable.problems` before any server is
 touched (`asyncsync.IncompatibleWeightsError`).
 
-/v1/models gives ``max_model_len`` on every vLLM server (`parse_models`).
+/v1/models gives ``max_model_len`` on every vLLM server (`control.parse_model_entries`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ __all__ = [
     "cannot_describe",
     "describe_payload",
     "parse_described",
-    "parse_models",
     "quoted_names",
 ]
 
@@ -232,18 +231,6 @@ def parse_described(data: Any) -> ServedModel:
     if not isinstance(results, list) or not results:
         raise ValueError("no 'results' list")
     return ServedModel.from_json(results[0])
-
-
-def parse_models(data: Any) -> int | None:
-    """``GET /v1/models``: the served model's ``max_model_len`` (None when absent)."""
-    models = data.get("data") if isinstance(data, Mapping) else None
-    if not isinstance(models, list):
-        raise ValueError("no 'data' list")
-    for model in models:
-        value = model.get("max_model_len") if isinstance(model, Mapping) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
 
 
 _NOT_CALLABLE = re.compile(r"'([A-Za-z_][\w.]*)' object is not callable")
