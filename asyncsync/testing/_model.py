@@ -8,8 +8,13 @@ vLLM and transformers agree token for token in float32.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
+import platform
+import shutil
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +22,7 @@ from typing import Any, Literal
 __all__ = [
     "BFLOAT16_TOLERANCE",
     "FLOAT32_TOLERANCE",
+    "TINY_MODEL_CACHE_ENV",
     "TINY_MODEL_CONFIG",
     "TINY_MOE_CONFIG",
     "TinyArch",
@@ -151,9 +157,13 @@ def make_tiny_model(
     ``chat_template=True`` makes a chat model: ``<|im_start|>``/``<|im_end|>`` special
     tokens (``<|im_end|>`` is its EOS), a ChatML-style template with hermes tool calls
     in ``tokenizer_config.json``, a context of `CHAT_CONTEXT` positions, and weights
-    fine-tuned for a few hundred steps (seconds) so that greedy decoding calls the
-    weather tool on a user turn and answers its result (``asyncsync.testing._chat``;
-    serve it with ``LocalVLLMServer(..., tool_call_parser="hermes")``).
+    fine-tuned (a few hundred steps, about a minute, until every target token has a wide
+    margin; ``ChatModelError`` if it does not get there) so that greedy decoding calls
+    the weather tool on a user turn and answers its result (``asyncsync.testing._chat``;
+    serve it with ``LocalVLLMServer(..., tool_call_parser="hermes")``). With the
+    environment variable ``ASYNCSYNC_TINY_MODEL_CACHE`` naming a directory, a chat model
+    built once is copied from there by the next call with the same arguments, code,
+    library versions and CPU.
     Requires ``torch`` and ``transformers`` (the ``asyncsync[server]`` extra).
 
     Returns the model directory as a `Path`.
@@ -175,6 +185,11 @@ def make_tiny_model(
     cfg = {**base, **chat, **overrides}
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    key = (seed, tokenizer, arch, dtype, sorted(cfg.items()))
+    cached = _chat_cache(key) if chat_template else None
+    if cached is not None and cached.is_dir():
+        shutil.copytree(cached, out, dirs_exist_ok=True)
+        return out
 
     config, model_class = _config_and_class(arch, cfg)
     generator_state = torch.random.get_rng_state()
@@ -195,7 +210,51 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     if fast is not None:
         fast.save_pretrained(out)
+    if cached is not None:
+        _store(out, cached)
     return out
+
+
+#: The environment variable naming a directory where `make_tiny_model` keeps the chat
+#: models it fine-tuned (a minute each), so that a second build with the same arguments,
+#: code, library versions and CPU copies the files instead (nox's sessions share one).
+TINY_MODEL_CACHE_ENV = "ASYNCSYNC_TINY_MODEL_CACHE"
+
+
+def _chat_cache(key: tuple[Any, ...]) -> Path | None:
+    """Where a chat model built with ``key`` is kept, when `TINY_MODEL_CACHE_ENV` is set:
+    keyed by the arguments, this package's model code, the versions of torch,
+    transformers and tokenizers, and the CPU's instruction sets (fine-tuning lands
+    elsewhere on each)."""
+    root = os.environ.get(TINY_MODEL_CACHE_ENV)
+    if not root:
+        return None
+    import tokenizers
+    import torch
+    import transformers
+
+    from asyncsync.testing import _chat
+    from asyncsync.testing._cpu import _cpuinfo
+
+    digest = hashlib.sha256(repr(key).encode())
+    for module in (sys.modules[__name__], _chat):
+        digest.update(Path(inspect.getfile(module)).read_bytes())
+    versions = (torch.__version__, transformers.__version__, tokenizers.__version__)
+    cpu, flags = _cpuinfo()
+    digest.update(repr((versions, platform.machine(), cpu, sorted(flags))).encode())
+    return Path(root) / f"tiny-chat-{digest.hexdigest()[:20]}"
+
+
+def _store(built: Path, cached: Path) -> None:
+    """Copy ``built`` to ``cached`` whole or not at all (a rename: a concurrent build of
+    the same model keeps the first)."""
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=cached.name + ".", dir=cached.parent))
+    try:
+        shutil.copytree(built, staging, dirs_exist_ok=True)
+        os.rename(staging, cached)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 #: The context (``max_position_embeddings``) of a chat model: tool schemas in the system
