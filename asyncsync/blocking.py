@@ -212,6 +212,7 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
     reset_prefix_cache = blocking_method(az.AsyncVLLMClient.reset_prefix_cache)
     init_weight_transfer_engine = blocking_method(az.AsyncVLLMClient.init_weight_transfer_engine)
     start_weight_update = blocking_method(az.AsyncVLLMClient.start_weight_update)
+    start_draft_weight_update = blocking_method(az.AsyncVLLMClient.start_draft_weight_update)
     update_weights = blocking_method(az.AsyncVLLMClient.update_weights)
     finish_weight_update = blocking_method(az.AsyncVLLMClient.finish_weight_update)
     shutdown_weight_transfer_engine = blocking_method(

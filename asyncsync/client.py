@@ -26,6 +26,7 @@ from asyncsync._generation.served import ServedLookup
 from asyncsync._http.retry import NO_RETRY, RetryPolicy
 from asyncsync._http.transport import Endpoint, Transport
 from asyncsync._wire import control as wire
+from asyncsync._wire import draft as draft_wire
 from asyncsync._wire.control import Call, WeightComparison, normalize_url, protocol_for_version
 from asyncsync._wire.generation import (
     GenerateOptions,
@@ -300,6 +301,13 @@ class AsyncVLLMClient:
         """
         protocol = await self.protocol()
         await self._run(wire.plan_update_weights(protocol, update_info, packed, self.base_url))
+
+    async def start_draft_weight_update(self) -> None:
+        """``POST /start_draft_weight_update`` (vLLM >= 0.32, a server running a
+        speculative draft model): the update that follows loads into the draft model.
+        Low level: ``publish(..., target="draft")`` runs a draft round."""
+        protocol = await self.protocol()
+        await self._run(draft_wire.plan_start_draft_weight_update(protocol, self.base_url))
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         """``POST /finish_weight_update``. On vLLM >= 0.32 ``weight_version`` is sent and

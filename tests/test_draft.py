@@ -94,3 +94,25 @@ async def test_a_server_without_server_info_is_named_before_a_draft_round() -> N
         assert info.value.server == fake.url
         assert not any(r.path.endswith("weight_update") for r in fake.requests)
         assert publisher.draft_version is None
+
+
+@pytest.mark.asyncio
+async def test_the_client_starts_a_draft_update_on_its_route() -> None:
+    """``AsyncVLLMClient.start_draft_weight_update`` posts to the draft route (the fake
+    serves none: a 404 is a ProtocolError naming the version that serves it) and refuses
+    a 0.23 server before sending (the route is new in 0.32)."""
+    async with (
+        az.testing.FakeVLLMServer(version="0.32.0") as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        with pytest.raises(az.ProtocolError, match=r"vLLM >= 0\.32 serves it") as info:
+            await client.start_draft_weight_update()
+        assert info.value.route == "/start_draft_weight_update"
+        assert [r.path for r in fake.requests][-1] == "/start_draft_weight_update"
+    async with (
+        az.testing.FakeVLLMServer(version="0.23.0") as old,
+        az.AsyncVLLMClient(old.url) as client,
+    ):
+        with pytest.raises(az.ProtocolError, match=r"needs vLLM >= 0\.32; this server speaks"):
+            await client.start_draft_weight_update()
+        assert not any(r.path == "/start_draft_weight_update" for r in old.requests)
