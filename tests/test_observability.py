@@ -72,7 +72,7 @@ async def _publish(fleet: az.Fleet, version: str) -> az.PublishReport:
 LOGGERS = {
     "asyncsync.http", "asyncsync.fleet", "asyncsync.generate", "asyncsync.publish",
     "asyncsync.gloo", "asyncsync.blocking", "asyncsync.metrics", "asyncsync.vllm_plugin",
-    "asyncsync.ray",
+    "asyncsync.ray", "asyncsync.testing",
 }  # fmt: skip
 
 
