@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 import os
 import platform
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
+
+logger = logging.getLogger("asyncsync.testing")
 
 __all__ = [
     "BFLOAT16_TOLERANCE",
@@ -178,8 +180,6 @@ def make_tiny_model(
         raise TypeError(f"make_tiny_model: unknown {arch} config overrides {sorted(unknown)}")
     if chat_template and not tokenizer:
         raise ValueError("make_tiny_model: chat_template=True needs tokenizer=True")
-    import torch
-
     chat = {"eos_token_id": 4, "vocab_size": 1024, "max_position_embeddings": CHAT_CONTEXT}
     chat = chat if chat_template else {}
     cfg = {**base, **chat, **overrides}
@@ -190,6 +190,19 @@ def make_tiny_model(
     if cached is not None and cached.is_dir():
         shutil.copytree(cached, out, dirs_exist_ok=True)
         return out
+    _build(out, arch, cfg, seed=seed, tokenizer=tokenizer, dtype=dtype, chat=chat_template)
+    if cached is not None:
+        _store(out, cached)
+    return out
+
+
+def _build(
+    out: Path, arch: TinyArch, cfg: dict[str, Any], *, seed: int, tokenizer: bool,
+    dtype: TinyDtype, chat: bool,
+) -> None:  # fmt: skip
+    """Build the model `make_tiny_model` describes and save it (and its tokenizer) to
+    ``out``."""
+    import torch
 
     config, model_class = _config_and_class(arch, cfg)
     generator_state = torch.random.get_rng_state()
@@ -199,8 +212,8 @@ def make_tiny_model(
             model = model_class(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(generator_state)
-    fast = _fast_tokenizer(cfg, chat_template) if tokenizer else None
-    if chat_template:
+    fast = _fast_tokenizer(cfg, chat) if tokenizer else None
+    if chat:
         from asyncsync.testing._chat import add_chat
 
         model = add_chat(model, fast, seed)
@@ -210,9 +223,6 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     if fast is not None:
         fast.save_pretrained(out)
-    if cached is not None:
-        _store(out, cached)
-    return out
 
 
 #: The environment variable naming a directory where `make_tiny_model` keeps the chat
@@ -233,12 +243,12 @@ def _chat_cache(key: tuple[Any, ...]) -> Path | None:
     import torch
     import transformers
 
-    from asyncsync.testing import _chat
+    from asyncsync.testing._chat import __file__ as chat_source
     from asyncsync.testing._cpu import _cpuinfo
 
     digest = hashlib.sha256(repr(key).encode())
-    for module in (sys.modules[__name__], _chat):
-        digest.update(Path(inspect.getfile(module)).read_bytes())
+    for source in (__file__, chat_source):
+        digest.update(Path(source).read_bytes())
     versions = (torch.__version__, transformers.__version__, tokenizers.__version__)
     cpu, flags = _cpuinfo()
     digest.update(repr((versions, platform.machine(), cpu, sorted(flags))).encode())
@@ -253,7 +263,8 @@ def _store(built: Path, cached: Path) -> None:
     try:
         shutil.copytree(built, staging, dirs_exist_ok=True)
         os.rename(staging, cached)
-    except OSError:
+    except OSError as exc:  # kept by a concurrent build, or no room: the model is built
+        logger.info("the chat model was not cached in %s: %s", cached, exc)
         shutil.rmtree(staging, ignore_errors=True)
 
 
