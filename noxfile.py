@@ -264,6 +264,7 @@ BENCHMARKS = {
     "generate": "benchmarks/bench_generate.py",
     "chat": "benchmarks/bench_chat.py",
     "ray": "benchmarks/bench_ray.py",
+    "small_rounds": "benchmarks/bench_small_rounds.py",
 }
 
 
@@ -285,10 +286,13 @@ def bench(session: nox.Session) -> None:
     - ray: a control round at N = 1, 32, 256, 1,024 fake servers (client CPU per
       server); Ray-launched servers against LocalVLLMServers (round, generations); a
       router against direct generations.
+    - small_rounds: delta rounds beside full rounds (shm, gloo) of a bf16 model trained
+      with Adam; a LoRA round beside a full round of its base; generation with
+      ``--enable-lora`` beside without.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast,ray", "vllm-router>=0.1.17")
+    install_with_server(session, "server,fast,ray,lora,delta", "vllm-router>=0.1.17")
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

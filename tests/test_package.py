@@ -112,3 +112,30 @@ def test_errors_carry_context_and_pickle() -> None:
     perr2 = pickle.loads(pickle.dumps(perr))
     assert perr2.version == "v2"
     assert perr2.needs_resync == ("http://a",)
+
+
+def test_every_benchmark_runs_in_the_bench_session() -> None:
+    """``nox -s bench`` runs every ``benchmarks/bench_*.py`` (its BENCHMARKS table, read
+    from noxfile.py without importing nox), and every ``nox -s bench -- NAME`` the docs
+    tell a reader to type names one of them."""
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    tree = ast.parse((root / "noxfile.py").read_text())
+    table = next(
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "BENCHMARKS" for t in node.targets)
+    )
+    benchmarks = ast.literal_eval(table)
+    scripts = {p.relative_to(root).as_posix() for p in (root / "benchmarks").glob("bench_*.py")}
+    assert set(benchmarks.values()) == scripts
+    named = {
+        name
+        for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        for name in re.findall(r"nox -s bench -- ([a-z_]+)", page.read_text())
+    }
+    assert named, "the docs name no benchmark (the pattern above is stale)"
+    assert named <= set(benchmarks), sorted(named - set(benchmarks))
