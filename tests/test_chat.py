@@ -5,6 +5,7 @@ tests/test_chat_vllm.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -21,7 +22,12 @@ from asyncsync._rollout.prefix import (
     same_message,
     template_closing,
 )
-from asyncsync._wire.chat import check_chat_request, generate_response_of
+from asyncsync._wire.chat import (
+    DERENDER_PROMPT_TAIL,
+    check_chat_request,
+    derender_body,
+    generate_response_of,
+)
 
 EOS, NL = 4, 203
 
@@ -151,6 +157,19 @@ def test_derender_gets_the_ids_without_the_one_it_stopped_on() -> None:
     assert truncated["token_ids"] == [7, 8]
     on_string = generate_response_of(_completion([7, 8], "stop", "STOP"))["choices"][0]
     assert on_string["token_ids"] == [7, 8]
+
+
+def test_derender_gets_the_prompts_tail_and_its_whole_length() -> None:
+    """Derender seeds its detokenizer from the prompt's last ids (vLLM reads 7): a long
+    conversation's prompt is not re-sent whole on every turn; usage keeps its length."""
+    long = replace(_completion([7, 8], "length"), prompt_token_ids=list(range(5000)))
+    body = derender_body(long, {"messages": [], "tools": []}, "policy")
+    assert body["prompt_token_ids"] == list(range(5000 - DERENDER_PROMPT_TAIL, 5000))
+    assert body["prompt_tokens"] == 5000
+    assert DERENDER_PROMPT_TAIL >= 7
+    short = derender_body(_completion([7], "length"), {"messages": []}, None)
+    assert short["prompt_token_ids"] == [1]
+    assert "model" not in short
 
 
 def test_sampling_keeps_the_servers_parameters_and_fits_max_tokens_to_the_session() -> None:

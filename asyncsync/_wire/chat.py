@@ -228,13 +228,25 @@ def _logprob_entry(token_id: int, logprob: float) -> dict[str, Any]:
     return {"token_id": token_id, "token": f"token_id:{token_id}", "logprob": logprob}
 
 
+#: Prompt ids a derender gets: the tail its detokenizer is seeded from (vLLM reads the
+#: last ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2`` = 7), with room to spare.
+DERENDER_PROMPT_TAIL = 16
+
+
 def derender_body(
     completion: Completion, request: Mapping[str, Any], model: str | None
 ) -> dict[str, Any]:
-    """A non-streaming derender of ``completion`` (generated for ``request``)."""
+    """A non-streaming derender of ``completion`` (generated for ``request``).
+
+    Of the prompt only its last `DERENDER_PROMPT_TAIL` ids go along: derender reads
+    them to seed its detokenizer (the first sampled token's leading space), and vLLM
+    reads the last 7 (``convert_prompt_ids_to_tokens``); the whole prompt, re-sent and
+    validated on every turn, grows with the conversation. ``prompt_tokens`` keeps the
+    whole count for ``usage``."""
+    prompt = completion.prompt_token_ids
     body: dict[str, Any] = {
         "generate_response": generate_response_of(completion),
-        "prompt_token_ids": list(completion.prompt_token_ids),
+        "prompt_token_ids": list(prompt[-DERENDER_PROMPT_TAIL:]),
         "prompt_tokens": len(completion.prompt_token_ids),
         "chat_request": dict(request),
     }
