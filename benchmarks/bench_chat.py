@@ -29,6 +29,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ from asyncsync.testing._chat import WEATHER_TOOL
 
 BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
 ROUNDS = 3
+#: Calls per piece in the breakdown (the server's CPU is read from /proc in 10 ms ticks).
+PIECE_REPEAT = 40
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
 
@@ -105,8 +108,35 @@ def gateway_case(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
     return episode
 
 
-async def drive(episode: Episode, count: int, concurrency: int) -> tuple[float, list[float]]:
-    """``count`` episodes, ``concurrency`` at a time: (wall seconds, per-episode seconds)."""
+def server_cpu(pgid: int) -> float:
+    """CPU seconds (user + system) the server's processes have used so far: the API
+    process, the engine core and their helpers (its process group, from /proc)."""
+    from asyncsync.testing._server import process_group_members
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in process_group_members(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+@dataclass
+class Run:
+    """One round of a case: wall seconds, per-episode seconds, and the CPU seconds the
+    server and this client (the gateway and its SDK clients included) spent on it."""
+
+    wall: float
+    times: list[float]
+    server_cpu: float
+    client_cpu: float
+
+
+async def drive(episode: Episode, count: int, concurrency: int, pgid: int) -> Run:
+    """``count`` episodes, ``concurrency`` at a time."""
     gate = asyncio.Semaphore(concurrency)
     times: list[float] = []
 
@@ -116,13 +146,24 @@ async def drive(episode: Episode, count: int, concurrency: int) -> tuple[float, 
             await episode(i)
             times.append(time.perf_counter() - began)
 
+    cpu0, own0 = server_cpu(pgid), time.process_time()
     began = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(count)))
-    return time.perf_counter() - began, times
+    wall = time.perf_counter() - began
+    return Run(wall, times, server_cpu(pgid) - cpu0, time.process_time() - own0)
 
 
-async def pieces(fleet: az.Fleet, url: str, model: str, repeat: int = 20) -> dict[str, float]:
-    """Median seconds of each piece of a session's second turn, timed alone."""
+async def pieces(
+    fleet: az.Fleet,
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    pgid: int,
+    repeat: int = PIECE_REPEAT,
+) -> dict[str, float]:
+    """Each piece of a session's second turn, alone, ``repeat`` times in a row: the
+    median seconds of one and the server's CPU seconds per one (vLLM's own chat
+    completion of the same messages beside them)."""
     session = az.ChatSession(fleet, session_id="pieces", tools=TOOLS)
     first = await session.create(QUESTION, temperature=0)
     messages = with_tool_result(QUESTION, first.message.to_dict())
@@ -133,25 +174,45 @@ async def pieces(fleet: az.Fleet, url: str, model: str, repeat: int = 20) -> dic
     request = chat_request(messages, TOOLS, {"model": model, "temperature": 0})
     render = _json.dumps(request)
     derender = _json.dumps(derender_body(second.completion, request, model))
-    out: dict[str, list[float]] = {"render": [], "derender": [], "generate": [], "turn": []}
-    for _ in range(repeat):
-        began = time.perf_counter()
-        await endpoint.request(plan_render(), render)
-        out["render"].append(time.perf_counter() - began)
-        began = time.perf_counter()
-        await endpoint.request(plan_derender(), derender)
-        out["derender"].append(time.perf_counter() - began)
-        began = time.perf_counter()
-        await fleet.generate(second.prompt_token_ids, max_tokens=len(second.token_ids),
-                             temperature=0.0, logprobs=0)  # fmt: skip
-        out["generate"].append(time.perf_counter() - began)
+    own = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
+           "return_token_ids": True, "logprobs": True, "top_logprobs": 0}  # fmt: skip
+
+    async def vllm_chat() -> None:
+        async with http.post(url + "/v1/chat/completions", json=own) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+
+    async def second_turn() -> None:
         fresh = az.ChatSession(fleet, tools=TOOLS)
         await fresh.create(QUESTION, temperature=0)
         began = time.perf_counter()
         await fresh.create(messages, temperature=0)
-        out["turn"].append(time.perf_counter() - began)
-    medians = {k: statistics.median(v) for k, v in out.items()}
-    return {**medians, "call_tokens": len(first.token_ids), "answer_tokens": len(second.token_ids)}
+        turn_times.append(time.perf_counter() - began)
+
+    turn_times: list[float] = []
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "render": lambda: endpoint.request(plan_render(), render),
+        "derender": lambda: endpoint.request(plan_derender(), derender),
+        "generate": lambda: fleet.generate(
+            second.prompt_token_ids, max_tokens=len(second.token_ids), temperature=0.0, logprobs=0
+        ),
+        "vllm_chat": vllm_chat,
+        "session_turns": second_turn,
+    }
+    out: dict[str, float] = {}
+    for name, call in calls.items():
+        times: list[float] = []
+        cpu0 = server_cpu(pgid)
+        for _ in range(repeat):
+            began = time.perf_counter()
+            await call()
+            times.append(time.perf_counter() - began)
+        out[f"{name}_cpu"] = (server_cpu(pgid) - cpu0) / repeat
+        out[name] = statistics.median(times)
+    out["turn"] = statistics.median(turn_times)
+    # session_turns ran a first and a second turn per repeat: per turn
+    out["session_turns_cpu"] /= 2
+    return {**out, "call_tokens": len(first.token_ids), "answer_tokens": len(second.token_ids)}
 
 
 async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
@@ -175,6 +236,8 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
 
             clients = {"http": httpx.AsyncClient(limits=httpx.Limits(max_connections=256))}
             model = await az.ChatSession(fleet).served_model()
+            assert server.process is not None
+            pgid = server.process.pid  # its own process group
             cases = {
                 "vLLM `/v1/chat/completions` (`return_token_ids`)": vllm_own(
                     http, server.url, model
@@ -184,16 +247,16 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
-                    await drive(episode, 4, 4)
+                    await drive(episode, 4, 4, pgid)
                 results: dict[str, Any] = {}
                 for concurrency, count in ((1, args.episodes_1), (32, args.episodes_32)):
-                    runs: dict[str, list[tuple[float, list[float]]]] = {n: [] for n in cases}
+                    runs: dict[str, list[Run]] = {n: [] for n in cases}
                     for _ in range(ROUNDS):
                         for name, episode in cases.items():
-                            runs[name].append(await drive(episode, count, concurrency))
+                            runs[name].append(await drive(episode, count, concurrency, pgid))
                     results[str(concurrency)] = {"count": count, "runs": runs}
                     print(f"concurrency {concurrency}: done", flush=True)
-                breakdown = await pieces(fleet, server.url, model)
+                breakdown = await pieces(fleet, http, server.url, model, pgid)
             finally:
                 await clients["http"].aclose()
                 os.sched_setaffinity(0, cores)
@@ -201,24 +264,29 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
 
 
 def table(results: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
-    lines = ["| case | concurrency | turn latency p50 | turns/s | vs vLLM's own |",
-             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| case | concurrency | turn latency p50 | turns/s | vs vLLM's own "
+             "| server CPU / turn | client CPU / turn |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     ratios: dict[str, dict[str, float]] = {}
     for concurrency, data in results.items():
         count, runs = data["count"], data["runs"]
         per_case = {}
         for name, rounds in runs.items():
-            walls = sorted(rounds, key=lambda r: r[0])
-            wall, times = walls[len(walls) // 2]
-            per_case[name] = (statistics.median(times) / 2, 2 * count / wall)
-        base_latency, base_rate = next(iter(per_case.values()))
+            run = sorted(rounds, key=lambda r: r.wall)[len(rounds) // 2]
+            turns = 2 * count
+            per_case[name] = (
+                statistics.median(run.times) / 2, turns / run.wall,
+                run.server_cpu / turns, run.client_cpu / turns,
+            )  # fmt: skip
+        base_latency, base_rate = next(iter(per_case.values()))[:2]
         ratios[concurrency] = {}
-        for name, (latency, rate) in per_case.items():
+        for name, (latency, rate, server, client) in per_case.items():
             vs = latency / base_latency if concurrency == "1" else rate / base_rate
             ratios[concurrency][name] = vs
             what = f"{vs:.2f}x latency" if concurrency == "1" else f"{vs:.2f}x throughput"
             lines.append(
-                f"| {name} | {concurrency} | {latency * 1e3:,.1f} ms | {rate:,.1f} | {what} |"
+                f"| {name} | {concurrency} | {latency * 1e3:,.1f} ms | {rate:,.1f} | {what} "
+                f"| {server * 1e3:.1f} ms | {client * 1e3:.1f} ms |"
             )
     return lines, ratios
 
@@ -257,10 +325,16 @@ def main() -> None:
         f"The gateway against the in-process session: {gateway_vs_session:.2f}x the latency at "
         f"concurrency 1, {gateway_rate:.2f}x the throughput at 32.",
         "",
-        "Where a session turn's time goes (the second turn, each piece alone, median of 20): "
-        f"render {pieces_['render'] * 1e3:.1f} ms (two run concurrently), generation "
-        f"{pieces_['generate'] * 1e3:.1f} ms, derender {pieces_['derender'] * 1e3:.1f} ms; "
-        f"the whole turn {pieces_['turn'] * 1e3:.1f} ms.",
+        "Where a session turn's time goes (the second turn; each piece alone, "
+        f"{PIECE_REPEAT} in a row: median time, and the server's CPU per call): render "
+        f"{pieces_['render'] * 1e3:.1f} ms / {pieces_['render_cpu'] * 1e3:.1f} ms CPU (two "
+        f"run concurrently), generation {pieces_['generate'] * 1e3:.1f} ms / "
+        f"{pieces_['generate_cpu'] * 1e3:.1f} ms CPU, derender {pieces_['derender'] * 1e3:.1f} "
+        f"ms / {pieces_['derender_cpu'] * 1e3:.1f} ms CPU; the whole turn "
+        f"{pieces_['turn'] * 1e3:.1f} ms, {pieces_['session_turns_cpu'] * 1e3:.1f} ms of server "
+        "CPU per turn (first and second turns alike); vLLM's own chat completion of the same "
+        f"messages {pieces_['vllm_chat'] * 1e3:.1f} ms / {pieces_['vllm_chat_cpu'] * 1e3:.1f} ms "
+        "CPU.",
         END,
     ]
     block = "\n".join(lines)
