@@ -261,11 +261,17 @@ async def test_an_actor_killed_mid_round_takes_its_server_along(
     model = perturbed(tiny_model_dir, 35)
     killed = False
 
-    def on_chunk(chunks: int, _bytes: int) -> None:  # the publisher's worker thread
+    def on_chunk(chunks: int, _bytes: int) -> None:  # as chunk 2's fan-out settles
         nonlocal killed
         if chunks == 2 and not killed:
             killed = True
             ray.kill(group.actors[0], no_restart=True)
+            # ray.kill returns before the actor (and, through its reaper, the server) is
+            # gone: the round is held here (this runs in the loop's thread) until the
+            # victim's processes are, so that its remaining chunks meet a dead server
+            # however fast the machine (a fast one finished the whole round on the
+            # victim first, and nothing was lost).
+            assert gone(int(info["pgid"]))
 
     async with (
         group.fleet() as fleet,
