@@ -71,12 +71,49 @@ async def _delta_vs_full(backend: str, url: str, states: list[dict[str, Any]]) -
         for i, weights in enumerate(states[-5:]):
             fulls.append(await pub.publish(weights, version=f"{backend}-f{i}"))
     steady = deltas[1:]  # the first round of the chain is a full one
+    phases = list(dict.fromkeys(k for r in [*steady, *fulls] for k in r.seconds))
     return {
+        "phases": {
+            k: (
+                statistics.median(r.seconds.get(k, 0.0) for r in steady),
+                statistics.median(r.seconds.get(k, 0.0) for r in fulls),
+            )
+            for k in phases
+        },
         "delta_s": statistics.median(r.total_seconds for r in steady),
         "full_s": statistics.median(r.total_seconds for r in fulls),
         "delta_bytes": statistics.median(r.bytes for r in steady),
         "full_bytes": statistics.median(r.bytes for r in fulls),
         "fractions": [r.delta.changed_fraction for r in steady],
+    }
+
+
+def _codec(states: list[dict[str, Any]]) -> dict[str, float]:
+    """The delta codec alone, in this process, over the same steady rounds: the trainer's
+    encoding (compare with its record, patch, CRC-32) and the receiver's apply (patch its
+    mirror, CRC-32), median seconds per round; and CRC-32 of the whole model alone."""
+    from asyncsync.backends._delta_codec import apply_payload, digest, encode
+
+    record = {n: t.clone() for n, t in states[0].items()}
+    mirror = {n: t.clone() for n, t in states[0].items()}
+    enc, app, crc = [], [], []
+    for weights in states[1:]:
+        began = time.perf_counter()
+        payloads = {n: encode(record[n], t).payload for n, t in weights.items()}
+        enc.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        for n, payload in payloads.items():
+            if payload is not None:
+                apply_payload(n, mirror[n], payload)
+        app.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        for t in mirror.values():
+            digest(t)
+        crc.append(time.perf_counter() - began)
+    return {
+        "encode_s": statistics.median(enc),
+        "apply_s": statistics.median(app),
+        "crc_s": statistics.median(crc),
     }
 
 
@@ -142,7 +179,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     bf16_dir = make_tiny_model(work / "bf16", seed=0, tokenizer=False, dtype="bfloat16", **shapes)
     print("training 20 Adam steps (lr 1e-6) ...", flush=True)
     states, changed = await asyncio.to_thread(_train, bf16_dir, args.steps)
-    results: dict[str, Any] = {"changed": changed}
+    results: dict[str, Any] = {"changed": changed, "codec": _codec(states)}
     for backend in args.backends:
         server = LocalVLLMServer(
             bf16_dir, backend=backend, tokenizer=False, dtype="bfloat16", cpu_cores="1"
@@ -180,7 +217,23 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     )
     fr = r["changed"]
     t = lo["tok_s"]
+    codec = r["codec"]
+    where = []
+    for backend in args.backends:
+        phases = r[backend]["phases"]
+        cells = ", ".join(
+            f"{k} {d * 1000:.0f} / {f * 1000:.0f}" for k, (d, f) in phases.items() if d or f
+        )
+        where.append(f"{backend}: {cells}")
     notes = [
+        "",
+        "Where a delta round's time goes, median ms per phase, delta / full: "
+        + "; ".join(where)
+        + f". The codec alone in one process, per round: the trainer's encoding "
+        f"{codec['encode_s'] * 1000:.0f} ms (compare with its record, patch, CRC-32 of each "
+        f"changed tensor), the receiver's apply {codec['apply_s'] * 1000:.0f} ms (patch its "
+        f"mirror, CRC-32 of each), of which CRC-32 of the whole model is "
+        f"{codec['crc_s'] * 1000:.0f} ms.",
         "",
         f"Changed fraction of bfloat16 elements per Adam step (lr 1e-6, float32 master "
         f"weights, {len(fr)} steps): median {statistics.median(fr):.4f}, min {min(fr):.4f}, "
