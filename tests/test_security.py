@@ -168,7 +168,8 @@ async def test_bearer_token_sent_on_every_request_and_never_logged_or_in_an_erro
 ) -> None:
     caplog.set_level(logging.DEBUG)
     errors: list[BaseException] = []
-    timeouts = az.Timeouts(connect=5, control=0.5, update=0.5, generate=5)
+    # Short enough for the hung /weight_info, long enough for the answers on a loaded machine.
+    timeouts = az.Timeouts(connect=5, control=2.0, update=2.0, generate=5)
     async with shm_fakes(1) as fakes:
         fake = fakes[0]
         async with az.Fleet([fake.url], api_key=TOKEN, timeouts=timeouts, retry=None) as fleet:
