@@ -35,12 +35,14 @@ from typing import Any
 
 import aiohttp
 from _markdown import write_section
+from bench_fanout import processes_cpu
 
 import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync._core.loop import uvloop_enabled
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 from asyncsync.testing._chat import WEATHER_TOOL
+from asyncsync.testing._server import process_group_members
 
 BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
 ROUNDS = 3
@@ -111,18 +113,8 @@ def gateway_case(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
 
 def server_cpu(pgid: int) -> float:
     """CPU seconds (user + system) the server's processes have used so far: the API
-    process, the engine core and their helpers (its process group, from /proc)."""
-    from asyncsync.testing._server import process_group_members
-
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in process_group_members(pgid):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return total
+    process, the engine core and their helpers (its process group)."""
+    return processes_cpu(process_group_members(pgid))
 
 
 @dataclass

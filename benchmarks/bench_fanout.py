@@ -103,11 +103,15 @@ def stop_processes(children: Sequence[Any]) -> None:
 
 
 def processes_cpu(pids: Sequence[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far."""
+    """CPU seconds (user + system) the processes ``pids`` have used so far (one that
+    is gone meanwhile counts nothing)."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
     return total / ticks
 

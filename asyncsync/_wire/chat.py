@@ -247,7 +247,7 @@ def derender_body(
     body: dict[str, Any] = {
         "generate_response": generate_response_of(completion),
         "prompt_token_ids": list(prompt[-DERENDER_PROMPT_TAIL:]),
-        "prompt_tokens": len(completion.prompt_token_ids),
+        "prompt_tokens": len(prompt),
         "chat_request": dict(request),
     }
     if model is not None:
