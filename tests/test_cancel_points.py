@@ -41,6 +41,7 @@ from asyncsync.backends._shm_pack import manifest_of, plan_chunks
 from asyncsync.testing import FakeVLLMServer, RecordedRequest
 from tests.publish_fakes import ROUND_ROUTES, Server, receiving_fakes
 from tests.test_shm_lifecycle import mapped_anywhere
+from tests.waiting import checked_out
 
 BUFFER = 8192
 LAYERS = 8
@@ -185,9 +186,7 @@ def check_nothing_left(point: CancelPoint, fleet: az.Fleet, watch: SendWatch) ->
     """No thread sending, no connection checked out of the pool, no asyncsync task."""
     assert watch.running == 0, point
     assert [t.name for t in threading.enumerate() if "asyncsync-shm-send" in t.name] == []
-    session = fleet.session
-    assert session is not None
-    assert len(session.connector._acquired) == 0  # type: ignore[union-attr]
+    assert checked_out(fleet.session) == 0
     assert [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncsync:")] == []
     assert all(s.outstanding == 0 for s in fleet.servers)
 

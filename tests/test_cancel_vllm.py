@@ -28,6 +28,7 @@ from asyncsync.backends._wire import ShmUpdateFields
 from asyncsync.testing import check_greedy
 from tests.conftest import VLLMFleet
 from tests.test_cancel_points import SendWatch
+from tests.waiting import checked_out
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -114,9 +115,7 @@ async def test_publish_cancelled_on_real_servers(
             assert [t for t in threading.enumerate() if "asyncsync-shm-send" in t.name] == []
             assert leaked_segments(pid=os.getpid()) == []
             assert set(open_segments()) == buffers
-            session = fleet.session
-            assert session is not None
-            assert len(session.connector._acquired) == 0  # type: ignore[union-attr]
+            assert checked_out(fleet.session) == 0
             for url in fleet.urls:
                 state = fleet.state(url)
                 assert not state.updating, (point, state)

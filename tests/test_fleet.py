@@ -17,7 +17,7 @@ import pytest_asyncio
 import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync.testing import FakeVLLMServer, Fault
-from tests.waiting import wait_until
+from tests.waiting import checked_out, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -379,9 +379,7 @@ async def test_cancelled_fanout_leaves_no_tasks_and_no_connections(
         assert all(s.dirty for s in fleet.servers)
         # Each server saw its client hang up: the in-flight connections were closed.
         await wait_until(lambda: all(f.cancelled == ["/update_weights"] for f in fakes))
-        connector = fleet.session.connector if fleet.session else None
-        assert connector is not None
-        assert len(connector._acquired) == 0  # nothing still checked out of the pool
+        assert checked_out(fleet.session) == 0  # nothing still checked out of a pool
     await wait_until(lambda: all(f.open_connections == 0 for f in fakes))
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
+from asyncsync._http.transport import h1_pool
 from asyncsync.testing import FakeVLLMServer
 
-__all__ = ["HANG", "arrived", "wait_until", "wait_until_blocking"]
+__all__ = ["HANG", "arrived", "checked_out", "wait_until", "wait_until_blocking"]
 
 #: Seconds after which a condition not reached is a hang, not a slow machine.
 HANG = 60.0
@@ -52,3 +54,12 @@ async def arrived(server: FakeVLLMServer, route: str, count: int = 1) -> None:
         lambda: len(server.requests_to(route)) >= count,
         what=f"{count} request(s) to {route} on {server.url}",
     )
+
+
+def checked_out(session: Any) -> int:
+    """Connections of ``session`` (a fleet's or a client's) with an exchange still in
+    progress: aiohttp's (streams) and the lean pool's (plain requests) together."""
+    assert session is not None
+    pool = h1_pool(session)
+    return len(session.connector._acquired) + (pool.in_use if pool is not None else 0)
+

@@ -1,7 +1,10 @@
-"""The HTTP boundary: every aiohttp call asyncsync makes, plain and streamed.
+"""The HTTP boundary: every HTTP call asyncsync makes, plain and streamed.
 
 - `Transport` owns (or borrows) one aiohttp session, created lazily inside the
-  running loop and closed on exit; the clients of a fleet borrow the fleet's.
+  running loop and closed on exit; the clients of a fleet borrow the fleet's. An owned
+  session without a connection cap comes with an `H1Pool` (asyncsync._http.h1): the
+  plain requests to ``http://`` servers go through it, at a fifth of aiohttp's CPU per
+  request; streams, https and lent sessions go through aiohttp.
 - `Endpoint` is one server on a transport: base URL, credentials, deadlines and
   retry policy. It sends a planned `Call` with the phase's
   deadline, retries idempotent calls, and records each outcome in the server's
@@ -16,6 +19,7 @@ import asyncio
 import errno
 import functools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeVar
 
@@ -33,6 +37,7 @@ from asyncsync._core.errors import (
 )
 from asyncsync._core.state import ServerState, observe
 from asyncsync._core.timeouts import Timeouts
+from asyncsync._http.h1 import Answer, H1Pool
 from asyncsync._http.retry import (
     NO_RETRY,
     RetryPolicy,
@@ -79,6 +84,14 @@ _RESENT_ON_CLOSED = frozenset({"generate", "generate_stream", "score"})
 _STALE_RESENDS = 4
 _LOST_ERRNOS = _STALE_ERRNOS | {errno.ECONNABORTED}
 _JSON_CONTENT = {"Content-Type": "application/json"}
+_USER_AGENT = f"asyncsync aiohttp/{aiohttp.__version__}"
+#: The lean pool of each session asyncsync created itself (a lent session has none).
+_H1_POOLS: weakref.WeakKeyDictionary[aiohttp.ClientSession, H1Pool] = weakref.WeakKeyDictionary()
+
+
+def h1_pool(session: aiohttp.ClientSession | None) -> H1Pool | None:
+    """The lean HTTP/1.1 pool that goes with ``session`` (None: aiohttp only)."""
+    return None if session is None else _H1_POOLS.get(session)
 
 
 class Transport:
@@ -143,6 +156,8 @@ class Transport:
                 ),
                 timeout=aiohttp.ClientTimeout(total=None),
             )
+            if self._connection_limit is None:  # a cap is aiohttp's to keep
+                _H1_POOLS[self._session] = H1Pool(keepalive=KEEPALIVE_TIMEOUT)
         if self._session.closed:
             raise ClosedError(f"the aiohttp session {self._owner} uses is closed", server=server)
         self.state = "open"
@@ -157,6 +172,9 @@ class Transport:
         session, self._session = self._session, None
         if session is None or self._borrowed is not None or session.closed:
             return
+        pool = _H1_POOLS.pop(session, None)
+        if pool is not None:
+            pool.close()
         task = asyncio.ensure_future(session.close())
         try:
             await asyncio.shield(task)
@@ -193,6 +211,8 @@ class Endpoint:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self._json_headers = {**self.headers, **_JSON_CONTENT}
         self._urls: dict[str, yarl.URL] = {}
+        self._h1_addr, self._h1_fixed = _h1_target(url, self.headers)
+        self._h1_heads: dict[tuple[str, str, tuple[tuple[str, str], ...]], bytes] = {}
         self._deadlines = _deadlines(timeouts)
         # The last answer from this server was a 5xx (see request).
         self._after_server_error = False
@@ -333,6 +353,44 @@ class Endpoint:
 
     async def _send_once(self, call: Call[T], body: bytes | None, timeouts: Timeouts) -> T:
         session = self.transport.open(self.url)
+        pool = _H1_POOLS.get(session) if self._h1_addr is not None else None
+        if pool is None or self._h1_addr is None:
+            return await self._send_aiohttp(session, call, body, timeouts)
+        host, port = self._h1_addr
+        try:
+            answer = await pool.request(
+                host,
+                port,
+                self._h1_request(call, body),
+                total=timeouts.for_phase(call.phase),
+                connect=timeouts.connect,
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise map_error(exc, call, self.url, timeouts) from exc
+        if not 200 <= answer.status < 300:
+            raise status_error(call, self.url, answer, answer.body)
+        return parse_answer(call, self.url, answer.status, answer.body)
+
+    def _h1_request(self, call: Call[Any], body: bytes | None) -> list[bytes]:
+        """The bytes of ``call``'s request with ``body``: the head (built once per
+        route) and the body."""
+        key = (call.method, call.route, call.params)
+        head = self._h1_heads.get(key)
+        if head is None:
+            target = self.url_of(call.route)
+            if call.params:
+                target = target.with_query(call.params)
+            line = f"{call.method} {target.raw_path_qs} HTTP/1.1\r\n{self._h1_fixed}"
+            head = self._h1_heads[key] = line.encode("latin-1")
+        if body is None:
+            tail = b"Content-Length: 0\r\n\r\n" if call.method == "POST" else b"\r\n"
+            return [head, tail]
+        length = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+        return [head, length, body]
+
+    async def _send_aiohttp(
+        self, session: aiohttp.ClientSession, call: Call[T], body: bytes | None, timeouts: Timeouts
+    ) -> T:
         deadlines = self._deadlines if timeouts is self.timeouts else _deadlines(timeouts)
         try:
             # Awaited, then entered: what ``async with session.request(...)`` does, minus
@@ -420,8 +478,24 @@ def parse_answer(call: Call[T], server: str, status: int, payload: bytes) -> T:
         raise _answer_error(ServerError, message, call, server, status, payload) from exc
 
 
+def _h1_target(url: str, headers: dict[str, str]) -> tuple[tuple[str, int] | None, str]:
+    """Where the lean pool connects for ``url`` (None: not a plain ``http://`` URL
+    without user info, which aiohttp serves) and the header lines every request to it
+    carries."""
+    parsed = yarl.URL(url)
+    host = parsed.raw_host
+    if parsed.scheme != "http" or parsed.raw_user is not None or not host:
+        return None, ""
+    port = parsed.port or 80
+    authority = f"[{host}]" if ":" in host else host
+    if parsed.explicit_port is not None and port != 80:
+        authority = f"{authority}:{port}"
+    fixed = {"Host": authority, "User-Agent": _USER_AGENT, **headers}
+    return (host, port), "".join(f"{name}: {value}\r\n" for name, value in fixed.items())
+
+
 def status_error(
-    call: Call[Any], server: str, resp: aiohttp.ClientResponse, body: bytes
+    call: Call[Any], server: str, resp: aiohttp.ClientResponse | Answer, body: bytes
 ) -> AsyncSyncError:
     """The error for a non-2xx answer: `ProtocolError` for 404 (a
     route this server does not serve, with the call's hint), else
@@ -441,7 +515,12 @@ def status_error(
         if excerpt:
             message = f"{message}: {excerpt[:200]}"
     err = _answer_error(ServerError, message, call, server, status, body)
-    err.retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+    retry_after = (
+        resp.headers.get("retry-after")
+        if isinstance(resp, Answer)
+        else resp.headers.get("Retry-After")
+    )
+    err.retry_after = parse_retry_after(retry_after)
     return err
 
 
