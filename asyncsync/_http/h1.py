@@ -76,13 +76,17 @@ def _parse_head(raw: bytes) -> _Head:
         name, sep, value = line.partition(b":")
         if not sep or not name or name[-1:].isspace():
             raise _BadAnswer(f"malformed header line: {line[:80]!r}")
-        key = name.decode("latin-1").lower()
+        key = name.lower().decode("latin-1")
         text = value.strip().decode("latin-1")
         headers[key] = f"{headers[key]}, {text}" if key in headers else text
     status = int(code)
-    tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
-    keep_alive = "keep-alive" in tokens if version == b"HTTP/1.0" else "close" not in tokens
-    chunked = headers.get("transfer-encoding", "").lower().endswith("chunked")
+    keep_alive = version == b"HTTP/1.1"
+    connection = headers.get("connection")
+    if connection is not None:
+        tokens = {t.strip().lower() for t in connection.split(",")}
+        keep_alive = "keep-alive" in tokens if version == b"HTTP/1.0" else "close" not in tokens
+    encoding = headers.get("transfer-encoding")
+    chunked = encoding is not None and encoding.lower().endswith("chunked")
     length: int | None = None
     if not chunked and "content-length" in headers:
         raw_length = headers["content-length"]
@@ -181,7 +185,7 @@ class _Connection(asyncio.Protocol):
         waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiter = waiter
         self._no_body = no_body
-        transport.writelines(data)
+        transport.write(b"".join(data))  # one send, not one per piece
         return waiter
 
     @property
@@ -269,6 +273,11 @@ class _Connection(asyncio.Protocol):
             self._chunk_size = None
 
 
+def _time_out(waiter: asyncio.Future[Answer]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError("no answer within the deadline"))
+
+
 class H1Pool:
     """Keep-alive HTTP/1.1 connections per (host, port), for one event loop.
 
@@ -309,20 +318,29 @@ class H1Pool:
         ``no_body``: the answer has none whatever its headers say (HEAD)."""
         if self.closed:
             raise aiohttp.ClientConnectionError("the connection pool is closed")
-        async with asyncio.timeout(total):
-            key = (host, port)
-            conn = self._reuse(key) or await self._connect(key, connect)
-            self._busy.add(conn)
-            answer: Answer | None = None
-            try:
-                answer = await conn.send(data, no_body=no_body)
-            finally:
-                self._busy.discard(conn)
-                if answer is not None and conn.reusable and not self.closed:
-                    self._park(conn)
-                else:
-                    conn.close()
-        assert answer is not None  # send() returned it or raised
+        loop = asyncio.get_running_loop()
+        deadline = None if total is None else loop.time() + total
+        key = (host, port)
+        conn = self._reuse(key, loop)
+        if conn is None:  # the whole exchange's deadline covers connecting too
+            async with asyncio.timeout_at(deadline):
+                conn = await self._connect(key, connect)
+        self._busy.add(conn)
+        answer: Answer | None = None
+        expiry: asyncio.TimerHandle | None = None
+        try:
+            waiter = conn.send(data, no_body=no_body)
+            if deadline is not None:  # a timer on the answer: cheaper than asyncio.timeout
+                expiry = loop.call_at(deadline, _time_out, waiter)
+            answer = await waiter
+        finally:
+            if expiry is not None:
+                expiry.cancel()
+            self._busy.discard(conn)
+            if answer is not None and conn.reusable and not self.closed:
+                self._park(conn, loop)
+            else:
+                conn.close()
         return answer
 
     def close(self) -> None:
@@ -339,11 +357,11 @@ class H1Pool:
             conn.close()
 
     # -- the pool
-    def _reuse(self, key: tuple[str, int]) -> _Connection | None:
+    def _reuse(self, key: tuple[str, int], loop: asyncio.AbstractEventLoop) -> _Connection | None:
         idle = self._idle.get(key)
         if not idle:
             return None
-        horizon = asyncio.get_running_loop().time() - self._keepalive
+        horizon = loop.time() - self._keepalive
         while idle:
             conn = idle.pop()
             if not conn.closed and conn.idle_since > horizon:
@@ -369,8 +387,7 @@ class H1Pool:
             raise aiohttp.ClientConnectionError("the connection pool is closed")
         return conn
 
-    def _park(self, conn: _Connection) -> None:
-        loop = asyncio.get_running_loop()
+    def _park(self, conn: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         conn.idle_since = now = loop.time()
         self._idle.setdefault(conn.key, []).append(conn)
         if self._timer is None:
