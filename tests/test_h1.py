@@ -197,6 +197,14 @@ async def test_answer_framings(framing: str) -> None:
         assert server.connections == (2 if framing == "to-close" else 1)
 
 
+async def test_a_large_answer_arrives_whole() -> None:
+    big = json.dumps({"version": "0.32.0", "pad": "x" * (4 << 20)}).encode()
+    async with client_of(answer(big)) as (server, client):
+        for _ in range(3):
+            assert await client.vllm_version(refresh=True) == "0.32.0"
+        assert server.connections == 1
+
+
 async def test_connection_close_is_never_reused() -> None:
     async with client_of(answer(VERSION, extra=b"connection: close\r\n")) as (server, client):
         assert await client.vllm_version(refresh=True) == "0.32.0"

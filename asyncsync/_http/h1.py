@@ -149,6 +149,8 @@ class _Connection(asyncio.Protocol):
             return
         if answer is not None:
             self._waiter = None
+            if not self._buf:  # let a large answer's buffer go with it
+                self._buf = bytearray()
             waiter.set_result(answer)
 
     def connection_lost(self, exc: Exception | None) -> None:
