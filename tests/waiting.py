@@ -62,4 +62,3 @@ def checked_out(session: Any) -> int:
     assert session is not None
     pool = h1_pool(session)
     return len(session.connector._acquired) + (pool.in_use if pool is not None else 0)
-
