@@ -123,7 +123,6 @@ class _Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._scan = 0  # where the search for the end of the head resumes
         self._head: _Head | None = None
-        self._no_body = False
         self._chunks: list[bytes] = []
         self._chunk_size: int | None = None  # the chunk being read (its size line read)
         self._in_trailer = False
@@ -179,14 +178,13 @@ class _Connection(asyncio.Protocol):
         self._finish(err)
 
     # -- the exchange
-    def send(self, data: list[bytes], *, no_body: bool) -> asyncio.Future[Answer]:
+    def send(self, data: list[bytes]) -> asyncio.Future[Answer]:
         """Write one request and return the future of its answer."""
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
             raise aiohttp.ClientOSError(errno.ECONNRESET, "Cannot write to closing transport")
         waiter: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiter = waiter
-        self._no_body = no_body
         transport.write(b"".join(data))  # one send, not one per piece
         return waiter
 
@@ -222,7 +220,7 @@ class _Connection(asyncio.Protocol):
             if 100 <= head.status < 200:
                 head = None  # an interim answer (100 Continue, 103 Early Hints): skip it
         self._head = head
-        if self._no_body or head.status in _NO_BODY_STATUSES:
+        if head.status in _NO_BODY_STATUSES:
             body = b""
         elif head.chunked:
             dechunked = self._dechunk()
@@ -312,12 +310,11 @@ class H1Pool:
         *,
         total: float | None,
         connect: float | None,
-        no_body: bool = False,
     ) -> Answer:
         """Send the request ``data`` (head and body, written as they are) to
         ``host:port`` and return its answer. ``total``: seconds for the whole exchange
-        (TimeoutError); ``connect``: for a new connection (ConnectionTimeoutError);
-        ``no_body``: the answer has none whatever its headers say (HEAD)."""
+        (TimeoutError); ``connect``: for a new connection (ConnectionTimeoutError).
+        No HEAD requests: an answer's body is read by its headers."""
         if self.closed:
             raise aiohttp.ClientConnectionError("the connection pool is closed")
         loop = asyncio.get_running_loop()
@@ -331,7 +328,7 @@ class H1Pool:
         answer: Answer | None = None
         expiry: asyncio.TimerHandle | None = None
         try:
-            waiter = conn.send(data, no_body=no_body)
+            waiter = conn.send(data)
             if deadline is not None:  # a timer on the answer: cheaper than asyncio.timeout
                 expiry = loop.call_at(deadline, _time_out, waiter)
             answer = await waiter

@@ -85,6 +85,9 @@ _STALE_RESENDS = 4
 _LOST_ERRNOS = _STALE_ERRNOS | {errno.ECONNABORTED}
 _JSON_CONTENT = {"Content-Type": "application/json"}
 _USER_AGENT = f"asyncsync aiohttp/{aiohttp.__version__}"
+_JSON_LENGTH = "".join(f"{k}: {v}\r\n" for k, v in _JSON_CONTENT.items()).encode() + (
+    b"Content-Length: %d\r\n\r\n"
+)
 #: The lean pool of each session asyncsync created itself (a lent session has none).
 _H1_POOLS: weakref.WeakKeyDictionary[aiohttp.ClientSession, H1Pool] = weakref.WeakKeyDictionary()
 
@@ -353,10 +356,10 @@ class Endpoint:
 
     async def _send_once(self, call: Call[T], body: bytes | None, timeouts: Timeouts) -> T:
         session = self.transport.open(self.url)
-        pool = _H1_POOLS.get(session) if self._h1_addr is not None else None
-        if pool is None or self._h1_addr is None:
+        addr = self._h1_addr
+        if addr is None or (pool := _H1_POOLS.get(session)) is None:
             return await self._send_aiohttp(session, call, body, timeouts)
-        host, port = self._h1_addr
+        host, port = addr
         try:
             answer = await pool.request(
                 host,
@@ -385,8 +388,7 @@ class Endpoint:
         if body is None:
             tail = b"Content-Length: 0\r\n\r\n" if call.method == "POST" else b"\r\n"
             return [head, tail]
-        length = b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
-        return [head, length, body]
+        return [head, _JSON_LENGTH % len(body), body]
 
     async def _send_aiohttp(
         self, session: aiohttp.ClientSession, call: Call[T], body: bytes | None, timeouts: Timeouts
@@ -515,12 +517,8 @@ def status_error(
         if excerpt:
             message = f"{message}: {excerpt[:200]}"
     err = _answer_error(ServerError, message, call, server, status, body)
-    retry_after = (
-        resp.headers.get("retry-after")
-        if isinstance(resp, Answer)
-        else resp.headers.get("Retry-After")
-    )
-    err.retry_after = parse_retry_after(retry_after)
+    # aiohttp's headers are case-insensitive; an Answer's names are lower case.
+    err.retry_after = parse_retry_after(resp.headers.get("retry-after"))
     return err
 
 
