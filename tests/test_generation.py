@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import pickle
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 import asyncsync as az
 from asyncsync._wire.control import Call, Malformed
@@ -706,6 +709,89 @@ async def test_stream_on_completions_route_and_abort(fake32: FakeVLLMServer) -> 
     assert got == info.value.completion.token_ids
     assert 5 <= len(got) < 100
     assert got == expected_greedy(PROMPT, len(got))
+
+
+@pytest.mark.parametrize("version", ["0.27.1", "0.32.0"])
+@pytest.mark.asyncio
+async def test_generate_stream_abort_without_new_tokens(version: str) -> None:
+    """An abort lands after the last token went out, so its event carries no tokens:
+    vLLM 0.32 sends it (finish reason "abort"), vLLM < 0.32's generate route skips it and
+    ends the stream with [DONE] and no finish reason (CI saw this on 0.27.1). Either
+    way the stream raises GenerationAborted with every token so far."""
+    async with (
+        FakeVLLMServer(version=version, token_delay=0.01) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        got: list[int] = []
+
+        async def consume() -> None:
+            async with client.stream(PROMPT, max_tokens=100, temperature=0) as stream:
+                async for delta in stream:
+                    got.extend(delta.token_ids)
+                    if len(got) == 5:
+                        await client.pause("abort")
+
+        with pytest.raises(az.GenerationAborted) as info:
+            await consume()
+        await client.resume()
+        events = fake.requests_to("/inference/v1/generate")
+    assert len(events) == 1
+    assert got == info.value.completion.token_ids == expected_greedy(PROMPT, len(got))
+    assert 5 <= len(got) < 100
+    assert info.value.completion.finish_reason == "abort"
+
+
+@pytest.mark.parametrize(
+    ("version", "ending", "message"),
+    [
+        # 0.32 always sends a sample's last event: an unfinished one at [DONE] is malformed
+        ("0.32.0", b"data: [DONE]\n\n", "ended (data: [DONE]) before every sample finished"),
+        # a connection closed without [DONE] broke off, whatever the version
+        ("0.27.1", b"", "closed without data: [DONE] before every sample finished"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_generate_stream_unfinished_sample_is_an_error(
+    version: str, ending: bytes, message: str
+) -> None:
+    """Only vLLM < 0.32's silent abort reads an unfinished sample as aborted; anything
+    else that leaves one unfinished is a GenerationError naming how the stream ended."""
+    events = [
+        {"request_id": "r", "choices": [{"index": 0, "token_ids": [5], "finish_reason": None}]},
+    ]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + ending
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(body)
+        return response
+
+    async def version_route(request: web.Request) -> web.Response:
+        return web.json_response({"version": version})
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", answer)
+    app.router.add_get("/version", version_route)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with az.AsyncVLLMClient(f"http://127.0.0.1:{port}") as client:
+
+            async def consume() -> None:
+                async with client.stream(PROMPT, max_tokens=4, route="generate") as stream:
+                    async for _ in stream:
+                        pass
+
+            with pytest.raises(az.GenerationError, match=re.escape(message)) as info:
+                await consume()
+    finally:
+        await runner.cleanup()
+    assert not isinstance(info.value, az.GenerationAborted)
+    assert "unfinished: [0]" in str(info.value)
 
 
 @pytest.mark.asyncio

@@ -280,6 +280,7 @@ PACKAGE = Path(az.__file__).parent
 VERSION_GATES = {
     "_wire/control.py:protocol_for_version": "the RL protocol generation (bodies differ)",
     "_wire/control.py:generate_keeps_all_choices": "n > 1 on the generate route (< 0.29)",
+    "_wire/control.py:stream_drops_silent_aborts": "an abort without tokens (< 0.32)",
     "testing/_fake/_state.py:protocol_of": "the fake imitates the version it is given",
 }
 

@@ -39,7 +39,13 @@ from asyncsync._core.state import ServerState
 from asyncsync._core.types import Route
 from asyncsync._generation.served import ServedLookup
 from asyncsync._http.transport import Endpoint, never_sent
-from asyncsync._wire.control import Call, Malformed, describe_error_body, generate_keeps_all_choices
+from asyncsync._wire.control import (
+    Call,
+    Malformed,
+    describe_error_body,
+    generate_keeps_all_choices,
+    stream_drops_silent_aborts,
+)
 from asyncsync._wire.generation import (
     ABSENT,
     COMPLETIONS_ROUTE,
@@ -486,13 +492,23 @@ class CompletionStream:
                     f"the server failed mid-stream: {message}", body.decode("utf-8", "replace")
                 ) from exc
         if assembler.done:
-            self._finish(assembler)
+            await self._finish(assembler)
 
-    def _finish(self, assembler: StreamAssembler) -> None:
+    async def _finish(self, assembler: StreamAssembler) -> None:
         engine = self._engine
         assert engine is not None
+        silent = False
+        if assembler.ended and not assembler.finished:
+            # the server ended the stream with a sample unfinished: vLLM < 0.32's way of
+            # saying "aborted" when the abort brought no new tokens (its version is read
+            # once per server, under the stream's deadline)
+            try:
+                version = engine.state.vllm_version or await engine.endpoint.server_version()
+            except AsyncSyncError:
+                version = None  # unknown: the stream is reported as malformed
+            silent = stream_drops_silent_aborts(version)
         try:
-            completions = assembler.completions(self._prompt)
+            completions = assembler.completions(self._prompt, silent_abort=silent)
         except Malformed as exc:
             raise self._error(f"malformed stream event: {exc}") from exc
         loop = asyncio.get_running_loop()

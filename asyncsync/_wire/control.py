@@ -155,6 +155,23 @@ def generate_keeps_all_choices(version: str | None) -> bool:
     return (int(match.group(1)), int(match.group(2))) >= _GENERATE_KEEPS_ALL_CHOICES
 
 
+#: The first vLLM whose streamed ``/inference/v1/generate`` always sends a sample's last
+#: event: 0.27.1 skips events without new token ids, so an abort that lands between two
+#: tokens ends the stream with ``[DONE]`` and no finish reason (read in its
+#: ``serve_tokens_stream_generator``; 0.32 emits every terminal output).
+_STREAM_SENDS_EVERY_FINISH = (0, 32)
+
+
+def stream_drops_silent_aborts(version: str | None) -> bool:
+    """Whether a server reporting ``version`` leaves an aborted sample's finish reason out
+    of a generate stream when the abort brought no new tokens (unknown versions are
+    assumed not to)."""
+    match = None if version is None else _VERSION_RE.match(version)
+    if match is None:
+        return False
+    return (int(match.group(1)), int(match.group(2))) < _STREAM_SENDS_EVERY_FINISH
+
+
 @dataclass(frozen=True, slots=True)
 class WeightComparison:
     """Result of ``/weight_checker`` with ``action="compare"``.

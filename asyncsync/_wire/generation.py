@@ -717,6 +717,8 @@ class StreamAssembler:
         self._prompt: list[int] | None = None
         self._request_id: str | None = None
         self.done = False
+        #: the server ended the stream itself (``data: [DONE]``), not a closed connection
+        self.ended = False
 
     def feed(self, line: bytes) -> list[TokenDelta]:
         """The deltas carried by one SSE line (none for separators, comments, other
@@ -726,7 +728,7 @@ class StreamAssembler:
             return []
         data = line[5:].strip()
         if data == b"[DONE]":
-            self.done = True
+            self.done = self.ended = True
             return []
         try:
             event = _json.loads(data)
@@ -763,12 +765,31 @@ class StreamAssembler:
             weight_versions=piece.weight_versions,
         )
 
-    def completions(self, prompt: list[int]) -> list[Completion]:
+    @property
+    def finished(self) -> bool:
+        """Whether every sample has its finish reason."""
+        return all(c.finish_reason is not None for c in self._samples.values())
+
+    def completions(self, prompt: list[int], *, silent_abort: bool = False) -> list[Completion]:
         """The assembled completions (``prompt``: what was sent, when the server did not
-        echo it); Malformed if a sample never finished."""
+        echo it); Malformed if a sample never finished.
+
+        ``silent_abort``: the server is one whose generate stream drops an aborted
+        sample's last event when it carries no new tokens (vLLM < 0.32 skips every event
+        without token ids, the abort's finish reason with it); there a sample left
+        unfinished by a stream the server ended itself (``[DONE]``) was aborted, and is
+        marked so. A stream that broke off without ``[DONE]`` is never read that way."""
         samples = [self._samples[i] for i in sorted(self._samples)]
-        if any(c.finish_reason is None for c in samples):
-            raise Malformed("the stream ended before every sample finished")
+        unfinished = [c for c in samples if c.finish_reason is None]
+        if unfinished and silent_abort and self.ended and self.path == GENERATE_ROUTE:
+            for c in unfinished:
+                c.finish_reason = "abort"
+        elif unfinished:
+            how = "ended (data: [DONE])" if self.ended else "closed without data: [DONE]"
+            raise Malformed(
+                f"the stream {how} before every sample finished "
+                f"(unfinished: {[c.index for c in unfinished]})"
+            )
         sent = self._prompt or prompt
         for c in samples:
             c.request_id = self._request_id

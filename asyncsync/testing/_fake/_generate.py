@@ -52,7 +52,10 @@ class GenerateRoute(RouteGroup):
         rid = f"generate-tokens-{body.get('request_id') or secrets.token_hex(8)}"
         job = Job(state, prompt, params, rid, await state._admit())
         if body.get("stream"):
-            return await stream(request, job, partial(self._event, job))
+            # vLLM < 0.32 drops a choice's last event when it brings no tokens (an abort
+            # between two tokens): its stream ends with [DONE] and no finish reason.
+            empty_final = state.protocol == "0.32"
+            return await stream(request, job, partial(self._event, job), empty_final=empty_final)
         samples = [await job.sample(i) for i in range(params.n)]
         return web.json_response(self._answer(body, job, samples))
 
