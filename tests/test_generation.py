@@ -689,14 +689,24 @@ async def test_coalesced_final_event_carries_the_spans_of_two_versions() -> None
     assert c.token_ids[cut] == LM.greedy(PROMPT + c.token_ids[:cut], 1)
 
 
+@pytest.mark.parametrize(
+    ("version", "route"),
+    [("0.32.0", "completions"), ("0.32.0", "generate"), ("0.27.1", "generate")],
+)
 @pytest.mark.asyncio
-async def test_stream_on_completions_route_and_abort(fake32: FakeVLLMServer) -> None:
-    fake32.token_delay = 0.01
-    got: list[int] = []
-    async with az.AsyncVLLMClient(fake32.url) as client:
+async def test_stream_abort_ends_with_every_token_so_far(version: str, route: str) -> None:
+    """An abort lands after the last token went out, so its event carries no tokens: vLLM
+    0.32 sends it (finish reason "abort"), vLLM < 0.32's generate route skips it and ends
+    the stream with [DONE] and no finish reason (CI saw this on 0.27.1). Either way the
+    stream raises GenerationAborted with every token so far."""
+    async with (
+        FakeVLLMServer(version=version, token_delay=0.01) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        got: list[int] = []
 
         async def consume() -> None:
-            stream = client.stream(PROMPT, max_tokens=100, temperature=0, route="completions")
+            stream = client.stream(PROMPT, max_tokens=100, temperature=0, route=route)
             async with stream:
                 async for delta in stream:
                     got.extend(delta.token_ids)
@@ -706,36 +716,8 @@ async def test_stream_on_completions_route_and_abort(fake32: FakeVLLMServer) -> 
         with pytest.raises(az.GenerationAborted) as info:
             await consume()
         await client.resume()
-    assert got == info.value.completion.token_ids
-    assert 5 <= len(got) < 100
-    assert got == expected_greedy(PROMPT, len(got))
-
-
-@pytest.mark.parametrize("version", ["0.27.1", "0.32.0"])
-@pytest.mark.asyncio
-async def test_generate_stream_abort_without_new_tokens(version: str) -> None:
-    """An abort lands after the last token went out, so its event carries no tokens:
-    vLLM 0.32 sends it (finish reason "abort"), vLLM < 0.32's generate route skips it and
-    ends the stream with [DONE] and no finish reason (CI saw this on 0.27.1). Either
-    way the stream raises GenerationAborted with every token so far."""
-    async with (
-        FakeVLLMServer(version=version, token_delay=0.01) as fake,
-        az.AsyncVLLMClient(fake.url) as client,
-    ):
-        got: list[int] = []
-
-        async def consume() -> None:
-            async with client.stream(PROMPT, max_tokens=100, temperature=0) as stream:
-                async for delta in stream:
-                    got.extend(delta.token_ids)
-                    if len(got) == 5:
-                        await client.pause("abort")
-
-        with pytest.raises(az.GenerationAborted) as info:
-            await consume()
-        await client.resume()
-        events = fake.requests_to("/inference/v1/generate")
-    assert len(events) == 1
+        path = "/v1/completions" if route == "completions" else "/inference/v1/generate"
+        assert len(fake.requests_to(path)) == 1
     assert got == info.value.completion.token_ids == expected_greedy(PROMPT, len(got))
     assert 5 <= len(got) < 100
     assert info.value.completion.finish_reason == "abort"
