@@ -10,6 +10,12 @@ model in float32 (under 2% of the base's bytes), ``publish_lora`` beside ``publi
 the base on one ``--enable-lora`` server; generation tokens/s of the base on a server
 without ``--enable-lora``, and of the base and the adapter on the LoRA server.
 
+Across a link (``--link``, default 1 Gbit/s; root and iproute2 needed, else the row is
+left out): the same delta and full gloo rounds to a server in a network namespace behind
+a veth pair whose trainer-side end sends at that rate (tc's token bucket), as a server
+on another host would be reached; on loopback bytes cost almost nothing, across a link
+they are what a delta saves.
+
 Usage::
 
     python benchmarks/bench_small_rounds.py --write docs/performance.md
@@ -19,10 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +48,60 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 BEGIN, END = "<!-- bench_small_rounds:begin -->", "<!-- bench_small_rounds:end -->"
 PROMPT = list(range(10, 42))
+#: The two ends of the rate-limited veth pair (``--link``).
+TRAINER_IP, SERVER_IP = "10.203.7.1", "10.203.7.2"
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+@contextlib.contextmanager
+def limited_link(rate: str) -> Iterator[str | None]:
+    """A network namespace behind a veth pair whose trainer-side end sends at ``rate``
+    (``tc``'s token bucket filter): yields the namespace, or None where this machine
+    cannot make one (not root, no ``ip``/``tc``, namespaces refused)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        print("--link: needs root, ip and tc; the row is left out", flush=True)
+        yield None
+        return
+    tag = uuid.uuid4().hex[:6]
+    ns, host_end, ns_end = f"asb-{tag}", f"asbh{tag}", f"asbn{tag}"
+    steps = [
+        ["ip", "netns", "add", ns],
+        ["ip", "link", "add", host_end, "type", "veth", "peer", "name", ns_end],
+        ["ip", "link", "set", ns_end, "netns", ns],
+        ["ip", "addr", "add", f"{TRAINER_IP}/24", "dev", host_end],
+        ["ip", "link", "set", host_end, "up"],
+        ["ip", "netns", "exec", ns, "ip", "addr", "add", f"{SERVER_IP}/24", "dev", ns_end],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", ns_end, "up"],
+        ["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"],
+        ["tc", "qdisc", "add", "dev", host_end, "root", "tbf", "rate", rate,
+         "burst", "512kb", "latency", "50ms"],
+    ]  # fmt: skip
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                print(f"--link: {' '.join(step)} failed ({done.stderr.strip()}); "
+                      "the row is left out", flush=True)  # fmt: skip
+                yield None
+                return
+        yield ns
+    finally:
+        _ip("link", "del", host_end)
+        _ip("netns", "del", ns)
+
+
+class NamespacedServer(LocalVLLMServer):
+    """A ``LocalVLLMServer`` started inside network namespace ``namespace``."""
+
+    def __init__(self, namespace: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.namespace = namespace
+
+    def command(self) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *super().command()]
 
 
 def _train(model_dir: Path, steps: int) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -190,6 +256,21 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(backend, results[backend], flush=True)
         finally:
             await server.astop()
+    if args.link:
+        with limited_link(args.link) as ns:
+            if ns is not None:
+                from asyncsync.testing._server import free_port
+
+                server = NamespacedServer(
+                    ns, bf16_dir, backend="gloo", tokenizer=False, dtype="bfloat16",
+                    cpu_cores="1", host=SERVER_IP, port=free_port(),
+                )  # fmt: skip
+                await server.astart()
+                try:
+                    results["link"] = await _delta_vs_full("gloo", server.url, states)
+                    print("gloo across the link", results["link"], flush=True)
+                finally:
+                    await server.astop()
     del states
     f32_dir = make_tiny_model(work / "f32", seed=0, tokenizer=False, **shapes)
     results["lora"] = await _lora(f32_dir, args.repeats)
@@ -209,6 +290,14 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
             f"{x['delta_bytes'] / x['full_bytes']:.4f}x | {x['delta_s'] * 1000:.0f} ms | "
             f"{x['delta_s'] / x['full_s']:.2f}x ({x['full_s'] * 1000:.0f} ms full) |"
         )
+    if "link" in r:
+        x = r["link"]
+        rows.append(
+            f"| delta, gloo across a link (tc rate {args.link}) | "
+            f"{x['delta_bytes'] / 1e6:.2f} MB | "
+            f"{x['delta_bytes'] / x['full_bytes']:.4f}x | {x['delta_s'] * 1000:.0f} ms | "
+            f"{x['delta_s'] / x['full_s']:.2f}x ({x['full_s'] * 1000:.0f} ms full) |"
+        )
     lo = r["lora"]
     rows.append(
         f"| LoRA rank 4, shm server | {lo['lora_mb']:.2f} MB | "
@@ -219,12 +308,12 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     t = lo["tok_s"]
     codec = r["codec"]
     where = []
-    for backend in args.backends:
+    for backend in [*args.backends, *(["link"] if "link" in r else [])]:
         phases = r[backend]["phases"]
         cells = ", ".join(
             f"{k} {d * 1000:.0f} / {f * 1000:.0f}" for k, (d, f) in phases.items() if d or f
         )
-        where.append(f"{backend}: {cells}")
+        where.append(f"{'gloo across the link' if backend == 'link' else backend}: {cells}")
     notes = [
         "",
         "Where a delta round's time goes, median ms per phase, delta / full: "
@@ -256,6 +345,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", nargs="+", default=["shm", "gloo"])
+    parser.add_argument(
+        "--link", default="1gbit", help="tc rate of the gloo link row ('' leaves it out)"
+    )
     parser.add_argument("--write", type=Path, help="markdown file to update")
     args = parser.parse_args()
     results = run(bench(args))
