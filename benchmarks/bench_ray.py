@@ -24,6 +24,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read when ray
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 from _markdown import write_section
-from bench_fanout import make_update_info, start_fake_processes, stop_processes
+from bench_fanout import make_update_info, processes_cpu, start_fake_processes, stop_processes
 
 import asyncsync as az
 from asyncsync._core.loop import run as run_loop
@@ -106,15 +107,25 @@ async def throughput(fleet: az.Fleet, count: int, concurrency: int) -> float:
     return count / (time.perf_counter() - began)
 
 
+async def in_turns(
+    names: list[str], runs: int, measure: Callable[[str], Awaitable[float]]
+) -> dict[str, list[float]]:
+    """``runs`` measurements of each of ``names``, taking turns, the order alternating
+    run by run, so that a drift of the machine falls on all of them alike."""
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(runs):
+        for n in names if i % 2 == 0 else names[::-1]:
+            out[n].append(await measure(n))
+    return out
+
+
 async def side_by_side(
     sides: dict[str, tuple[list[str], Any]], model: Any, repeats: int
-) -> dict[str, dict[str, Any]]:
-    """Each side's median shm round (``backend="auto"``) and generations per second, the
-    sides taking turns (the order alternating), so that the machine's drift falls on
-    both; the one not measured is idle. ``sides``: name -> (urls, hosts)."""
+) -> dict[str, dict[str, list[float]]]:
+    """Each side's shm round seconds (``backend="auto"``, after one warm-up round) and
+    generations per second, in turns; the side not measured is idle.
+    ``sides``: name -> (urls, hosts)."""
     names = list(sides)
-    rounds: dict[str, list[float]] = {n: [] for n in names}
-    rates: dict[str, list[float]] = {n: [] for n in names}
     async with contextlib.AsyncExitStack() as stack:
         fleets, publishers = {}, {}
         for n, (urls, hosts) in sides.items():
@@ -124,26 +135,17 @@ async def side_by_side(
             publishers[n] = await stack.enter_async_context(
                 az.AsyncWeightPublisher(fleets[n], backend="auto")
             )
-        for r in range(repeats + 1):
-            for n in names if r % 2 == 0 else names[::-1]:
-                report = await publishers[n].publish(model, version=f"b{r}-{time.monotonic_ns()}")
-                if r:
-                    rounds[n].append(report.seconds["total"])
-        for n in names:
-            await throughput(fleets[n], 32, 16)  # warm-up
-        for i in range(2 * repeats):
-            for n in names if i % 2 == 0 else names[::-1]:
-                rates[n].append(await throughput(fleets[n], 200, 16))
-    first, second = names
-    return {
-        n: {"round": statistics.median(rounds[n]), "gen": statistics.median(rates[n])}
-        for n in names
-    } | {
-        "pairs": {
-            "round": [b / a for a, b in zip(rounds[first], rounds[second], strict=True)],
-            "gen": [b / a for a, b in zip(rates[first], rates[second], strict=True)],
-        }
-    }
+
+        async def publish(n: str) -> float:
+            report = await publishers[n].publish(model, version=f"b-{time.monotonic_ns()}")
+            return report.seconds["total"]
+
+        for n in names:  # warm-up: a round and some generations each
+            await publish(n)
+            await throughput(fleets[n], 32, 16)
+        rounds = await in_turns(names, repeats, publish)
+        rates = await in_turns(names, 2 * repeats, lambda n: throughput(fleets[n], 200, 16))
+    return {"round": rounds, "gen": rates}
 
 
 def _machine_cpu() -> float:
@@ -151,14 +153,6 @@ def _machine_cpu() -> float:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     busy = sum(fields[0:3]) + sum(fields[5:7])  # user, nice, system; irq, softirq
     return busy / os.sysconf("SC_CLK_TCK")
-
-
-def _process_cpu(pid: int | None) -> float:
-    """CPU seconds of process ``pid`` (0 for None: a router in this process)."""
-    if pid is None:
-        return 0.0
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def routed(urls: list[str], pairs: int) -> dict[str, Any]:
@@ -169,27 +163,28 @@ async def routed(urls: list[str], pairs: int) -> dict[str, Any]:
 
     count = 200
     async with router_for(urls) as router:
-        process = getattr(router, "process", None)
-        pid = None if process is None else process.pid
-        ratios: list[float] = []
-        rates: dict[str, list[float]] = {"direct": [], "via": []}
+        process = getattr(router, "process", None)  # None: the proxy runs in this process
+        pids = [] if process is None else [process.pid]
         router_cpu = machine_cpu = 0.0
         async with (
             az.Fleet(urls, max_staleness=None) as direct,
             az.Fleet(urls, router_url=router.url, max_staleness=None) as via,
         ):
+
+            async def measure(name: str) -> float:
+                nonlocal router_cpu, machine_cpu
+                if name == "direct":
+                    return await throughput(direct, count, 16)
+                r0, m0 = processes_cpu(pids), _machine_cpu()
+                rate = await throughput(via, count, 16)
+                router_cpu += processes_cpu(pids) - r0
+                machine_cpu += _machine_cpu() - m0
+                return rate
+
             await throughput(via, 32, 16)
             await throughput(direct, 32, 16)
-            for i in range(pairs):
-                pair: dict[str, float] = {}
-                for name in ("direct", "via") if i % 2 == 0 else ("via", "direct"):
-                    r0, m0 = _process_cpu(pid), _machine_cpu()
-                    pair[name] = await throughput(via if name == "via" else direct, count, 16)
-                    if name == "via":
-                        router_cpu += _process_cpu(pid) - r0
-                        machine_cpu += _machine_cpu() - m0
-                    rates[name].append(pair[name])
-                ratios.append(pair["via"] / pair["direct"])
+            rates = await in_turns(["direct", "via"], pairs, measure)
+    ratios = [v / d for d, v in zip(rates["direct"], rates["via"], strict=True)]
     return {
         "kind": router.kind,
         "direct": statistics.median(rates["direct"]),
@@ -228,12 +223,19 @@ async def ray_section(repeats: int) -> list[str]:
                      "ray": (list(group.urls), group.hosts)},
                     model, repeats,
                 )  # fmt: skip
+                # the local pair leaves the cores to the router run (astop is idempotent:
+                # the finally below stops them when something failed before this)
                 await asyncio.gather(*(s.astop() for s in local))
                 router = await routed(list(group.urls), 2 * repeats)
         finally:
             await asyncio.gather(*(s.astop() for s in local))
             ray.shutdown()
-    plain, on_ray, pairs = both["local"], both["ray"], both["pairs"]
+    plain = {k: statistics.median(both[k]["local"]) for k in ("round", "gen")}
+    on_ray = {k: statistics.median(both[k]["ray"]) for k in ("round", "gen")}
+    pairs = {
+        k: [r / loc for loc, r in zip(both[k]["local"], both[k]["ray"], strict=True)]
+        for k in ("round", "gen")
+    }
     print(f"ray: {on_ray}, local: {plain}, router: {router}")
     lo, hi = min(router["ratios"]), max(router["ratios"])
     share = router["router_ms"] / router["machine_ms"] if router["machine_ms"] else 0.0

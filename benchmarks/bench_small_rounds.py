@@ -45,6 +45,7 @@ from bench_publish import BIG
 import asyncsync as az
 from asyncsync._core.loop import run
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
+from asyncsync.testing._server import NamespacedServer, free_port
 
 BEGIN, END = "<!-- bench_small_rounds:begin -->", "<!-- bench_small_rounds:end -->"
 PROMPT = list(range(10, 42))
@@ -91,17 +92,6 @@ def limited_link(rate: str) -> Iterator[str | None]:
     finally:
         _ip("link", "del", host_end)
         _ip("netns", "del", ns)
-
-
-class NamespacedServer(LocalVLLMServer):
-    """A ``LocalVLLMServer`` started inside network namespace ``namespace``."""
-
-    def __init__(self, namespace: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.namespace = namespace
-
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.namespace, *super().command()]
 
 
 def _train(model_dir: Path, steps: int) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
@@ -259,8 +249,6 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.link:
         with limited_link(args.link) as ns:
             if ns is not None:
-                from asyncsync.testing._server import free_port
-
                 server = NamespacedServer(
                     ns, bf16_dir, backend="gloo", tokenizer=False, dtype="bfloat16",
                     cpu_cores="1", host=SERVER_IP, port=free_port(),

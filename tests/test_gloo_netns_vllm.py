@@ -22,6 +22,7 @@ from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, check_greedy
+from asyncsync.testing._server import NamespacedServer, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -64,21 +65,8 @@ def namespace() -> Iterator[str]:
         _ip("netns", "del", ns)
 
 
-class NamespacedServer(LocalVLLMServer):
-    """A ``LocalVLLMServer`` started inside a network namespace."""
-
-    def __init__(self, namespace: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.namespace = namespace
-
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.namespace, *super().command()]
-
-
 @pytest.fixture(scope="module")
 def remote_server(namespace: str, tiny_model_dir: Path) -> Iterator[LocalVLLMServer]:
-    from asyncsync.testing._server import free_port
-
     server = NamespacedServer(
         namespace,
         tiny_model_dir,

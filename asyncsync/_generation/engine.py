@@ -498,10 +498,10 @@ class CompletionStream:
         engine = self._engine
         assert engine is not None
         silent = False
-        if assembler.ended and not assembler.finished:
-            # the server ended the stream with a sample unfinished: vLLM < 0.32's way of
-            # saying "aborted" when the abort brought no new tokens (its version is read
-            # once per server, under the stream's deadline)
+        if assembler.ended and not assembler.finished and assembler.path == GENERATE_ROUTE:
+            # the server ended a generate stream with a sample unfinished: vLLM < 0.32's
+            # way of saying "aborted" when the abort brought no new tokens (its version is
+            # read once per server, under the stream's deadline)
             try:
                 version = engine.state.vllm_version or await engine.endpoint.server_version()
             except AsyncSyncError:

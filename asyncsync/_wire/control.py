@@ -146,13 +146,17 @@ def protocol_for_version(version: str, *, server: str | None = None) -> Protocol
 _GENERATE_KEEPS_ALL_CHOICES = (0, 29)
 
 
+def _major_minor(version: str | None) -> tuple[int, int] | None:
+    """``(major, minor)`` of a reported vLLM version; None when absent or unreadable."""
+    match = None if version is None else _VERSION_RE.match(version)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
 def generate_keeps_all_choices(version: str | None) -> bool:
     """Whether a server reporting ``version`` answers ``n > 1`` on the generate route
     with all its choices (unknown versions are assumed to)."""
-    match = None if version is None else _VERSION_RE.match(version)
-    if match is None:
-        return True
-    return (int(match.group(1)), int(match.group(2))) >= _GENERATE_KEEPS_ALL_CHOICES
+    parsed = _major_minor(version)
+    return parsed is None or parsed >= _GENERATE_KEEPS_ALL_CHOICES
 
 
 #: The first vLLM whose streamed ``/inference/v1/generate`` always sends a sample's last
@@ -166,10 +170,8 @@ def stream_drops_silent_aborts(version: str | None) -> bool:
     """Whether a server reporting ``version`` leaves an aborted sample's finish reason out
     of a generate stream when the abort brought no new tokens (unknown versions are
     assumed not to)."""
-    match = None if version is None else _VERSION_RE.match(version)
-    if match is None:
-        return False
-    return (int(match.group(1)), int(match.group(2))) < _STREAM_SENDS_EVERY_FINISH
+    parsed = _major_minor(version)
+    return parsed is not None and parsed < _STREAM_SENDS_EVERY_FINISH
 
 
 @dataclass(frozen=True, slots=True)

@@ -774,14 +774,14 @@ class StreamAssembler:
         """The assembled completions (``prompt``: what was sent, when the server did not
         echo it); Malformed if a sample never finished.
 
-        ``silent_abort``: the server is one whose generate stream drops an aborted
+        ``silent_abort``: this is a generate stream of a server that drops an aborted
         sample's last event when it carries no new tokens (vLLM < 0.32 skips every event
         without token ids, the abort's finish reason with it); there a sample left
         unfinished by a stream the server ended itself (``[DONE]``) was aborted, and is
         marked so. A stream that broke off without ``[DONE]`` is never read that way."""
         samples = [self._samples[i] for i in sorted(self._samples)]
         unfinished = [c for c in samples if c.finish_reason is None]
-        if unfinished and silent_abort and self.ended and self.path == GENERATE_ROUTE:
+        if unfinished and silent_abort and self.ended:
             for c in unfinished:
                 c.finish_reason = "abort"
         elif unfinished:

@@ -503,3 +503,16 @@ class LocalVLLMServer:
         return (
             f"<LocalVLLMServer {where} model={self.model_dir.name} backend={self.backend} {state}>"
         )
+
+
+class NamespacedServer(LocalVLLMServer):
+    """A `LocalVLLMServer` started inside network namespace ``namespace`` (``ip netns
+    exec``, which needs root): reached across a veth pair, as another host would be (the
+    gloo-across-namespaces tests, the delta benchmark's rate-limited link)."""
+
+    def __init__(self, namespace: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.namespace = namespace
+
+    def command(self) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *super().command()]

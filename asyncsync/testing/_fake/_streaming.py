@@ -37,9 +37,9 @@ async def stream(
     A token is sent as soon as it exists, unless it ends the sample (max_tokens, a stop
     token): the last event of a choice carries its finish reason with its last tokens.
     An abort comes between two tokens, so it gets an event of its own (no tokens), as in
-    vLLM 0.32 — or none with ``empty_final=False``, as vLLM
-    < 0.32's generate route skips every event without token ids (the abort's finish
-    reason with it: the stream just ends with ``[DONE]``).
+    vLLM 0.32; with ``empty_final=False`` it gets none, as vLLM < 0.32's generate route
+    skips every event without token ids (the abort's finish reason with it: the stream
+    just ends with ``[DONE]``).
     """
     response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
@@ -55,7 +55,6 @@ async def _stream_choice(
     sent = 0  # tokens of this choice sent so far
     events = 0  # events of this choice sent so far
     size = job.state._event_size
-
     params = job.params
 
     async def on_token(sample: Sample, pos: int) -> None:
