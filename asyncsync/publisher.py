@@ -391,14 +391,12 @@ class AsyncWeightPublisher:
         checked against the targets' checkpoints, before any server is touched."""
         assert self.fleet is not None
         if draft:
-            chain = self._draft.chain_round(delta, self.backend, self.options, targets, version)
+            chain = self._draft.chain_round(delta, self._backend, targets, version)
             found = await self._draft.checked(
                 self.fleet, weights, targets, self._backend, self._executor
             )
             return chain, *found
-        self._chain, chain = chain_round(
-            self._chain, delta, self.backend, self.options, targets, version
-        )
+        self._chain, chain = chain_round(self._chain, delta, self._backend, targets, version)
         return chain, *await self._checked(weights, targets)
 
     async def _published(self, report: PublishReport, chain: ChainRound | None) -> PublishReport:

@@ -198,10 +198,14 @@ async def test_publish_delta_full_first_then_patches_and_full_again_off_chain() 
     workers = [_Finishing(), _Finishing()]
     async with receiving_fakes(workers=workers) as servers:
         urls = [s.fake.url for s in servers]
-        async with az.Fleet(urls) as fleet, az.AsyncWeightPublisher(fleet) as publisher:
+        async with (
+            az.Fleet(urls) as fleet,
+            az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(send_deltas=True)) as publisher,
+        ):
             w = _weights()
             first = await publisher.publish(w, version="v1", delta=True)
             assert first.delta.kind == "full"
+            assert first.delta.direct == ()
             for step in (2, 3):
                 w = _step(w, 0.01, seed=step)
                 report = await publisher.publish(w, version=f"v{step}", delta=True)
@@ -225,9 +229,54 @@ async def test_publish_delta_full_first_then_patches_and_full_again_off_chain() 
 
 
 @pytest.mark.asyncio
-async def test_delta_refuses_zero_copy_and_other_backends() -> None:
-    async with receiving_fakes(count=1) as servers, az.Fleet([servers[0].fake.url]) as fleet:
-        shm = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(zero_copy=True))
-        with pytest.raises(ValueError, match="zero_copy"):
-            await shm.publish(_weights(), version="v1", delta=True)
-        await shm.aclose()
+async def test_shm_takes_delta_rounds_whole_unless_told_to_send_deltas() -> None:
+    """On the trainer's host a copy of the model costs less than comparing it with the
+    last version: ``delta=True`` over shm is a plain full round, reported as one, and
+    neither side keeps a record of it."""
+    workers = [_Finishing(), _Finishing()]
+    async with receiving_fakes(workers=workers) as servers:
+        urls = [s.fake.url for s in servers]
+        async with az.Fleet(urls) as fleet, az.AsyncWeightPublisher(fleet) as publisher:
+            w = _weights()
+            for step in (1, 2, 3):
+                report = await publisher.publish(w, version=f"v{step}", delta=True)
+                stats = report.delta
+                assert (stats.kind, stats.base, stats.direct) == ("full", None, tuple(urls))
+                assert stats.changed_fraction == 1.0
+                size = sum(t.numel() * t.element_size() for t in w.values())
+                assert report.bytes == stats.full_bytes == size
+                assert stats.tensors == len(w)
+                assert all(x.worker.holds(w) for x in servers)
+                assert all(x.worker.receiver.mirror.nbytes == 0 for x in servers)
+                w = _step(w, 0.01, seed=step)
+            assert publisher._chain is None  # never made: no snapshot on the trainer
+    with pytest.raises(ValueError, match="send_deltas=True packs patches"):
+        az.backends.Shm(zero_copy=True, send_deltas=True)
+    with pytest.raises(TypeError, match="send_deltas must be True or False, got 'yes'"):
+        az.backends.Shm(send_deltas="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8])
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 4099])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_changed_positions_are_every_differing_element_in_order(
+    dtype: torch.dtype, numel: int, offset: int
+) -> None:
+    """8 bytes at a time, then inside the words that differ: the same positions as an
+    element-by-element compare, for every element size, a tail shorter than a word and
+    a view whose storage is not 8-byte aligned."""
+    from asyncsync.backends._delta_codec import _as_ints, changed_positions
+
+    g = torch.Generator().manual_seed(numel)
+    base = (torch.rand(numel + offset, generator=g) * 100).to(dtype)
+    old = base[offset:]  # a view into a larger storage: not aligned for offset 1
+    new = old.clone()
+    flat = new.view(-1)
+    picks = torch.randperm(numel, generator=g)[: max(numel // 10, min(numel, 3))]
+    flat[picks] = (flat[picks].to(torch.float64) + 1).to(dtype)
+    if numel:
+        flat[-1] = (flat[-1].to(torch.float64) + 2).to(dtype)  # the tail changes too
+    a, b = _as_ints(old), _as_ints(new)
+    expected = torch.ne(a, b).nonzero().reshape(-1).numpy()
+    assert changed_positions(a, b).tolist() == expected.tolist()
+    assert changed_positions(a, a.clone()).tolist() == []

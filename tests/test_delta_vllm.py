@@ -59,7 +59,9 @@ async def test_delta_rounds_are_exact_and_send_only_what_changed(
     model = _trainer(tiny_model_dir)
     async with (
         az.Fleet(vllm_fleet.urls) as fleet,
-        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as pub,
+        az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(buffer_bytes=1 << 20, send_deltas=True)
+        ) as pub,
     ):
         _sparse_step(model, 0.5, seed=1)
         first = await pub.publish(model, version="d1", delta=True)
@@ -102,7 +104,7 @@ async def test_a_repeated_delta_is_refused_and_never_applied(
     model = _trainer(tiny_model_dir)
     async with (
         az.Fleet(vllm_fleet.urls) as fleet,
-        az.AsyncWeightPublisher(fleet) as pub,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(send_deltas=True)) as pub,
     ):
         await pub.publish(model, version="r1", delta=True)
         _sparse_step(model, 0.02, seed=7)
@@ -122,3 +124,22 @@ async def test_a_repeated_delta_is_refused_and_never_applied(
         report = await pub.publish(model, version="r4", delta=True)
         assert report.delta.kind == "full"
         await _greedy_everywhere(fleet, model)
+
+
+@pytest.mark.usefixtures("original_weights_restored")
+async def test_delta_rounds_over_shm_go_whole_by_default_and_are_exact(
+    vllm_fleet: VLLMFleet, tiny_model_dir: Path
+) -> None:
+    """``delta=True`` with the default ``Shm()``: every round a plain full round (on the
+    trainer's host a copy costs less than the comparison), exact on every server, and
+    the servers keep no mirror (none is logged)."""
+    model = _trainer(tiny_model_dir)
+    async with az.Fleet(vllm_fleet.urls) as fleet, az.AsyncWeightPublisher(fleet) as pub:
+        for step in (1, 2):
+            _sparse_step(model, 0.02, seed=20 + step)
+            report = await pub.publish(model, version=f"w{step}", delta=True)
+            assert (report.delta.kind, report.delta.direct) == ("full", tuple(fleet.urls))
+            assert report.bytes == report.delta.full_bytes > 0
+            await _greedy_everywhere(fleet, model)
+    for server in vllm_fleet.servers:
+        assert not {"w1", "w2"} & set(mirror_checksums(server.log_path)), server.url

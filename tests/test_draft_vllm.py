@@ -118,7 +118,9 @@ async def test_draft_rounds_load_into_the_draft_exactly_and_only_there(
     assert started_with[1] > 0, "no token was proposed: speculative decoding is not running"
     assert started_with[0] < started_with[1], "a random draft had every proposal accepted"
 
-    async with az.AsyncWeightPublisher(fleet) as publisher:
+    async with az.AsyncWeightPublisher(
+        fleet, backend=az.backends.Shm(send_deltas=True)
+    ) as publisher:
         # The served model's own weights into the draft: every proposal is accepted.
         report = await publisher.publish(_weights(target_dir), version="d1", target="draft")
         assert report.target == "draft"

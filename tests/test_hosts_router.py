@@ -14,6 +14,7 @@ import torch
 import asyncsync as az
 from asyncsync._fleet.hosts import given_hosts, probe_hosts, same_host, this_host
 from asyncsync.backends import create_backend, options_for
+from asyncsync.backends.auto import AutoBackend
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.testing._router import RoundRobinProxy
 
@@ -64,17 +65,25 @@ async def test_auto_picks_shm_here_and_gloo_elsewhere(fakes: list[FakeVLLMServer
 
 
 @pytest.mark.asyncio
-async def test_auto_refuses_delta_rounds_before_any_server_is_touched(
+async def test_delta_rounds_need_a_transport_that_carries_them(
     fakes: list[FakeVLLMServer],
 ) -> None:
+    """vLLM's own engines carry no delta chain: refused before any server is touched;
+    ``auto`` sends patches to its gloo servers only (`TrainerBackend.delta_servers`)."""
     weights = {"w": torch.zeros(4)}
     async with (
         az.Fleet([f.url for f in fakes]) as fleet,
-        az.AsyncWeightPublisher(fleet, backend="auto") as publisher,
+        az.AsyncWeightPublisher(fleet, backend="nccl") as publisher,
     ):
-        with pytest.raises(ValueError, match="needs the shm or gloo backend, not 'auto'"):
+        with pytest.raises(ValueError, match="needs the shm, gloo or auto backend, not 'nccl'"):
             await publisher.publish(weights, version="d1", delta=True)
     assert all(f.requests == [] for f in fakes)
+    backend = AutoBackend()
+    try:
+        backend.transports = {"http://a": "shm", "http://b": "gloo"}
+        assert backend.delta_servers(["http://a", "http://b"]) == {"http://b"}
+    finally:
+        backend.close()
 
 
 @pytest.mark.asyncio

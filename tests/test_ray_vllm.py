@@ -199,6 +199,19 @@ async def test_one_round_sends_shm_here_and_gloo_across_the_namespace(
         model2 = perturbed(tiny_model_dir, 33)
         await pub.publish(model2, version="mixed-2")
         await greedy_everywhere(fleet, model2)
+        # delta=True: the gloo server joins a chain (its first round full, then patches);
+        # the shm servers take every round whole.
+        first = await pub.publish(model2, version="mixed-3", delta=True)
+        assert (first.delta.kind, first.delta.direct) == ("full", tuple(group.urls))
+        with torch.no_grad():
+            for p in model2.parameters():
+                p.view(-1)[::97] += 0.05
+        report = await pub.publish(model2, version="mixed-4", delta=True)
+        assert (report.delta.kind, report.delta.base) == ("delta", "mixed-3")
+        assert report.delta.direct == tuple(group.urls)
+        assert report.delta.sparse > 0
+        assert report.servers == urls
+        await greedy_everywhere(fleet, model2)
 
 
 async def test_generations_go_through_a_router_and_rounds_to_every_server(

@@ -278,12 +278,15 @@ async def test_publish_zero_copy_sends_no_bytes_and_auto_packs_when_it_must() ->
         ) as publisher:
             report = await publisher.publish(model, version="v1")
             assert report.params == len(list(model.parameters()))
+            # delta=True over shm is a whole round: in place too
+            whole = await publisher.publish(model, version="v1d", delta=True)
+            assert (whole.delta.kind, whole.delta.direct) == ("full", tuple(fleet.urls))
             # Refused before any server is touched (before the pause, too).
             with pytest.raises(ValueError, match="cannot be published without a copy"):
                 await publisher.publish(plain, version="v2", pause="keep")
-            assert publisher.version == "v1"
-        assert [len(f.updates) for f in fakes] == [1, 1]
-        assert all(f.updates[0]["segments"] for f in fakes)
+            assert publisher.version == "v1d"
+        assert [len(f.updates) for f in fakes] == [2, 2]
+        assert all(u["segments"] for f in fakes for u in f.updates)
         async with az.AsyncWeightPublisher(
             fleet, backend=az.backends.Shm(zero_copy="auto")
         ) as publisher:
@@ -291,7 +294,7 @@ async def test_publish_zero_copy_sends_no_bytes_and_auto_packs_when_it_must() ->
             await publisher.publish(plain, version="v4")  # not shared: packed
         last = [f.updates[-1] for f in fakes]
         assert all(u["segments"] is None and u["segment"] for u in last)
-        assert [round_calls(f).count("/start_weight_update") for f in fakes] == [3, 3]
+        assert [round_calls(f).count("/start_weight_update") for f in fakes] == [4, 4]
     with pytest.raises(ValueError, match="zero_copy must be True, False or 'auto'"):
         az.AsyncWeightPublisher(
             None, rank=1, world_size=2, backend=az.backends.Shm(zero_copy="yes")

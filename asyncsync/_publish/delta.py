@@ -21,6 +21,7 @@ from typing import Any
 
 from asyncsync._publish.report import PublishReport
 from asyncsync._publish.weights import WeightSource
+from asyncsync.backends._base import TrainerBackend
 from asyncsync.backends._delta_codec import (
     KIND_DENSE,
     KIND_SPARSE,
@@ -47,6 +48,11 @@ class DeltaStats:
         changed_elements: elements whose bits changed.
         elements: elements in the model.
         full_bytes: what a full round would have sent.
+        direct: servers that took the round whole and keep no mirror (shm servers, on
+            the trainer's host, where copying the model costs less than comparing it;
+            ``az.backends.Shm(send_deltas=True)`` sends them patches too). When every
+            target is one, the round is a plain full round: the counts are those of
+            the tensors sent.
     """
 
     kind: str
@@ -58,10 +64,13 @@ class DeltaStats:
     changed_elements: int = 0
     elements: int = 0
     full_bytes: int = 0
+    direct: tuple[str, ...] = ()
 
     @property
     def changed_fraction(self) -> float:
         """Changed elements over all elements (1.0 for a full round)."""
+        if self.kind == "full":
+            return 1.0
         return self.changed_elements / self.elements if self.elements else 0.0
 
 
@@ -114,52 +123,70 @@ class DeltaChain:
 
 
 class ChainRound:
-    """One round of the chain: delta or full (decided when its send begins, from what
-    the targets acknowledged), and what it sent. A collective round sent again after it
-    lost a server is a full one (the survivors ended the first attempt's update, which
-    left their mirrors without a version)."""
+    """One ``delta=True`` round: delta or full for the chain's servers (decided when its
+    send begins, from what they acknowledged) and what it sent; the ``direct`` servers
+    take it whole. A collective round sent again after it lost a server is a full one
+    (the survivors ended the first attempt's update, which left their mirrors without a
+    version). Without chain servers (``chain`` None) the round is a plain full one."""
 
-    def __init__(self, chain: DeltaChain, version: str, targets: Sequence[str]) -> None:
+    def __init__(
+        self, chain: DeltaChain | None, version: str, targets: Sequence[str],
+        direct: Sequence[str] = (),
+    ) -> None:  # fmt: skip
         self.chain, self.version, self.targets = chain, version, list(targets)
+        self.direct = tuple(direct)
         self.attempts = 0
         self.last: DeltaSource | None = None
 
-    def source(self, inner: WeightSource) -> DeltaSource:
+    def source(self, inner: WeightSource) -> WeightSource:
         """Called in the worker thread at each attempt of the send."""
         self.attempts += 1
+        if self.chain is None:
+            return inner
         kind = self.chain.kind_for(self.targets) if self.attempts == 1 else "full"
         self.last = self.chain.source(inner, self.version, kind)
         return self.last
 
     def done(self, report: PublishReport) -> None:
-        self.chain.committed(self.version, report.servers)
-        report.delta = self.last.stats if self.last is not None else None
+        if self.chain is not None:
+            chained = set(self.targets)
+            self.chain.committed(self.version, [s for s in report.servers if s in chained])
+        if self.last is not None:
+            stats = self.last.stats
+        else:  # every target took it whole: what was sent
+            stats = DeltaStats("full", tensors=report.params, full_bytes=report.bytes)
+        stats.direct = tuple(s for s in self.direct if s in report.servers)
+        report.delta = stats
 
     def failed(self) -> None:
-        self.chain.failed()
+        if self.chain is not None:
+            self.chain.failed()
 
 
 def chain_round(
     chain: DeltaChain | None,
     delta: bool,
-    backend: str,
-    options: Any,
+    backend: TrainerBackend,
     targets: Sequence[str],
     version: str,
 ) -> tuple[DeltaChain | None, ChainRound | None]:
     """A publisher's chain (made on first use) and the round of it that ``publish``
     runs, or None outside the chain (after which the chain starts over: the servers
-    drop their mirrors with a round that does not ask for one)."""
-    if not delta:
+    drop their mirrors with a round that does not ask for one). The chain's servers
+    are those the backend sends patches to (`TrainerBackend.delta_servers`); with none,
+    the round is a plain full one and the chain is dropped too."""
+    patched = backend.delta_servers(targets) if delta else frozenset()
+    if patched is None:
+        raise ValueError(f"delta=True needs the shm, gloo or auto backend, not {backend.name!r}")
+    if not patched:
         if chain is not None:
             chain.drop()
-        return chain, None
-    if backend not in ("shm", "gloo"):
-        raise ValueError(f"delta=True needs the shm or gloo backend, not {backend!r}")
-    if getattr(options, "zero_copy", False) is True:
-        raise ValueError("delta=True packs patches: it cannot run with zero_copy=True")
+        direct = list(targets) if delta else []
+        return chain, ChainRound(None, version, [], direct) if delta else None
     chain = chain if chain is not None else DeltaChain()
-    return chain, ChainRound(chain, version, targets)
+    ordered = [u for u in targets if u in patched]
+    direct = [u for u in targets if u not in patched]
+    return chain, ChainRound(chain, version, ordered, direct)
 
 
 def _materialize(tensor: Any) -> Any:
@@ -203,6 +230,9 @@ class DeltaSource(WeightSource):
     @property
     def reiterable(self) -> bool:
         return False
+
+    def whole(self) -> WeightSource:
+        return self.inner
 
     def __iter__(self) -> Iterator[Any]:
         if self.stats.kind == "full":

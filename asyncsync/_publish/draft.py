@@ -29,7 +29,7 @@ import json
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from asyncsync._core.errors import ProtocolError, UnsupportedVLLMError
 from asyncsync._publish.checkpoint import Checkpoints
@@ -96,9 +96,9 @@ class DraftRounds:
         return self.version if target == "draft" else main
 
     def chain_round(
-        self, delta: bool, backend: str, options: Any, targets: Sequence[str], version: str
+        self, delta: bool, backend: TrainerBackend, targets: Sequence[str], version: str
     ) -> ChainRound | None:
-        self._chain, chain = chain_round(self._chain, delta, backend, options, targets, version)
+        self._chain, chain = chain_round(self._chain, delta, backend, targets, version)
         return chain
 
     async def checked(

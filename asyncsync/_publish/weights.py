@@ -72,6 +72,11 @@ class WeightSource:
             return [_meta(*_pair(item)) for item in w]
         return None
 
+    def whole(self) -> WeightSource:
+        """The weights as servers outside a delta chain take them: this source (a
+        delta chain's source returns the one it computes its patches from)."""
+        return self
+
     def total_bytes(self) -> int | None:
         """Payload bytes of the whole source, when it describes itself."""
         meta = self.metadata()

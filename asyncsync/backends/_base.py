@@ -107,6 +107,13 @@ class TrainerBackend(ABC):
         server."""
         return frozenset(urls) if self.collective else frozenset()
 
+    def delta_servers(self, urls: Iterable[str]) -> frozenset[str] | None:
+        """Which of ``urls`` a ``publish(..., delta=True)`` round sends patches to (the
+        others take it whole and keep no mirror); None: this transport cannot carry a
+        delta chain. Default: None."""
+        del urls
+        return None
+
     def init(self, client: SyncFleetClient) -> None:
         """Rank 0, worker thread, once before the first round: initialize the servers'
         engines. A transport whose rendezvous must run while the HTTP call is in flight

@@ -36,6 +36,7 @@ __all__ = [
     "DeltaChainError",
     "Encoded",
     "apply_payload",
+    "changed_positions",
     "combined_digest",
     "digest",
     "encode",
@@ -100,6 +101,33 @@ def _as_ints(tensor: Any) -> Any:
     return flat.view(getattr(torch, _INT_VIEWS[flat.element_size()]))
 
 
+def changed_positions(a: Any, b: Any) -> Any:
+    """The positions where ``a`` and ``b`` (flat integer views of one shape) differ, in
+    ascending order, as an int64 numpy array. Compared 8 bytes at a time, then element by
+    element only inside the words that differ: at RL learning rates a few percent of the
+    words change, and a scan of 8-byte words with numpy's `flatnonzero` is several times
+    faster than torch's ``ne(a, b).nonzero()`` over every element (docs/delta.md)."""
+    import numpy as np
+    import torch
+
+    per = 8 // a.element_size()
+    whole = a.numel() - a.numel() % per
+    an, bn = a.numpy(), b.numpy()
+    if per == 1 or whole == 0:
+        return np.flatnonzero(an != bn)
+    try:  # torch's compare runs on its threads; a view needs 8-byte-aligned storage
+        words_differ = torch.ne(a[:whole].view(torch.int64), b[:whole].view(torch.int64)).numpy()
+    except RuntimeError:
+        words_differ = an[:whole].view(np.int64) != bn[:whole].view(np.int64)
+    words = np.flatnonzero(words_differ)
+    candidates = (words[:, None] * per + np.arange(per)).reshape(-1)
+    found = candidates[an[candidates] != bn[candidates]]
+    if whole < a.numel():
+        tail = np.flatnonzero(an[whole:] != bn[whole:]) + whole
+        found = np.concatenate([found, tail])
+    return found.astype(np.int64, copy=False)
+
+
 @dataclass
 class Encoded:
     """One tensor's payload (None: unchanged) and what it counts for the report."""
@@ -138,26 +166,27 @@ def encode(old: Any, new: Any, *, compress: bool = True, always: bool = False) -
     """The payload that turns ``old`` (the base's bytes) into ``new``, and updates ``old``
     in place to ``new`` (the trainer's record of what the servers will hold). None when
     nothing changed (``always``: a ``KIND_SAME`` payload then)."""
-    import torch
+    import numpy as np
 
     a, b = _as_ints(old), _as_ints(new)
     elem, numel = a.element_size(), a.numel()
-    idx = torch.ne(a, b).nonzero().reshape(-1)
-    count = int(idx.numel())
+    idx = changed_positions(a, b)
+    count = int(idx.size)
     if count == 0:
         crc = digest(old)
         payload = _pack(KIND_SAME, 0, 0, elem, 0, crc, b"", b"") if always else None
         return Encoded(payload, KIND_SAME, 0, numel, crc)
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1
+    an, bn = a.numpy(), b.numpy()  # numpy's fancy indexing: a fraction of torch's time
+    gaps = np.diff(idx, prepend=-1) - 1
     width = 2 if int(gaps.max()) < 1 << 16 else 4
-    values = b[idx]
-    xor = torch.bitwise_xor(a[idx], values)
-    a[idx] = values  # the record now holds the new bytes
+    values = bn[idx]
+    xor = np.bitwise_xor(an[idx], values)
+    an[idx] = values  # the record now holds the new bytes
     crc = digest(old)
     compress = compress and zstd_available()
-    gap_bytes = gaps.numpy().astype("<u2" if width == 2 else "<u4").tobytes()
+    gap_bytes = gaps.astype("<u2" if width == 2 else "<u4").tobytes()
     part_a, flag_a = _squeeze(gap_bytes, FLAG_ZSTD_A, compress)
-    part_b, flag_b = _squeeze(xor.numpy().tobytes(), FLAG_ZSTD_B, compress)
+    part_b, flag_b = _squeeze(xor.tobytes(), FLAG_ZSTD_B, compress)
     if len(part_a) + len(part_b) <= SPARSE_LIMIT * numel * elem:
         payload = _pack(KIND_SPARSE, flag_a | flag_b, width, elem, count, crc, part_a, part_b)
         return Encoded(payload, KIND_SPARSE, count, numel, crc)
@@ -207,10 +236,11 @@ def apply_payload(name: str, target: Any, payload: Any) -> int:
         xor = np.frombuffer(_unsqueeze(body_b, bool(flags & FLAG_ZSTD_B)), dtype=ints.numpy().dtype)
         if gaps.size != count or xor.size != count:
             raise ShmFormatError(f"delta for {name!r}: patch lengths do not match its count")
-        idx = torch.from_numpy(np.cumsum(gaps.astype(np.int64) + 1) - 1)
+        idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
         if count and int(idx[-1]) >= ints.numel():
             raise ShmFormatError(f"delta for {name!r}: patch index outside the tensor")
-        ints[idx] = torch.bitwise_xor(ints[idx], torch.from_numpy(xor.copy()))
+        target_ints = ints.numpy()  # numpy's fancy indexing: a fraction of torch's time
+        target_ints[idx] = np.bitwise_xor(target_ints[idx], xor)
     elif kind != KIND_SAME:
         raise ShmFormatError(f"delta for {name!r}: unknown payload kind {kind}")
     found = digest(target)

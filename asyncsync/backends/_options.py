@@ -107,15 +107,26 @@ class Shm(BackendOptions):
             server is touched); ``"auto"``: in place when every tensor allows it, packed
             otherwise. In place, the weights must not change until ``publish`` returns
             (`asyncsync.WeightsModifiedError` otherwise).
+        send_deltas: ``publish(..., delta=True)`` sends patches over shm too (each
+            server keeps a mirror of the model). Off by default: on the trainer's host
+            copying the whole model costs less than comparing it with the last version,
+            so a ``delta=True`` round reaches shm servers whole (docs/delta.md).
     """
 
     name: ClassVar[str] = "shm"
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     zero_copy: ZeroCopyMode = False
+    send_deltas: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("Shm", "buffer_bytes", self.buffer_bytes)
         check_zero_copy_mode(self.zero_copy)
+        if not isinstance(self.send_deltas, bool):
+            raise TypeError(f"Shm: send_deltas must be True or False, got {self.send_deltas!r}")
+        if self.send_deltas and self.zero_copy is True:
+            raise ValueError(
+                "Shm: send_deltas=True packs patches, which zero_copy=True cannot carry"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -93,6 +93,11 @@ class AutoBackend(TrainerBackend):
     def collective_servers(self, urls: Iterable[str]) -> frozenset[str]:
         return frozenset(url for url in urls if self.transports.get(url) == "gloo")
 
+    def delta_servers(self, urls: Iterable[str]) -> frozenset[str]:
+        """The gloo servers (other hosts): the shm ones take a ``delta=True`` round
+        whole, which costs less on the trainer's host than comparing the model."""
+        return self.gloo.delta_servers(self.collective_servers(urls))
+
     def _split(self, urls: Iterable[str]) -> tuple[list[str], list[str]]:
         urls = list(urls)
         unknown = [url for url in urls if url not in self.transports]
@@ -133,14 +138,15 @@ class AutoBackend(TrainerBackend):
             return self.shm.send(source, client, control)
         if not shm:
             return self.gloo.send(source, client, control)
-        self.check(source)
+        whole = source.whole()  # a delta round's patches go to the gloo servers only
+        self.check(whole)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncsync-auto")
         shm_lane, gloo_lane = client.lane(shm), client.lane(gloo)
         over_gloo: Future[SendStats] = self._pool.submit(self.gloo.send, source, gloo_lane, control)
         try:
             try:
-                over_shm = self.shm.send(source, shm_lane, control)
+                over_shm = self.shm.send(whole, shm_lane, control)
             except BaseException:
                 control.cancel.set()  # the gloo share stops at its next chunk boundary
                 _wait_quietly(over_gloo)

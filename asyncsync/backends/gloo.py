@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -329,6 +329,10 @@ class GlooBackend(TrainerBackend):
         super().__init__(rank=rank, world_size=world_size, api=api)
         settings = GlooSettings(master_address, master_port, create_timeout_s, op_timeout_s)
         self.link = GlooLink(settings, buffer_bytes)
+
+    def delta_servers(self, urls: Iterable[str]) -> frozenset[str]:
+        """Every server: a broadcast crosses a network, where bytes cost time."""
+        return frozenset(urls)
 
     def init_info(self) -> Mapping[str, Any]:
         raise NotImplementedError("gloo init_info is per server and per generation")

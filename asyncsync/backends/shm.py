@@ -304,10 +304,17 @@ class ShmBackend(TrainerBackend):
         api: TrainerApi = "engine",
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         zero_copy: ZeroCopyMode = False,
+        send_deltas: bool = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, api=api)
         self.buffers = ShmBuffers(buffer_bytes)
         self.zero_copy = zero_copy
+        self.send_deltas = send_deltas
+
+    def delta_servers(self, urls: Iterable[str]) -> frozenset[str]:
+        """Every server with ``send_deltas``; else none: on one host a copy of the whole
+        model costs less than comparing it (docs/delta.md)."""
+        return frozenset(urls) if self.send_deltas else frozenset()
 
     def init_info(self) -> Mapping[str, Any]:
         return ShmInitFields(trainer_pid=os.getpid()).to_json()
