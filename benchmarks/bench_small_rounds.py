@@ -118,15 +118,32 @@ def _train(model_dir: Path, steps: int) -> tuple[list[dict[str, torch.Tensor]], 
     return states, changed
 
 
-async def _delta_vs_full(backend: str, url: str, states: list[dict[str, Any]]) -> dict[str, Any]:
+async def _delta_vs_full(backend: Any, url: str, states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chain's rounds, then five full rounds (a full round outside the chain would
+    end it, so the two kinds cannot alternate on one publisher)."""
     async with az.Fleet([url]) as fleet, az.AsyncWeightPublisher(fleet, backend=backend) as pub:
         deltas = []
         for i, weights in enumerate(states):
-            deltas.append(await pub.publish(weights, version=f"{backend}-d{i}", delta=True))
+            deltas.append(await pub.publish(weights, version=f"d{i}", delta=True))
         fulls = []
         for i, weights in enumerate(states[-5:]):
-            fulls.append(await pub.publish(weights, version=f"{backend}-f{i}"))
-    steady = deltas[1:]  # the first round of the chain is a full one
+            fulls.append(await pub.publish(weights, version=f"f{i}"))
+    return _summary(deltas[1:], fulls)  # the first round of the chain is a full one
+
+
+async def _whole_vs_full(url: str, states: list[dict[str, Any]]) -> dict[str, Any]:
+    """``delta=True`` with the default ``Shm()`` (each round sent whole) beside plain
+    full rounds of the same weights, alternating, the order swapped every step."""
+    async with az.Fleet([url]) as fleet, az.AsyncWeightPublisher(fleet) as pub:
+        deltas, fulls = [], []
+        for i, weights in enumerate(states):
+            for kind in ("d", "f") if i % 2 else ("f", "d"):
+                report = await pub.publish(weights, version=f"{kind}{i}", delta=kind == "d")
+                (deltas if kind == "d" else fulls).append(report)
+    return _summary(deltas[1:], fulls[1:])
+
+
+def _summary(steady: list[az.PublishReport], fulls: list[az.PublishReport]) -> dict[str, Any]:
     phases = list(dict.fromkeys(k for r in [*steady, *fulls] for k in r.seconds))
     return {
         "phases": {
@@ -242,8 +259,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
         await server.astart()
         try:
-            results[backend] = await _delta_vs_full(backend, server.url, states)
-            print(backend, results[backend], flush=True)
+            if backend == "shm":
+                results["shm"] = await _whole_vs_full(server.url, states)
+                print("shm (whole)", results["shm"], flush=True)
+                patches = az.backends.Shm(send_deltas=True)
+                results["shm-patches"] = await _delta_vs_full(patches, server.url, states)
+                print("shm (patches)", results["shm-patches"], flush=True)
+            else:
+                results[backend] = await _delta_vs_full(backend, server.url, states)
+                print(backend, results[backend], flush=True)
         finally:
             await server.astop()
     if args.link:
@@ -266,23 +290,29 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+#: The delta rows, by result key.
+_LABELS = {
+    "shm": "`delta=True`, shm (sent whole: the default)",
+    "shm-patches": "patches over shm (`Shm(send_deltas=True)`)",
+    "gloo": "`delta=True`, gloo on loopback",
+    "link": "`delta=True`, gloo across a link (tc rate {link})",
+}
+
+
+def _cases(r: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    keys = [k for b in args.backends for k in ((b, "shm-patches") if b == "shm" else (b,))]
+    return [k for k in [*keys, "link"] if k in r]
+
+
 def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
         "| round | bytes | of a full round | median round | vs the full round |",
         "|---|---|---|---|---|",
     ]
-    for backend in args.backends:
-        x = r[backend]
+    for key in _cases(r, args):
+        x = r[key]
         rows.append(
-            f"| delta, {backend} | {x['delta_bytes'] / 1e6:.2f} MB | "
-            f"{x['delta_bytes'] / x['full_bytes']:.4f}x | {x['delta_s'] * 1000:.0f} ms | "
-            f"{x['delta_s'] / x['full_s']:.2f}x ({x['full_s'] * 1000:.0f} ms full) |"
-        )
-    if "link" in r:
-        x = r["link"]
-        rows.append(
-            f"| delta, gloo across a link (tc rate {args.link}) | "
-            f"{x['delta_bytes'] / 1e6:.2f} MB | "
+            f"| {_LABELS[key].format(link=args.link)} | {x['delta_bytes'] / 1e6:.2f} MB | "
             f"{x['delta_bytes'] / x['full_bytes']:.4f}x | {x['delta_s'] * 1000:.0f} ms | "
             f"{x['delta_s'] / x['full_s']:.2f}x ({x['full_s'] * 1000:.0f} ms full) |"
         )
@@ -296,15 +326,15 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     t = lo["tok_s"]
     codec = r["codec"]
     where = []
-    for backend in [*args.backends, *(["link"] if "link" in r else [])]:
-        phases = r[backend]["phases"]
+    for key in _cases(r, args):
+        phases = r[key]["phases"]
         cells = ", ".join(
             f"{k} {d * 1000:.0f} / {f * 1000:.0f}" for k, (d, f) in phases.items() if d or f
         )
-        where.append(f"{'gloo across the link' if backend == 'link' else backend}: {cells}")
+        where.append(f"{_LABELS[key].format(link=args.link)}: {cells}")
     notes = [
         "",
-        "Where a delta round's time goes, median ms per phase, delta / full: "
+        "Where a `delta=True` round's time goes, median ms per phase, delta / full: "
         + "; ".join(where)
         + f". The codec alone in one process, per round: the trainer's encoding "
         f"{codec['encode_s'] * 1000:.0f} ms (compare with its record, patch, CRC-32 of each "
