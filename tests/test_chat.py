@@ -172,6 +172,15 @@ def test_derender_gets_the_prompts_tail_and_its_whole_length() -> None:
     assert "model" not in short
 
 
+def test_derender_decodes_logprobs_only_when_the_request_asked_for_them() -> None:
+    """Derender turns every logprob into OpenAI's shape (a decode per token): sent only
+    for a request with ``logprobs``; the session records them from the completion."""
+    plain = derender_body(_completion([7, 8], "length"), {"messages": []}, None)
+    assert "logprobs" not in plain["generate_response"]["choices"][0]
+    asked = derender_body(_completion([7, 8], "length"), {"messages": [], "logprobs": True}, None)
+    assert len(asked["generate_response"]["choices"][0]["logprobs"]["content"]) == 2
+
+
 def test_sampling_keeps_the_servers_parameters_and_fits_max_tokens_to_the_session() -> None:
     params = {
         "temperature": 0.0,

@@ -190,12 +190,14 @@ def render_body(request: Mapping[str, Any]) -> dict[str, Any]:
     return dict(request)
 
 
-def generate_response_of(completion: Completion) -> dict[str, Any]:
+def generate_response_of(completion: Completion, *, want_logprobs: bool = True) -> dict[str, Any]:
     """The ``GenerateTokensResponse`` that derender takes, from a completion (its exact
-    ids; logprobs where recorded). The id a sample stopped on (end of sequence, or a
+    ids; with ``want_logprobs``, the recorded logprobs, which derender decodes token by
+    token into OpenAI's shape). The id a sample stopped on (end of sequence, or a
     stop id) is left out: vLLM's own chat completions leave its text out of the message
     (derender would decode it into the content); the recorded ids keep it."""
-    ids, logprobs, tops = list(completion.token_ids), completion.logprobs, completion.top_logprobs
+    ids, tops = list(completion.token_ids), completion.top_logprobs
+    logprobs = completion.logprobs if want_logprobs else None
     stopped = completion.finish_reason == "stop" and not isinstance(completion.stop_reason, str)
     if stopped and ids:
         ids = ids[:-1]
@@ -242,10 +244,14 @@ def derender_body(
     them to seed its detokenizer (the first sampled token's leading space), and vLLM
     reads the last 7 (``convert_prompt_ids_to_tokens``); the whole prompt, re-sent and
     validated on every turn, grows with the conversation. ``prompt_tokens`` keeps the
-    whole count for ``usage``."""
+    whole count for ``usage``. The sampled tokens' logprobs go along only when the
+    request asked for them (``logprobs``): derender decodes every one into OpenAI's
+    shape, server CPU per token that a reply without them does not need (the session
+    records them from the completion either way)."""
     prompt = completion.prompt_token_ids
+    asked = bool(request.get("logprobs"))
     body: dict[str, Any] = {
-        "generate_response": generate_response_of(completion),
+        "generate_response": generate_response_of(completion, want_logprobs=asked),
         "prompt_token_ids": list(prompt[-DERENDER_PROMPT_TAIL:]),
         "prompt_tokens": len(prompt),
         "chat_request": dict(request),
