@@ -28,7 +28,7 @@ from asyncsync import blocking
 from asyncsync._core.portal import shared_portal
 from asyncsync.testing import FakeVLLMServer, Fault, RecordedRequest
 from tests.publish_fakes import like_the_shm_engine, round_calls
-from tests.waiting import wait_until_blocking
+from tests.waiting import HANG, wait_until_blocking
 
 PROMPT = [5, 6, 7, 8]
 
@@ -224,17 +224,56 @@ def test_an_interrupt_cancels_the_call_on_the_portal(fakes: list[FakeVLLMServer]
         signal.signal(signal.SIGINT, previous)
 
 
-def _interrupt_a_held_generation(fake: FakeVLLMServer) -> None:
+def test_an_interrupt_during_the_hand_over_still_cancels_the_call(
+    fakes: list[FakeVLLMServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window CI once hit on two busy cores: anyio's `start_task_soon` waits for
+    the portal's loop to spawn the task, and the task may reach the server (which
+    interrupts at once) before the calling thread is back from that wait. The interrupt
+    then lands inside the hand-over, before any future of anyio's is in the caller's
+    hands; the call must still be cancelled on the portal's loop."""
+    portal = shared_portal().portal()
+    hand_over = portal._spawn_task_from_thread
+    armed, arrived = threading.Event(), threading.Event()
+
+    def a_slow_hand_over(*args: Any) -> None:
+        hand_over(*args)
+        if not armed.is_set():  # the fleet's own calls, before the generation and after
+            return
+        armed.clear()  # the task is spawned: it runs while this thread is held here
+        if not arrived.wait(HANG):
+            raise AssertionError("the generation never reached the server")
+        threading.Event().wait(HANG)  # a descheduled thread: the interrupt lands here
+
+    monkeypatch.setattr(portal, "_spawn_task_from_thread", a_slow_hand_over)
+    fakes[0].inject("/inference/v1/generate", Fault.hang())
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_held_generation(fakes[0], armed=armed, arrived=arrived)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_held_generation(
+    fake: FakeVLLMServer,
+    *,
+    armed: threading.Event | None = None,
+    arrived: threading.Event | None = None,
+) -> None:
     main = threading.main_thread().ident
     assert main is not None
     assert main == threading.get_ident()
 
     def interrupt_once_it_arrives(request: RecordedRequest) -> None:
         if request.path == "/inference/v1/generate":  # held there: Ctrl-C now
+            if arrived is not None:
+                arrived.set()
             signal.pthread_kill(main, signal.SIGINT)
 
     with blocking.Fleet([fake.url], retry=None) as fleet:
         fake.on_request = interrupt_once_it_arrives
+        if armed is not None:
+            armed.set()
         try:
             with pytest.raises(KeyboardInterrupt):
                 fleet.generate(PROMPT, max_tokens=2)

@@ -14,8 +14,11 @@ mypy, IDEs and `help`.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import functools
+import inspect
 import logging
 import queue
 import threading
@@ -101,12 +104,18 @@ class PortalThread:
                 "asyncsync.blocking called from its own portal thread: await the async "
                 "object instead"
             )
-        future: Future[Any] = portal.start_task_soon(func, *args)  # awaited if awaitable
+        # Ours, made before anything is scheduled: an interrupt that lands while anyio
+        # is still handing the task over (its start_task_soon waits for the loop to
+        # spawn it, and the task may already be talking to a server by then) has no
+        # future of anyio's to cancel, but always has this one.
+        interrupted: Future[None] = Future()
         try:
+            future: Future[Any] = portal.start_task_soon(
+                _until_interrupted, interrupted, func, *args
+            )
             return future.result()
         except BaseException:
-            if not future.done():
-                future.cancel()  # cancels the task on the portal's loop
+            interrupted.cancel()  # cancels the task on the portal's loop, now or once it starts
             raise
 
     def stop(self) -> None:
@@ -126,6 +135,26 @@ class PortalThread:
         except RuntimeError:  # the loop already stopped
             return
         thread.join(_STOP_TIMEOUT)
+
+
+async def _until_interrupted(
+    interrupted: Future[None], func: Callable[..., Any], *args: Any
+) -> Any:
+    """``func(*args)`` on the portal's loop (awaited when it returns an awaitable),
+    cancelled as soon as the calling thread cancels ``interrupted``."""
+    loop = asyncio.get_running_loop()
+    with anyio.CancelScope() as scope:
+
+        def cancel(_: Future[None]) -> None:  # on the interrupted thread, or here
+            with contextlib.suppress(RuntimeError):  # a closed loop: nothing to cancel
+                loop.call_soon_threadsafe(scope.cancel)
+
+        interrupted.add_done_callback(cancel)
+        result = func(*args)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+    return None  # cancelled: the caller has already raised its interrupt
 
 
 def _serve(ready: queue.SimpleQueue[BlockingPortal | BaseException]) -> None:
