@@ -118,17 +118,52 @@ def server_cpu(pgid: int) -> float:
 
 
 @dataclass
+class Counters:
+    """The server's counters at one moment: CPU seconds of its API process (the process
+    group's leader: HTTP, render, derender, detokenizing) and of the rest (the engine
+    core), and the engine's steps and the tokens they computed (vLLM's ``/metrics``)."""
+
+    api_cpu: float
+    engine_cpu: float
+    steps: float
+    step_tokens: float
+
+    def __sub__(self, other: Counters) -> Counters:
+        return Counters(
+            self.api_cpu - other.api_cpu, self.engine_cpu - other.engine_cpu,
+            self.steps - other.steps, self.step_tokens - other.step_tokens,
+        )  # fmt: skip
+
+
+async def counters(http: aiohttp.ClientSession, url: str, pgid: int) -> Counters:
+    async with http.get(url + "/metrics") as resp:
+        assert resp.status == 200, await resp.text()
+        text = await resp.text()
+    steps = tokens = 0.0
+    for line in text.splitlines():  # vllm:iteration_tokens_total: tokens per engine step
+        if line.startswith("vllm:iteration_tokens_total_count"):
+            steps += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:iteration_tokens_total_sum"):
+            tokens += float(line.rsplit(" ", 1)[1])
+    api = processes_cpu([pgid])
+    return Counters(api, server_cpu(pgid) - api, steps, tokens)
+
+
+@dataclass
 class Run:
-    """One round of a case: wall seconds, per-episode seconds, and the CPU seconds the
-    server and this client (the gateway and its SDK clients included) spent on it."""
+    """One round of a case: wall seconds, per-episode seconds, the server's counters
+    over it, and the CPU seconds this client (the gateway and its SDK clients
+    included) spent on it."""
 
     wall: float
     times: list[float]
-    server_cpu: float
+    server: Counters
     client_cpu: float
 
 
-async def drive(episode: Episode, count: int, concurrency: int, pgid: int) -> Run:
+async def drive(
+    episode: Episode, count: int, concurrency: int, probe: Callable[[], Awaitable[Counters]]
+) -> Run:
     """``count`` episodes, ``concurrency`` at a time."""
     gate = asyncio.Semaphore(concurrency)
     times: list[float] = []
@@ -139,11 +174,12 @@ async def drive(episode: Episode, count: int, concurrency: int, pgid: int) -> Ru
             await episode(i)
             times.append(time.perf_counter() - began)
 
-    cpu0, own0 = server_cpu(pgid), time.process_time()
+    before, own0 = await probe(), time.process_time()
     began = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(count)))
     wall = time.perf_counter() - began
-    return Run(wall, times, server_cpu(pgid) - cpu0, time.process_time() - own0)
+    own = time.process_time() - own0
+    return Run(wall, times, await probe() - before, own)
 
 
 async def pieces(
@@ -210,9 +246,11 @@ async def pieces(
             await call()
 
     for name in ("render", "derender", "generate", "vllm_chat"):
-        cpu0 = server_cpu(pgid)
+        before = await counters(http, url, pgid)
         await asyncio.gather(*(gated(calls[name]) for _ in range(LOADED_CALLS)))
-        out[f"{name}_cpu"] = (server_cpu(pgid) - cpu0) / LOADED_CALLS
+        used = await counters(http, url, pgid) - before
+        out[f"{name}_cpu"] = (used.api_cpu + used.engine_cpu) / LOADED_CALLS
+        out[f"{name}_api"] = used.api_cpu / LOADED_CALLS
     return {**out, "call_tokens": len(first.token_ids), "answer_tokens": len(second.token_ids)}
 
 
@@ -225,7 +263,7 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
             make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
         )
         server_cm = LocalVLLMServer(model_dir, tool_call_parser="hermes", max_model_len=1024,
-                                    cpu_cores=server_core)  # fmt: skip
+                                    cpu_cores=server_core, log_stats=True)  # fmt: skip
         async with (
             server_cm as server,
             az.Fleet([server.url]) as fleet,
@@ -239,6 +277,10 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
             model = await az.ChatSession(fleet).served_model()
             assert server.process is not None
             pgid = server.process.pid  # its own process group
+
+            def probe() -> Awaitable[Counters]:
+                return counters(http, server.url, pgid)
+
             cases = {
                 "vLLM `/v1/chat/completions` (`return_token_ids`)": vllm_own(
                     http, server.url, model
@@ -248,13 +290,13 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
-                    await drive(episode, 4, 4, pgid)
+                    await drive(episode, 4, 4, probe)
                 results: dict[str, Any] = {}
                 for concurrency, count in ((1, args.episodes_1), (32, args.episodes_32)):
                     runs: dict[str, list[Run]] = {n: [] for n in cases}
                     for _ in range(ROUNDS):
                         for name, episode in cases.items():
-                            runs[name].append(await drive(episode, count, concurrency, pgid))
+                            runs[name].append(await drive(episode, count, concurrency, probe))
                     results[str(concurrency)] = {"count": count, "runs": runs}
                     print(f"concurrency {concurrency}: done", flush=True)
                 breakdown = await pieces(fleet, http, server.url, model, pgid)
@@ -266,35 +308,42 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
 
 def table(results: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
     lines = ["| case | concurrency | turn latency p50 | turns/s | vs vLLM's own "
-             "| server CPU / turn | client CPU / turn |",
-             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+             "| server CPU / turn: API + engine | API process busy "
+             "| engine steps / turn (tokens / step) | client CPU / turn |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     ratios: dict[str, dict[str, float]] = {}
     for concurrency, data in results.items():
         count, runs = data["count"], data["runs"]
         per_case = {}
         for name, rounds in runs.items():
             run = sorted(rounds, key=lambda r: r.wall)[len(rounds) // 2]
-            turns = 2 * count
-            per_case[name] = (
-                statistics.median(run.times) / 2, turns / run.wall,
-                run.server_cpu / turns, run.client_cpu / turns,
-            )  # fmt: skip
-        base_latency, base_rate = next(iter(per_case.values()))[:2]
+            per_case[name] = (statistics.median(run.times) / 2, 2 * count / run.wall, run)
+        base_latency, base_rate, _ = next(iter(per_case.values()))
         ratios[concurrency] = {}
-        for name, (latency, rate, server, client) in per_case.items():
+        for name, (latency, rate, run) in per_case.items():
             vs = latency / base_latency if concurrency == "1" else rate / base_rate
             ratios[concurrency][name] = vs
             what = f"{vs:.2f}x latency" if concurrency == "1" else f"{vs:.2f}x throughput"
+            turns, server = 2 * count, run.server
+            steps = f"{server.steps / turns:.1f} ({server.step_tokens / max(server.steps, 1):.1f})"
             # One turn at a time leaves the engine spinning between steps: its CPU then
             # measures time, not work; under load (32) it is the work.
             cpu = (
-                f"{server * 1e3:.1f} ms | {client * 1e3:.1f} ms" if concurrency != "1" else "- | -"
+                f"{server.api_cpu / turns * 1e3:.1f} + {server.engine_cpu / turns * 1e3:.1f} ms "
+                f"| {server.api_cpu / run.wall:.2f} cores"
+                if concurrency != "1"
+                else "- | -"
             )
+            client = f"{run.client_cpu / turns * 1e3:.1f} ms" if concurrency != "1" else "-"
             lines.append(
                 f"| {name} | {concurrency} | {latency * 1e3:,.1f} ms | {rate:,.1f} | {what} "
-                f"| {cpu} |"
+                f"| {cpu} | {steps} | {client} |"
             )
     return lines, ratios
+
+
+def _cpu(pieces_: dict[str, float], name: str) -> str:
+    return f"{pieces_[name + '_cpu'] * 1e3:.1f} ms ({pieces_[name + '_api'] * 1e3:.1f} ms)"
 
 
 def main() -> None:
@@ -325,9 +374,11 @@ def main() -> None:
         f"an answer of {pieces_['answer_tokens']:.0f}) at temperature 0; "
         f"{ROUNDS} interleaved rounds per case and concurrency, the median round; latency is "
         "the median episode's time per turn, throughput turns per second; CPU per turn at "
-        "concurrency 32 (the server's process group from /proc, this process's own: the "
-        "fleet, the gateway and the SDK clients), not at 1, where the server's engine spins "
-        "between steps and its CPU measures time, not work.",
+        "concurrency 32 (from /proc: the server's API process, which serves HTTP, renders, "
+        "derenders and detokenizes, and the rest of its process group, the engine core; "
+        "this process's own: the fleet, the gateway and the SDK clients), not at 1, where "
+        "the server's engine spins between steps and its CPU measures time, not work; "
+        "engine steps from the server's `/metrics` (`vllm:iteration_tokens_total`).",
         "",
         *rows,
         "",
@@ -339,10 +390,10 @@ def main() -> None:
         f"run concurrently), generation {pieces_['generate'] * 1e3:.1f} ms, derender "
         f"{pieces_['derender'] * 1e3:.1f} ms; the whole turn {pieces_['turn'] * 1e3:.1f} ms; "
         f"vLLM's own chat completion of the same messages {pieces_['vllm_chat'] * 1e3:.1f} ms. "
-        f"The server's CPU per call, {LOADED_CALLS} calls 32 at a time: render "
-        f"{pieces_['render_cpu'] * 1e3:.1f} ms, generation {pieces_['generate_cpu'] * 1e3:.1f} "
-        f"ms, derender {pieces_['derender_cpu'] * 1e3:.1f} ms; vLLM's own chat completion "
-        f"{pieces_['vllm_chat_cpu'] * 1e3:.1f} ms.",
+        f"The server's CPU per call, {LOADED_CALLS} calls 32 at a time (of it its API "
+        f"process's): render {_cpu(pieces_, 'render')}, generation "
+        f"{_cpu(pieces_, 'generate')}, derender {_cpu(pieces_, 'derender')}; vLLM's own chat "
+        f"completion {_cpu(pieces_, 'vllm_chat')}.",
         END,
     ]
     block = "\n".join(lines)
