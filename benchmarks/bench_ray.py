@@ -291,21 +291,18 @@ def main() -> None:
     parser.add_argument("--write", type=Path)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    lines = [
-        BEGIN,
+    load_before = os.getloadavg()[0]
+    body = ["**Control plane at scale.**",
+            *scale(sizes, args.procs, args.delay, args.params, args.repeats)]  # fmt: skip
+    if not args.skip_ray:
+        body += ["", "**Servers on Ray, and a router.**",
+                 *run_loop(ray_section(args.repeats))]  # fmt: skip
+    header = (
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, {os.cpu_count()} "
         f"cores, Python {platform.python_version()}; 1-minute load average "
-        f"{os.getloadavg()[0]:.1f} when it began, {{after}} after.",
-        "",
-        "**Control plane at scale.**",
-        *scale(sizes, args.procs, args.delay, args.params, args.repeats),
-    ]
-    if not args.skip_ray:
-        lines += ["", "**Servers on Ray, and a router.**",
-                  *run_loop(ray_section(args.repeats))]  # fmt: skip
-    lines.append(END)
-    lines[1] = lines[1].replace("{after}", f"{os.getloadavg()[0]:.1f}")
-    block = "\n".join(lines)
+        f"{load_before:.1f} when it began, {os.getloadavg()[0]:.1f} after."
+    )
+    block = "\n".join([BEGIN, header, "", *body, END])
     print(block)
     if args.write is not None:
         write_section(args.write, BEGIN, END, block, "Fleets on Ray and at scale")
