@@ -114,6 +114,7 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             backend="shm",
             tokenizer=True,
             cpu_cores=_core(0),
+            log_stats=True,  # /metrics: tests see what the engine runs (tests/waiting.py)
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
         token_only_server=LocalVLLMServer(
@@ -121,6 +122,7 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             backend="shm",
             tokenizer=False,
             cpu_cores=_core(1),
+            log_stats=True,
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
     )
