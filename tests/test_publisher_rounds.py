@@ -58,6 +58,7 @@ async def test_both_trainer_engine_styles_drive_the_same_round(
     assert report.params == len(LAYERS)
     assert list(report.seconds) == [
         "init",
+        "probe",
         "pause",
         "start",
         "pack",

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from asyncsync._core.errors import ProtocolError
-from asyncsync._core.state import observe_cancelled
 from asyncsync._core.types import FleetResult, Outcome, ProtocolGeneration
 from asyncsync._fleet.members import Members
 from asyncsync._wire.control import Call
@@ -60,28 +59,28 @@ async def fan_out(
     """Send ``op`` to every server in ``urls`` concurrently and wait for all of them.
 
     Each server's failure is its `Outcome`; nothing is raised for it
-    here. Each server's state is updated by its endpoint as its answer arrives; a call
-    cancelled in flight leaves a server that was mid-update dirty.
+    here. Each server's endpoint reports its answer to the ledger as it arrives; a call
+    cancelled in flight leaves a server that was mid-update dirty (`Ledger.cancelled`).
     """
     plans: _Plans[T] = _Plans(plan, per_server=per_server)
     loop = asyncio.get_running_loop()
+    ledger = members.ledger
 
     async def one(url: str) -> Outcome[T]:
         client = members.client(url)
-        state = client.server_state
+        record = client.endpoint.record
         started = loop.time()
-        state.outstanding += 1
+        ledger.call_began(record)
         try:
             call, body = plans.get(await client.protocol(), url)
             value = await client.endpoint.request(call, body)
         except asyncio.CancelledError:
-            observe_cancelled(state, op)
+            ledger.cancelled(record, op)
             raise
         except Exception as exc:  # each server's failure is its outcome
             return Outcome(url, error=exc, seconds=loop.time() - started)
         finally:
-            state.outstanding -= 1
-            members.notify()
+            ledger.call_ended(record)
         return Outcome(url, value=value, seconds=loop.time() - started)
 
     async with asyncio.TaskGroup() as group:

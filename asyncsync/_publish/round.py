@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from asyncsync._publish.verify import TrainerDigests, Verification, Verify, veri
 from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
+    from asyncsync._core.ledger import Target
     from asyncsync.fleet import Fleet
 
 T = TypeVar("T")
@@ -149,10 +151,14 @@ class InitCalls:
         """The start of a round into the served model (`DraftRound`: its draft)."""
         return await self.fleet.start_weight_update(targets=urls, require="none")
 
+    #: what the round loads into (`DraftRound`: the draft model)
+    target: Target = "main"
+
     def _mark_dirty(self, urls: list[str]) -> None:
         """What this round may have left half loaded on ``urls`` is dirty (the served
         model's weights; `DraftRound`: the draft model's)."""
-        self.fleet.mark_dirty(urls)
+        for url in urls:
+            self.fleet.ledger.server_lost(url, self.target)
 
     async def update(self, update_info: UpdateInfo, only: _Only = None) -> None:
         raise RuntimeError("update_weights is only allowed inside a publish round")
@@ -202,7 +208,11 @@ class PublishRound(InitCalls):
     weights can be iterated again (a collective round is then sent again once without
     a lost server). ``abort_info`` is the backend's update that ends an open update on a
     server (``TrainerBackend.abort_info``). ``published_version`` is the last published
-    version; `commit` advances it.
+    version; `commit` advances it. ``catch_up``: the round sends the published version
+    again to servers that lack it (`asyncsync._publish.catchup`): its commit records
+    them caught up and publishes nothing new. ``on_probed`` is called with the servers
+    whose process the probe found new (restarted since ``identities``, the identity
+    each had when the publisher last reached it), before anything is sent.
     """
 
     def __init__(
@@ -221,6 +231,9 @@ class PublishRound(InitCalls):
         seconds: dict[str, float] | None = None,
         verify: Verify | None = None,
         digests: TrainerDigests | None = None,
+        catch_up: bool = False,
+        identities: Mapping[str, str | None] | None = None,
+        on_probed: Callable[[list[str]], None] | None = None,
     ) -> None:
         super().__init__(fleet, targets)
         self.targets = list(targets)
@@ -243,7 +256,7 @@ class PublishRound(InitCalls):
         #: servers a pause was attempted on (resumed whatever happens), from the start
         #: those an earlier round left paused (its rollback skips a server that did not
         #: answer: this round resumes it once it answers again)
-        self.paused: list[str] = [url for url in self.targets if fleet.state(url).paused]
+        self.to_resume: list[str] = [url for url in self.targets if fleet.ledger.record(url).paused]
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
         #: a collective attempt lost a server; `attempts` is 2 once it was sent again
@@ -252,6 +265,9 @@ class PublishRound(InitCalls):
         self.verify = verify
         self.digests = digests
         self.verified: dict[str, Verification] = {}
+        self.catch_up = catch_up
+        self.identities = dict(identities or {})
+        self.on_probed = on_probed
 
     # ------------------------------------------------------------------ the round
     async def run(
@@ -261,7 +277,9 @@ class PublishRound(InitCalls):
         reset_prefix_cache? -> verify? -> commit -> resume?; too few servers left:
         rollback, then the error."""
         began = time.perf_counter()
-        logger.info("publishing %r to %d server(s)", self.version, len(self.targets))
+        what = "catching up" if self.catch_up else "publishing"
+        logger.info("%s %r to %d server(s)", what, self.version, len(self.targets))
+        self.fleet.ledger.round_started(self.version, self.targets, self.target)
         try:
             if init is not None:
                 await self._init(init)
@@ -328,20 +346,26 @@ class PublishRound(InitCalls):
         return {url: result[url].unwrap() for url in self._live(only)}
 
     async def probe(self) -> None:
-        """Servers last seen unhealthy answer ``/health`` (control deadline) or drop
-        out now, before anything waits an update deadline for them."""
-        unhealthy = [url for url in self.live if not self.fleet.state(url).healthy]
-        if unhealthy:
-            await self._phase(
-                Phase.PROBE,
-                lambda _live: self.fleet.health(targets=unhealthy, require="none"),
-            )
+        """Every server answers the health probe (``/health`` and its identity, under
+        the control deadline) or drops out now, before anything waits an update
+        deadline for it. A server whose process is new since the publisher last
+        reached it (restarted) is reported to `on_probed` before anything is sent."""
+        await self._phase(Phase.PROBE, lambda live: self.fleet.health(targets=live, require="none"))
+        ledger = self.fleet.ledger
+        restarted = [
+            url
+            for url in self.live
+            if self.identities.get(url) is not None
+            and ledger.record(url).identity != self.identities[url]
+        ]
+        if restarted and self.on_probed is not None:
+            self.on_probed(restarted)
 
     async def pause(self) -> None:
         assert self.pause_mode is not None
         mode = self.pause_mode
         # resumed even if the pause fails midway
-        self.paused.extend(url for url in self.live if url not in self.paused)
+        self.to_resume.extend(url for url in self.live if url not in self.to_resume)
         await self._phase(
             Phase.PAUSE, lambda live: self.fleet.pause(mode, targets=live, require="none")
         )
@@ -395,7 +419,8 @@ class PublishRound(InitCalls):
         stale = [u for u in result.failed if is_stale_round_error(result[u].error)]
         if not stale:
             return result
-        self.fleet.mark_dirty(stale)  # whichever model the stale round was loading
+        for url in stale:  # whichever model the stale round was loading
+            self.fleet.ledger.server_lost(url)
         await self._end_updates(stale)
         again = await self._start_route(stale)
         self.open.update(again.succeeded)
@@ -412,7 +437,8 @@ class PublishRound(InitCalls):
         await self._phase(Phase.FINISH, lambda live: self._finish_on(live, weight_version), only)
 
     async def _finish_on(self, live: list[str], weight_version: str | None) -> FleetResult[None]:
-        result = await self.fleet._finish(weight_version, targets=live)
+        # The round holds these servers: the finish records no version, the commit does.
+        result = await self.fleet.finish_weight_update(weight_version, targets=live, require="none")
         self.open.difference_update(result.succeeded)  # those hold the round's weights
         return result
 
@@ -428,9 +454,9 @@ class PublishRound(InitCalls):
         first."""
         assert self.verify is not None
         verify = self.verify
-        if verify.probe is not None and self.paused:
-            await self.fleet.resume(targets=self.paused, require="none")
-            self.paused = []  # resumed: neither the commit nor a rollback resumes again
+        if verify.probe is not None and self.to_resume:
+            await self.fleet.resume(targets=self.to_resume, require="none")
+            self.to_resume = []  # resumed: neither the commit nor a rollback resumes again
         await self._phase(Phase.VERIFY, lambda live: self._verify_on(live, verify, executor))
 
     async def _verify_on(
@@ -504,8 +530,13 @@ class PublishRound(InitCalls):
 
     # ------------------------------------------------------------------ ends
     def commit(self) -> None:
-        """Enough servers went through the round: the version is published on them."""
-        self.fleet._published(self.version, self.live)
+        """Enough servers went through the round: the version is published on them (a
+        catch-up: they hold the published version again)."""
+        ledger = self.fleet.ledger
+        if self.catch_up:
+            ledger.caught_up(self.version, self.live, self.targets)
+        else:
+            ledger.round_committed(self.version, self.live, self.targets, self.target)
         self.published_version = self.version
 
     async def wind_down(self) -> None:
@@ -515,7 +546,7 @@ class PublishRound(InitCalls):
         await self._end_updates(
             [u for u in sorted(self.open) if u in lost and not self._timed_out(u)]
         )
-        resumable = [url for url in self.paused if not self._timed_out(url)]
+        resumable = [url for url in self.to_resume if not self._timed_out(url)]
         if resumable:
             result: FleetResult[None] = await self._timed(
                 Phase.RESUME, lambda: self.fleet.resume(targets=resumable, require="none")
@@ -543,14 +574,13 @@ class PublishRound(InitCalls):
         await self._end_updates([u for u in sorted(self.open) if not self._timed_out(u)])
         reached = [u for u in self.targets if u in self.touched or self.outcomes[u].dirty]
         for url in reached:
-            self.outcomes[url].dirty = True
+            self.outcomes[url] = dataclasses.replace(self.outcomes[url], dirty=True)
         if reached:
             logger.warning("round %r left %s dirty", self.version, ", ".join(reached))
-            self._mark_dirty(reached)
-        for url in self.paused:
-            if self._timed_out(url):
-                self.fleet.state(url).paused = True  # its pause may still run
-        resumable = [url for url in self.paused if not self._timed_out(url)]
+        # a pause that got no answer may still run: those servers count as paused
+        unanswered = [url for url in self.to_resume if self._timed_out(url)]
+        self.fleet.ledger.rolled_back(reached, self.targets, self.target, paused=unanswered)
+        resumable = [url for url in self.to_resume if not self._timed_out(url)]
         if resumable:
             result = await self.fleet.resume(targets=resumable, require="none")
             for url in result.failed:

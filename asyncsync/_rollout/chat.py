@@ -22,14 +22,13 @@ import logging
 import time
 import uuid
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncsync._core import encoding as _json
 from asyncsync._core.completion import Completion
-from asyncsync._core.errors import GenerationError, ServerError
+from asyncsync._core.errors import ServerError
 from asyncsync._rollout.chat_reply import ChatReply, reply_from
 from asyncsync._rollout.prefix import (
     ON_UNSTABLE,
@@ -57,11 +56,13 @@ from asyncsync._wire.chat import (
     plan_models,
     plan_render,
 )
-from asyncsync._wire.control import ModelEntry
+from asyncsync._wire.control import Call, ModelEntry
 from asyncsync._wire.generation import client_spans
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
+
+T = TypeVar("T")
 
 __all__ = ["ChatFallbackWarning", "ChatSession", "ChatTurn", "chat_servers"]
 
@@ -98,15 +99,9 @@ class FleetChat:
         return found
 
 
-_FLEETS: weakref.WeakKeyDictionary[Any, FleetChat] = weakref.WeakKeyDictionary()
-
-
 def chat_servers(fleet: Fleet) -> FleetChat:
-    """The chat state of ``fleet`` (created on first use)."""
-    found = _FLEETS.get(fleet)
-    if found is None:
-        found = _FLEETS[fleet] = FleetChat()
-    return found
+    """The chat state of ``fleet``, kept in its ledger (created on first use)."""
+    return fleet.ledger.cache("chat", FleetChat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +262,10 @@ class ChatSession:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
         options: dict[str, Any],
     ) -> ChatReply:  # fmt: skip
-        url = self._render_server()
+        # The turn's server: admitted like a generation (the session's while it is fit,
+        # pinned now); each request of the turn is admitted again, and goes there.
+        async with self.fleet.admitted(session_id=self.session_id) as client:
+            url = client.base_url
         model = await self.served_model(options.get("model"), url)
         request = chat_request(messages, tools, {**options, "model": model})
         state = self._chat.of(url)
@@ -283,23 +281,20 @@ class ChatSession:
                 return await self._generate(plan, messages, model, options)
         return await self._fallback_turn(url, messages, request, model, options)
 
-    def _render_server(self) -> str:
-        """The server a turn's renders go to: the session's, else one fit to serve."""
-        pinned = self.fleet.session_server(self.session_id) or self._server
-        if pinned is not None and pinned in self.fleet:
-            return pinned
-        fit = self.fleet.where(lambda s: s.healthy and not s.dirty)
-        if fit:
-            return min(fit, key=lambda u: self.fleet.state(u).outstanding)
-        urls = list(self.fleet.urls)
-        if not urls:
-            raise GenerationError("no server to chat with: the fleet is empty")
-        return urls[0]
+    async def _request(self, call: Call[T], body: bytes | None) -> T:
+        """``call`` on the session's server, admitted like a generation (the fleet's one
+        admission rule: a server that is fit to serve, the session's while it is), and
+        counted in flight while it runs."""
+        async with self.fleet.admitted(session_id=self.session_id) as client:
+            return await client.endpoint.request(call, body)
 
     async def served_model(self, requested: str | None = None, url: str | None = None) -> str:
         """The served model name a request's ``model`` maps to: itself when the server
         serves it; the one model when it serves only one (any name maps to it)."""
-        models = await self._models(url or self._render_server())
+        if url is None:
+            async with self.fleet.admitted(session_id=self.session_id) as client:
+                url = client.base_url
+        models = await self._models(url)
         names = [m.id for m in models]
         if requested in names:
             return str(requested)
@@ -310,13 +305,11 @@ class ChatSession:
     async def _models(self, url: str) -> list[ModelEntry]:
         state = self._chat.of(url)
         if state.models is None:
-            call = plan_models()
-            state.models = await self.fleet.client(url).endpoint.request(call, None)
+            state.models = await self._request(plan_models(), None)
         return state.models
 
     async def _render(self, url: str, request: Mapping[str, Any]) -> Rendered:
-        endpoint = self.fleet.client(url).endpoint
-        return await endpoint.request(plan_render(), _json.dumps(dict(request)))
+        return await self._request(plan_render(), _json.dumps(dict(request)))
 
     # ---------------------------------------------------------------- planning
     async def _plan(
@@ -402,15 +395,14 @@ class ChatSession:
         sampling = _sampling(plan.rendered.sampling_params, options, len(plan.prompt), limit)
         completion = await self.fleet.generate(plan.prompt, session_id=self.session_id, **sampling)
         body = derender_body(completion, plan.request, model)
-        endpoint = self.fleet.client(completion.server).endpoint
-        response = await endpoint.request(plan_derender(), _json.dumps(body))
+        response = await self._request(plan_derender(), _json.dumps(body))
         return self._record(plan, messages, completion, response, model)
 
     async def _context(self, prompt: list[int]) -> int | None:
         limit = self.fleet.max_model_len
         if limit is None:
-            url = self.fleet.session_server(self.session_id) or self._render_server()
-            lengths = [m.max_model_len for m in await self._models(url)]
+            url = self.fleet.session_server(self.session_id) or self._server
+            lengths = [m.max_model_len for m in await self._models(url)] if url else []
             limit = lengths[0] if lengths and lengths[0] is not None else None
         if limit is not None and len(prompt) >= limit:
             raise ChatRequestError(
@@ -452,12 +444,14 @@ class ChatSession:
                 ChatFallbackWarning,
                 stacklevel=4,
             )
-        client = self.fleet.client(url)
         top = options.get("top_logprobs") or 0
         body = chat_fallback_body(request, int(top))
-        admitted, started = client.server_state.weight_version, time.monotonic()
-        answer = await client.endpoint.request(plan_chat(), _json.dumps(body))
-        completed = client.server_state.weight_version
+        # Admitted like a generation and counted in flight (the fleet's one rule).
+        async with self.fleet.admitted(session_id=self.session_id) as client:
+            url = client.base_url
+            admitted, started = client.weight_version, time.monotonic()
+            answer = await client.endpoint.request(plan_chat(), _json.dumps(body))
+            completed = client.weight_version
         choice = answer.response["choices"][0]
         completion = Completion(
             prompt_token_ids=answer.prompt_token_ids, token_ids=answer.token_ids,

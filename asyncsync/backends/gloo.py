@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -309,6 +309,7 @@ class GlooBackend(TrainerBackend):
     server_backend = GLOO_BACKEND_NAME
     options_class = Gloo
     collective = True
+    keeps_last_round = True
 
     def __init__(
         self,
@@ -354,6 +355,11 @@ class GlooBackend(TrainerBackend):
         self.link.update_deadline_s = client.update_deadline()
         self.link.ensure(client, client.world_sizes())
         return self.link.send_round(source, client, control)
+
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """A restarted server is in no group: the next send forms a new one."""
+        if urls:
+            self.link.end_generation()
 
     def abort_info(self) -> Mapping[str, Any]:
         return ShmUpdateFields.abort_json()

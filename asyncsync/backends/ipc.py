@@ -22,7 +22,7 @@ engine (its handle all-gather is a collective); only rank 0 calls the servers.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi
@@ -83,6 +83,11 @@ class IpcBackend(VllmEngineBackend):
     def init_info(self) -> Mapping[str, Any]:
         # vLLM 0.28+ sends the packed flag itself (trainer_init); 0.23-0.27 take none.
         return {}
+
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """A restarted server's engine was never initialized: the next send does."""
+        if urls:
+            self._members = None
 
     # ------------------------------------------------------------------ init
     def init(self, client: SyncFleetClient) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncsync._core.errors import ProtocolError
@@ -169,6 +169,11 @@ class NcclBackend(VllmEngineBackend):
 
     def init_info(self) -> Mapping[str, Any]:
         raise NotImplementedError("nccl init_info is per server and per group")
+
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """A restarted server is in no group: the next send forms a new one."""
+        if urls:
+            self._drop()
 
     # ------------------------------------------------------------------ the group
     def init(self, client: SyncFleetClient) -> None:
