@@ -195,6 +195,8 @@ class Fleet:
         self._monitor = Monitor(self.ledger, self._probe)
         self._watches: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[Any]] = set()
+        #: removed servers' clients, closed once their requests in flight are done
+        self._retiring: set[AsyncVLLMClient] = set()
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
         self._close_hooks: list[weakref.WeakMethod[_CloseHook]] = []
@@ -263,8 +265,9 @@ class Fleet:
         await asyncio.gather(*self._watches, *self._background, return_exceptions=True)
         await self._monitor.aclose()
         await _call_hooks(self._close_hooks)
-        for client in self._members.owned():
+        for client in [*self._members.owned(), *self._retiring]:
             await client.aclose()
+        self._retiring.clear()
         if isinstance(self._dispatch, RouterDispatcher):
             await self._dispatch.router.aclose()
         await self._transport.aclose()
@@ -325,16 +328,32 @@ class Fleet:
         return self.ledger.snapshot(url)
 
     async def remove_server(self, url: str) -> ServerState:
-        """Remove a server (``retired``); its client is closed if the fleet built it.
-        Calls already in flight to it finish normally; new ones go elsewhere. Returns
-        its last state."""
+        """Remove a server (``retired``): new requests go elsewhere; those admitted
+        there already finish normally, after which its client is closed if the fleet
+        built it. Returns its last state."""
         url = normalize_url(url)
         if url not in self._members:
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
-        if owned:
+        record = client.endpoint.record
+        if owned and record.outstanding > 0:
+            self._retiring.add(client)
+            task = asyncio.get_running_loop().create_task(
+                self._close_when_idle(client), name=f"asyncsync:retire:{url}"
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif owned:
             await client.aclose()
-        return client.endpoint.ledger.snapshot_of(client.endpoint.record)
+        return client.endpoint.ledger.snapshot_of(record)
+
+    async def _close_when_idle(self, client: AsyncVLLMClient) -> None:
+        """Close a removed server's client once the requests admitted there are done."""
+        record = client.endpoint.record
+        while record.outstanding > 0:
+            await self.ledger.changed()
+        self._retiring.discard(client)
+        await client.aclose()
 
     async def ready(
         self,
