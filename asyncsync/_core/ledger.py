@@ -227,6 +227,9 @@ class Ledger:
         self._rounds: dict[str, tuple[str, Target]] = {}
         self._waiters: set[asyncio.Future[None]] = set()
         self._listeners: list[Callable[[], None]] = []
+        #: the servers whose health is not "healthy" (kept as health settles: what the
+        #: background probes and the catch-up look at, without a pass over every server)
+        self._unwell: set[str] = set()
         self._ref = weakref.ref(self)
 
     # ================================================================== reads
@@ -289,6 +292,11 @@ class Ledger:
         if not len(self._histories["main"]):
             return True
         return rec.loaded_by == rec.identity and self.accepts(rec.weight_version)
+
+    @property
+    def unwell(self) -> frozenset[str]:
+        """The servers whose health is not ``healthy``."""
+        return frozenset(self._unwell)
 
     def in_round(self, url: str) -> bool:
         """Whether an open round holds ``url`` (it then records versions itself)."""
@@ -400,6 +408,10 @@ class Ledger:
         if old == "healthy" and new != "retired":
             self._flapped(rec, now)
             new = rec.health = self._health(rec, now)
+        if new in ("healthy", "retired"):
+            self._unwell.discard(rec.url)
+        else:
+            self._unwell.add(rec.url)
         level = logging.INFO if new in ("healthy", "retired", "stale") else logging.WARNING
         logger.log(level, "server %s: %s -> %s%s", rec.url, old, new, _why(rec))
         _hooks.health_changed(rec.url, old, new)

@@ -36,6 +36,12 @@ logger = logging.getLogger("asyncsync.fleet")
 MAX_PROBE_INTERVAL = 5.0
 #: The wait after a server's first failed probe (doubles with each further one).
 _FIRST_INTERVAL = 0.5
+#: The shortest deadline of an identity read: vLLM answers its first ``/server_info``
+#: only once it has collected its environment (``pip list``, the CPU...), 1.7 s on an
+#: idle 2-core machine, far longer on a loaded one. It is asked only of a server that
+#: has just answered ``/health``: a frozen or dead server fails that first, under the
+#: control deadline.
+IDENTITY_DEADLINE = 120.0
 
 
 async def probe(members: Members, urls: list[str]) -> FleetResult[None]:
@@ -50,8 +56,9 @@ async def probe(members: Members, urls: list[str]) -> FleetResult[None]:
     answered = [url for url in urls if health[url].ok]
     if answered:
         identities: FleetResult[str | None] = await fan_out(
-            members, "identity", lambda _p, _u: wire.plan_identity(), answered
-        )
+            members, "identity", lambda _p, _u: wire.plan_identity(), answered,
+            at_least=IDENTITY_DEADLINE,
+        )  # fmt: skip
         for url in answered:
             found = identities[url]
             record = _record(members, url)
@@ -116,6 +123,8 @@ class Monitor:
         if self._task is not None and not self._task.done():
             if self._wake is not None:
                 self._wake.set()
+            return
+        if not self._ledger.unwell:  # every server healthy: nothing to probe or wait for
             return
         if not self._needs() and self._ledger.next_hold_end() is None:
             return

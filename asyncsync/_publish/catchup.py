@@ -201,7 +201,7 @@ class CatchUp:
             if self._wake is not None:
                 self._wake.set()
             return
-        if not self.stale():
+        if not self._ledger.unwell or not self.stale():  # the first: without a pass
             return
         try:
             loop = asyncio.get_running_loop()
