@@ -580,8 +580,10 @@ class AsyncWeightPublisher:
                 assert self._kept is not None
                 weights = self._kept.weights()
             logger.info("catching up %s to %r", ", ".join(urls), version)
+            # paused: a request sent to it directly (not admitted: it is stale) waits for
+            # the round, instead of meeting a model mid-update (vLLM-CPU's worker dies)
             return await self._publish(
-                weights, version, None, True, None, urls, None, 1, catch_up=True
+                weights, version, "keep", True, None, urls, None, 1, catch_up=True
             )
 
     def _restarted(self, urls: list[str]) -> None:

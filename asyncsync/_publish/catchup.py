@@ -18,9 +18,12 @@ reused from round to round: no page fault after the first), so a catch-up costs 
 trainer two model's bytes of host memory; ``catch_up="off"`` or a callable keeps none.
 
 `CatchUp` watches the fleet's ledger: a server that answers, whose identity was read,
-and that is ``stale`` (restarted, joined, left dirty by a failed round, too far behind)
-gets a round of its own (all such servers together), of the fleet's current version,
-from what was kept; the other servers keep serving, undisturbed. The ledger admits it
+and that a fault left ``stale`` (restarted, joined, left dirty by a failed round, back
+from the dead) gets a round of its own (all such servers together), of the fleet's
+current version, from what was kept, paused (``"keep"``: a request sent to it directly,
+not through the fleet, waits for the round instead of meeting a half-loaded model); the
+other servers keep serving, undisturbed. A server that is only behind because a round
+did not target it is left as it is. The ledger admits it
 once the round finished there (`Ledger.caught_up`). A trainer's round takes precedence:
 ``publish`` cancels a running catch-up (which ends its update on that server, as any
 cancelled round does) and its round, which targets every server, includes the stale
@@ -296,8 +299,14 @@ def _lacks(
 ) -> bool:
     if record.health != "stale" or not record.healthy or record.suspect or record.held_out(now):
         return False
-    if not (record.dirty or not ledger.holds_accepted(record)):
-        return False  # stale for its draft model alone: a draft round repairs it
+    # What a fault left behind: dirty (a round that reached it failed, it came back from
+    # the dead, it reported what it should not hold), restarted or added (no version
+    # loaded by the process it is now). A server that is merely behind because a round
+    # did not target it keeps what it holds; one stale for its draft model alone is
+    # repaired by a draft round.
+    lost = record.weight_version is None or record.loaded_by != record.identity
+    if not (record.dirty or lost):
+        return False
     if record.updating or ledger.in_round(record.url):
         return False
     when = retry.get(record.url)

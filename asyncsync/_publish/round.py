@@ -283,9 +283,10 @@ class PublishRound(InitCalls):
         try:
             if init is not None:
                 await self._init(init)
-            await self.probe()
             if self.pause_mode is not None:
-                await self.pause()
+                await self._probe_and_pause()
+            else:
+                await self.probe()
             stats = await self.send(job, executor)
             if self.reset_cache:
                 await self.reset_prefix_cache()
@@ -360,6 +361,17 @@ class PublishRound(InitCalls):
         ]
         if restarted and self.on_probed is not None:
             self.on_probed(restarted)
+
+    async def _probe_and_pause(self) -> None:
+        """The probe and the pause at once: the pause is not held up by the probe's
+        answers (generations keep running on old weights meanwhile); a server the probe
+        drops was paused too, and is resumed with the others."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.probe())
+                group.create_task(self.pause())
+        except BaseExceptionGroup as failed:
+            raise _first(failed) from None
 
     async def pause(self) -> None:
         assert self.pause_mode is not None
@@ -620,6 +632,23 @@ class PublishRound(InitCalls):
 
     def error(self, exc: BaseException) -> PublishError:
         return publish_error(self.version, self.published_version, self.outcomes, exc)
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The failure of a phase run beside another: too few servers left, if that is one
+    of them (what the round's error explains), else the first."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup) and not isinstance(exc, FleetError):
+            pending.extend(exc.exceptions)  # the task group's, not a fleet call's error
+        else:
+            leaves.append(exc)
+    for exc in leaves:
+        if isinstance(exc, _TooFew):
+            return exc
+    return leaves[0]
 
 
 def _no_answer(error: BaseException | None) -> bool:
