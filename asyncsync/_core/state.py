@@ -41,8 +41,9 @@ __all__ = [
 #: ``suspect`` (a call failed or an answer contradicted the record: out of routing until
 #: a probe has read its identity again; also a server held out after flapping),
 #: ``stale`` (answering, but holding no version the fleet accepts: restarted, joined,
-#: left mid-round, too far behind; caught up by the publisher), ``dead`` (no answer for
-#: several probes; it comes back only through ``stale``), ``retired`` (removed).
+#: left mid-round, too far behind; caught up by the publisher when a fault did it),
+#: ``dead`` (no answer for several probes; it comes back only through ``stale``),
+#: ``retired`` (removed).
 Health = Literal["healthy", "suspect", "stale", "dead", "retired"]
 HEALTH: tuple[Health, ...] = ("healthy", "suspect", "stale", "dead", "retired")
 
