@@ -78,7 +78,9 @@ async def _publish_cancelled(
 
         return wrapper
 
-    name = {"finish": "finish_weight_update", "reset": "reset_prefix_cache"}.get(point)  # the round's fan-outs
+    name = {"finish": "finish_weight_update", "reset": "reset_prefix_cache"}.get(
+        point
+    )  # the round's fan-outs
     if name is not None:
         setattr(fleet, name, cancelling(getattr(fleet, name)))
     try:
