@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from asyncsync._core.errors import AsyncSyncError
 from asyncsync._wire.caps import ProbeError, ServerOptions, probe_server_options, server_flags
 
 __all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError", "remove_ring_buffers"]
@@ -35,7 +36,7 @@ BACKEND_NAMES: dict[str, str] = {
 _LOG_TAIL_LINES = 40
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(AsyncSyncError, RuntimeError):
     """The vLLM server did not become healthy (it exited, or the deadline passed)."""
 
 
