@@ -20,7 +20,7 @@ import torch
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import ABORT, aborts_received, round_calls, shm_fakes
-from tests.waiting import wait_until
+from tests.waiting import arrived, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -326,6 +326,40 @@ async def test_a_cancelled_publish_ends_the_round_at_a_chunk_boundary(
         report = await publisher.publish(LAYERS, version="after")
         assert report.chunks > 2
         assert publisher.version == "after"
+        assert not any(s.dirty for s in fleet.servers)
+
+
+async def test_a_cancelled_publish_ends_the_update_of_every_server_that_answers(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """The cancel lands while one server's update hangs: the round ends at the chunk
+    boundary once that call's deadline passes; the server that answers is sent the abort
+    and holds no active update; the one that gave no answer is sent nothing more (the
+    abort would wait another deadline), stays dirty with its update open, and the next
+    round ends that update and goes through (docs/publishing.md, "Cancellation")."""
+    healthy, hung = fakes
+    hung.inject("/update_weights", Fault.hang())
+    timeouts = az.Timeouts(connect=60, control=60, update=0.5, generate=60)
+    async with (
+        az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
+    ):
+        task = asyncio.create_task(publisher.publish(LAYERS, version="cancelled"))
+        await arrived(hung, "/update_weights")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert publisher.version is None
+        assert aborts_received(healthy) == [ABORT]
+        assert not healthy.update_active
+        assert aborts_received(hung) == []
+        assert hung.update_active
+        assert fleet.state(healthy.url).dirty
+        assert fleet.state(hung.url).dirty
+        hung.clear_faults()
+        report = await publisher.publish(LAYERS, version="after")
+        assert report.version == publisher.version == "after"
+        assert not hung.update_active
         assert not any(s.dirty for s in fleet.servers)
 
 
