@@ -11,8 +11,9 @@ the event loop (see `asyncsync._publish.bridge`).
 when at least ``min_servers`` finished the round. Otherwise `PublishError` carries each
 server's outcome, and servers left mid-update are marked dirty in the fleet (generation
 avoids them) until a later round, or a catch-up (`asyncsync._publish.catchup`), succeeds
-on them. A cancelled round stops at the next chunk boundary and leaves no server with
-an active update.
+on them. A cancelled round stops at the next chunk boundary and leaves no server that
+answers with an active update (one whose call got no answer is sent nothing more: it
+stays dirty, and the next round, or the catch-up, ends what it still holds).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from asyncsync._publish.verify import (
 from asyncsync._publish.weights import (
     WeightsLike,
     WeightSource,
+    check_source,
     check_weights,
     finite,
     is_factory,
@@ -530,8 +532,7 @@ class AsyncWeightPublisher:
         called and checked in the thread), and the targets' checkpoint tables."""
         source = None if is_factory(weights) else resolve(weights)
         if source is not None:
-            check_weights(source)
-            self._backend.check(source)
+            await check_source(source, self._backend.check, self._executor)
         # Against each server's checkpoint (learned once per server): every mismatch.
         checkpoints = await self._checkpoints(targets)
         if source is not None:
