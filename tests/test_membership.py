@@ -457,3 +457,22 @@ async def test_watch_refuses_what_it_cannot_read() -> None:
             fleet.watch(42)
         with pytest.raises(ValueError, match="every"):
             fleet.watch("http://127.0.0.1:9", every=0)
+
+
+@pytest.mark.asyncio
+async def test_a_server_removed_during_a_round_drops_out_of_it() -> None:
+    async with published(2) as (servers, fleet, publisher):
+        leaving, staying = servers
+        hold = asyncio.Event()
+        leaving.fake.inject("/update_weights", Fault.until(hold))
+        sent = len(leaving.fake.requests_to("/update_weights"))  # v1's
+        publishing = asyncio.create_task(publisher.publish(NEWER, version="v2"))
+        await wait_until(lambda: len(leaving.fake.requests_to("/update_weights")) > sent)
+        await fleet.remove_server(leaving.fake.url)  # a watch's tick, mid-round
+        hold.set()
+        report = await publishing
+        assert (report.servers, report.lost) == ([staying.fake.url], [leaving.fake.url])
+        assert "removed from the fleet" in str(report.outcomes[leaving.fake.url].error)
+        assert fleet.urls == (staying.fake.url,)
+        assert staying.worker.holds(NEWER)
+        assert fleet.state(staying.fake.url).weight_version == "v2"

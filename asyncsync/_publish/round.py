@@ -39,6 +39,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._core.errors import (
+    AsyncSyncError,
     FleetError,
     PublishError,
     ServerTimeout,
@@ -120,7 +121,8 @@ class InitCalls:
         self.live = list(targets)
 
     def _live(self, only: _Only) -> list[str]:
-        return [url for url in self.live if only is None or url in only]
+        """The servers still in the round (of ``only``), and still in the fleet."""
+        return [url for url in self.live if (only is None or url in only) and url in self.fleet]
 
     def lane(self, urls: Sequence[str]) -> Lane:
         """These calls restricted to ``urls`` (one transport's servers)."""
@@ -490,7 +492,9 @@ class PublishRound(InitCalls):
     # ------------------------------------------------------------------ who is left
     async def _phase(self, phase: Phase, call: _Call, only: _Only = None) -> FleetResult[Any]:
         """One fan-out of ``phase`` to the servers left (of ``only``): its seconds added,
-        the servers it failed on dropped (`_drop`)."""
+        the servers it failed on dropped (`_drop`); a server removed from the fleet
+        meanwhile (``Fleet.remove_server``, a watch) drops out first."""
+        self._drop_removed(phase)
         result: FleetResult[Any] = await self._timed(phase, lambda: call(self._live(only)))
         self.connected.update(
             url for url, o in result.items() if o.error is None or not never_sent(o.error)
@@ -533,6 +537,23 @@ class PublishRound(InitCalls):
             self.regroup = True
             raise _Regroup(f"the collective lost {', '.join(lost)} at {phase.value}")
 
+    def _drop_removed(self, phase: Phase) -> None:
+        removed = [url for url in self.live if url not in self.fleet]
+        if not removed:
+            return
+        errors: list[Exception] = []
+        for url in removed:
+            why = AsyncSyncError("removed from the fleet during the round", server=url)
+            self._lose(url, phase, why)
+            errors.append(why)
+        if len(self.live) < self.need:
+            raise _TooFew(
+                f"{len(self.live)} server(s) left after {phase.value}, {self.need} needed "
+                f"(removed from the fleet: {', '.join(removed)})",
+                errors,
+                operation=phase.value,
+            )
+
     def _lose(self, url: str, phase: Phase, error: BaseException) -> None:
         """``url`` drops out at ``phase``: dirty, sent nothing more in this round."""
         self.live.remove(url)
@@ -568,7 +589,9 @@ class PublishRound(InitCalls):
         await self._end_updates(
             [u for u in sorted(self.open) if u in lost and not self._timed_out(u)]
         )
-        resumable = [url for url in self.to_resume if not self._timed_out(url)]
+        resumable = [
+            url for url in self.to_resume if not self._timed_out(url) and url in self.fleet
+        ]
         if resumable:
             result: FleetResult[None] = await self._timed(
                 Phase.RESUME, lambda: self.fleet.resume(targets=resumable, require="none")
@@ -602,7 +625,9 @@ class PublishRound(InitCalls):
         # a pause that got no answer may still run: those servers count as paused
         unanswered = [url for url in self.to_resume if self._timed_out(url)]
         self.fleet.ledger.rolled_back(reached, self.targets, self.target, paused=unanswered)
-        resumable = [url for url in self.to_resume if not self._timed_out(url)]
+        resumable = [
+            url for url in self.to_resume if not self._timed_out(url) and url in self.fleet
+        ]
         if resumable:
             result = await self.fleet.resume(targets=resumable, require="none")
             for url in result.failed:
@@ -615,6 +640,7 @@ class PublishRound(InitCalls):
         """End the active update on ``urls`` with the backend's abort update. A rejection
         is the expected answer (the server then holds no active update); a server that
         accepted it, or did not answer, stays dirty."""
+        urls = [url for url in urls if url in self.fleet]
         if not urls:
             return
         result = await self.fleet.update_weights(

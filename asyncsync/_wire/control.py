@@ -322,7 +322,8 @@ def plan_identity() -> Call[str | None]:
     return Call(
         "identity", "GET", "/server_info", "control", _parse_identity,
         '{"vllm_config": {"instance_id": str, ...}}', params=(("config_format", "json"),),
-        idempotent=True, not_found_hint="/server_info needs VLLM_SERVER_DEV_MODE=1, like the RL routes",
+        idempotent=True,
+        not_found_hint="/server_info needs VLLM_SERVER_DEV_MODE=1, like the RL routes",
     )  # fmt: skip
 
 
