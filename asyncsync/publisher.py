@@ -453,7 +453,9 @@ class AsyncWeightPublisher:
             if bar is not None:
                 bar.close()
         ledger = self.fleet.ledger
-        self._identities.update({url: ledger.record(url).identity for url in report.servers})
+        self._identities.update(
+            {url: ledger.record(url).identity for url in report.servers if url in ledger}
+        )
         if kept is not None:
             kept.committed(version)
         if catch_up:

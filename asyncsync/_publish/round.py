@@ -262,7 +262,9 @@ class PublishRound(InitCalls):
         #: servers a pause was attempted on (resumed whatever happens), from the start
         #: those an earlier round left paused (its rollback skips a server that did not
         #: answer: this round resumes it once it answers again)
-        self.to_resume: list[str] = [url for url in self.targets if fleet.ledger.record(url).paused]
+        self.to_resume: list[str] = [
+            url for url in self.targets if url in fleet and fleet.ledger.record(url).paused
+        ]
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
         #: a collective attempt lost a server; `attempts` is 2 once it was sent again
@@ -361,7 +363,7 @@ class PublishRound(InitCalls):
         ledger = self.fleet.ledger
         restarted = [
             url
-            for url in self.live
+            for url in self._live(None)
             if self.identities.get(url) is not None
             and ledger.record(url).identity != self.identities[url]
         ]
