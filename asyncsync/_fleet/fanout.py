@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from asyncsync._core.errors import ProtocolError
+from asyncsync._core.errors import AsyncSyncError, ProtocolError
 from asyncsync._core.timeouts import Timeouts
 from asyncsync._core.types import FleetResult, Outcome, Phase, ProtocolGeneration
 from asyncsync._fleet.members import Members
@@ -77,6 +77,9 @@ async def fan_out(
     ledger = members.ledger
 
     async def one(url: str) -> Outcome[T]:
+        if url not in members:  # removed since the call was planned: nothing sent
+            gone = AsyncSyncError("removed from the fleet", server=url)
+            return Outcome(url, error=gone, seconds=0.0)
         client = members.client(url)
         record = client.endpoint.record
         started = loop.time()
