@@ -23,13 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from asyncsync._wire.control import normalize_url, plan_list_workers
-
-if TYPE_CHECKING:
-    from asyncsync.client import AsyncVLLMClient
-    from asyncsync.fleet import Fleet
+from asyncsync.client import AsyncVLLMClient
 
 __all__ = ["Lister", "lister", "watch"]
 
@@ -37,6 +34,23 @@ logger = logging.getLogger("asyncsync.fleet")
 
 #: What a tick reads from its source: the URLs, and the hosts of those it knows.
 Lister = Callable[[], Awaitable[tuple[list[str], Mapping[str, str]]]]
+
+
+class Fleet(Protocol):
+    """What a watch uses of `asyncsync.Fleet` (its public methods)."""
+
+    @property
+    def urls(self) -> tuple[str, ...]: ...
+
+    def __contains__(self, url: object) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    async def add_server(self, server: str, *, host: str | None = None) -> object: ...
+
+    async def remove_server(self, url: str) -> object: ...
+
+    async def health(self, *, require: Any = None) -> object: ...
 
 
 def lister(source: object, router: Callable[[str], AsyncVLLMClient]) -> Lister:
