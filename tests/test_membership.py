@@ -460,7 +460,8 @@ async def test_watch_refuses_what_it_cannot_read() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_server_removed_during_a_round_drops_out_of_it() -> None:
+@pytest.mark.parametrize("back", [False, True], ids=["removed", "removed and added again"])
+async def test_a_server_removed_during_a_round_drops_out_of_it(back: bool) -> None:
     async with published(2) as (servers, fleet, publisher):
         leaving, staying = servers
         hold = asyncio.Event()
@@ -469,10 +470,19 @@ async def test_a_server_removed_during_a_round_drops_out_of_it() -> None:
         publishing = asyncio.create_task(publisher.publish(NEWER, version="v2"))
         await wait_until(lambda: len(leaving.fake.requests_to("/update_weights")) > sent)
         await fleet.remove_server(leaving.fake.url)  # a watch's tick, mid-round
+        if back:  # the next tick lists it again: the same process, still in the round
+            await fleet.add_server(leaving.fake.url)
         hold.set()
         report = await publishing
-        assert (report.servers, report.lost) == ([staying.fake.url], [leaving.fake.url])
-        assert "removed from the fleet" in str(report.outcomes[leaving.fake.url].error)
-        assert fleet.urls == (staying.fake.url,)
+        if back:
+            assert report.servers == [leaving.fake.url, staying.fake.url]
+            await fleet.ready(leaving.fake.url, timeout=30)
+        else:
+            assert (report.servers, report.lost) == ([staying.fake.url], [leaving.fake.url])
+            assert "removed from the fleet" in str(report.outcomes[leaving.fake.url].error)
+            assert fleet.urls == (staying.fake.url,)
         assert staying.worker.holds(NEWER)
         assert fleet.state(staying.fake.url).weight_version == "v2"
+        if back:
+            assert leaving.worker.holds(NEWER)
+            assert fleet.state(leaving.fake.url).weight_version == "v2"

@@ -462,7 +462,8 @@ class Ledger:
         self._order = tuple(r for r in self._order if r is not rec)
         self._sessions.drop_server(url)
         self._adapters.forget(url)
-        self._rounds.pop(url, None)
+        # (a round that holds it still does, until it ends: added again meanwhile, its
+        # answers are the round's to record)
         rec.retired = True
         self._changed([rec])
         return rec
@@ -778,7 +779,7 @@ class Ledger:
         """Every targeted server finished ``version`` through the control routes called
         directly (or it was set by hand): it becomes the newest, they hold it. Servers
         that a round holds are left to the round."""
-        free = [u for u in urls if u not in self._rounds]
+        free = [u for u in urls if u not in self._rounds and u in self._records]
         if not free:
             return
         self._histories["main"].record(version)
@@ -804,7 +805,7 @@ class Ledger:
         if version is not None:
             self.published_by_hand(version, urls)
             return
-        recs = [self._records[u] for u in urls]
+        recs = [self._records[u] for u in urls if u in self._records]
         for rec in recs:
             rec.weight_version = rec.loaded_by = None
         self._changed(recs)
