@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 
 import asyncsync as az
-from asyncsync._core.completion import Completion
-from asyncsync._rollout.chat import _sampling
-from asyncsync._rollout.gateway import ChatAPI, sse_chunks
-from asyncsync._rollout.prefix import (
+from asyncsync._chat.chat import _sampling
+from asyncsync._chat.gateway import ChatAPI, sse_chunks
+from asyncsync._chat.prefix import (
     align_end,
     closing_after,
     first_difference,
@@ -22,6 +21,7 @@ from asyncsync._rollout.prefix import (
     same_message,
     template_closing,
 )
+from asyncsync._core.completion import Completion
 from asyncsync._wire.chat import (
     DERENDER_PROMPT_TAIL,
     check_chat_request,

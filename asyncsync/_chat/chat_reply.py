@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from asyncsync._chat.prefix import PrefixReport
 from asyncsync._core.completion import Completion, WeightVersionSpan
-from asyncsync._rollout.prefix import PrefixReport
 
 __all__ = ["ChatChoice", "ChatMessage", "ChatReply", "ChatUsage", "FunctionCall", "ToolCall"]
 

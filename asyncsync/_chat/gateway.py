@@ -28,10 +28,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from asyncsync._chat.chat import ChatSession
+from asyncsync._chat.prefix import OnUnstable, UnstablePrefixError
 from asyncsync._core import encoding as _json
 from asyncsync._core.errors import AsyncSyncError, ClosedError, ServerError
-from asyncsync._rollout.chat import ChatSession
-from asyncsync._rollout.prefix import OnUnstable, UnstablePrefixError
 from asyncsync._wire.chat import ChatRequestError, check_chat_request
 
 if TYPE_CHECKING:

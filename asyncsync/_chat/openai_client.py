@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._rollout.chat import ChatSession
-from asyncsync._rollout.gateway import ChatAPI
+from asyncsync._chat.chat import ChatSession
+from asyncsync._chat.gateway import ChatAPI
 from asyncsync.fleet import register_chat_client
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Each turn (`ChatSession.create`): match the caller's messages against the session's
 history; build the prompt from the session's exact ids and a bridge rendered by the
-server's own template (`asyncsync._rollout.prefix`), or fork when the template is not
+server's own template (`asyncsync._chat.prefix`), or fork when the template is not
 prefix-stable there; generate token-in-token-out on the session's server (session
 affinity through the fleet: versions, staleness, failover); derender the sampled ids
 into an OpenAI message with the server's tool-call parser; record everything in the
@@ -27,11 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._core import encoding as _json
-from asyncsync._core.completion import Completion
-from asyncsync._core.errors import GenerationError, ServerError
-from asyncsync._rollout.chat_reply import ChatReply, reply_from
-from asyncsync._rollout.prefix import (
+from asyncsync._chat.chat_reply import ChatReply, reply_from
+from asyncsync._chat.prefix import (
     ON_UNSTABLE,
     OnUnstable,
     PrefixReport,
@@ -43,7 +40,10 @@ from asyncsync._rollout.prefix import (
     history_mismatch,
     template_closing,
 )
-from asyncsync._rollout.trajectory import Trajectory
+from asyncsync._chat.trajectory import Trajectory
+from asyncsync._core import encoding as _json
+from asyncsync._core.completion import Completion
+from asyncsync._core.errors import GenerationError, ServerError
 from asyncsync._wire.chat import (
     CHAT_ROUTE,
     ChatRequestError,
