@@ -97,7 +97,7 @@ def test_messages_echoed_back_with_other_json_spacing_and_ids_still_match() -> N
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-        ({"messages": [{"role": "user"}]}, "messages[0]"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
         (
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]},
             "messages[0].tool_calls[0].function",
@@ -109,6 +109,17 @@ def test_messages_echoed_back_with_other_json_spacing_and_ids_still_match() -> N
         ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "model": 7}, "model"),
+        ({"messages": [{"role": "user", "content": "x"}], "audio": {}}, "audio"),
+        ({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, "frobnicate"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "tool", "content": "y", "tool_call_id": "nope"},
+                ]
+            },
+            "messages[1].tool_call_id",
+        ),
     ],
 )
 def test_bad_chat_requests_name_the_field(body: dict[str, Any], param: str) -> None:

@@ -24,13 +24,26 @@ __all__ = ["openai_client"]
 IN_PROCESS_BASE_URL = "http://asyncsync.in-process/v1"
 
 
-def _transport(api: ChatAPI, session_id: str) -> Any:
-    import httpx
+def _httpx() -> Any:
+    """The HTTP client package the installed ``openai`` uses: ``httpx2`` from openai 3
+    on, ``httpx`` before."""
+    try:
+        import httpx2
 
-    class SessionTransport(httpx.AsyncBaseTransport):  # type: ignore[misc]  # httpx is untyped here
+        return httpx2
+    except ImportError:
+        import httpx
+
+        return httpx
+
+
+def _transport(api: ChatAPI, session_id: str) -> Any:
+    httpx = _httpx()
+
+    class SessionTransport(httpx.AsyncBaseTransport):  # type: ignore[misc,name-defined]
         """Answers every request with `ChatAPI.handle` for one session."""
 
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async def handle_async_request(self, request: Any) -> Any:
             body = await request.aread()
             path = request.url.path
             tail = path[path.index("/v1") + 3 :] if "/v1" in path else path
@@ -50,8 +63,9 @@ def openai_client(fleet: Fleet, session: str | ChatSession, **options: Any) -> A
     the fleet's own session of that id, created on first use: `ChatSession.of`).
     ``options`` go to ``AsyncOpenAI`` (``max_retries``, ``timeout``...)."""
     try:
-        import httpx
         import openai
+
+        httpx = _httpx()
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "fleet.openai() needs the openai package: pip install 'asyncsync[openai]'"
