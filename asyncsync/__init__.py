@@ -10,11 +10,18 @@ from typing import Any as _Any
 
 from asyncsync import backends
 from asyncsync._chat import openai_client as _openai_client  # noqa: F401  # registers fleet.openai
-from asyncsync._chat.chat import ChatFallbackWarning, ChatSession, ChatTurn
+from asyncsync._chat.chat import (
+    ChatFallbackWarning,
+    ChatSession,
+    ChatStats,
+    ChatStream,
+    ChatTurn,
+)
 from asyncsync._chat.chat_reply import ChatReply
 from asyncsync._chat.gateway import ChatGateway
 from asyncsync._chat.prefix import PrefixReport, UnstablePrefixError
-from asyncsync._chat.trajectory import Trajectory
+from asyncsync._chat.render import ChatDelta, ChatRenderer, ChatRenderWarning
+from asyncsync._chat.trajectory import Lineage, Trajectory
 from asyncsync._core import deprecation as _deprecation
 from asyncsync._core.completion import (
     Completion,
@@ -75,11 +82,16 @@ __all__ = [
     "AsyncSyncError",
     "AsyncVLLMClient",
     "AsyncWeightPublisher",
+    "ChatDelta",
     "ChatFallbackWarning",
     "ChatGateway",
+    "ChatRenderWarning",
+    "ChatRenderer",
     "ChatReply",
     "ChatRequestError",
     "ChatSession",
+    "ChatStats",
+    "ChatStream",
     "ChatTurn",
     "ClosedError",
     "Completion",
@@ -91,6 +103,7 @@ __all__ = [
     "GenerationAborted",
     "GenerationError",
     "IncompatibleWeightsError",
+    "Lineage",
     "Outcome",
     "PrefixReport",
     "PromptScores",

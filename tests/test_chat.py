@@ -201,11 +201,11 @@ def test_sampling_keeps_the_servers_parameters_and_fits_max_tokens_to_the_sessio
         "stop": [],
         "logprobs": None,
     }
-    out = _sampling(params, {}, prompt_len=300, limit=1024)
+    out = _sampling(params, None, prompt_len=300, limit=1024)
     assert out == {"temperature": 0.0, "stop": [], "logprobs": 0, "max_tokens": 724}
-    assert _sampling(params, {"max_tokens": 8}, 300, 1024)["max_tokens"] == 8
-    assert _sampling(params, {"max_tokens": 900}, 300, 1024)["max_tokens"] == 724
-    assert _sampling({**params, "logprobs": 3}, {}, 300, None)["logprobs"] == 3
+    assert _sampling(params, 8, 300, 1024)["max_tokens"] == 8
+    assert _sampling(params, 900, 300, 1024)["max_tokens"] == 724
+    assert _sampling({**params, "logprobs": 3}, None, 300, None)["logprobs"] == 3
 
 
 def test_session_arguments_are_checked() -> None:

@@ -40,6 +40,19 @@ def _httpx() -> Any:
 def _transport(api: ChatAPI, session_id: str) -> Any:
     httpx = _httpx()
 
+    class Events(httpx.AsyncByteStream):  # type: ignore[misc,name-defined]
+        """A streamed answer's events, as `ChatAPI` produces them."""
+
+        def __init__(self, chunks: Any) -> None:
+            self._chunks = chunks
+
+        async def __aiter__(self) -> Any:
+            async for chunk in self._chunks:
+                yield chunk
+
+        async def aclose(self) -> None:
+            await self._chunks.aclose()
+
     class SessionTransport(httpx.AsyncBaseTransport):  # type: ignore[misc,name-defined]
         """Answers every request with `ChatAPI.handle` for one session."""
 
@@ -48,11 +61,13 @@ def _transport(api: ChatAPI, session_id: str) -> Any:
             path = request.url.path
             tail = path[path.index("/v1") + 3 :] if "/v1" in path else path
             answer = await api.handle(session_id, request.method, tail, request.headers, body)
+            headers = {"content-type": answer.content_type}
+            if answer.stream is not None:
+                return httpx.Response(
+                    answer.status, headers=headers, stream=Events(answer.stream), request=request
+                )
             return httpx.Response(
-                answer.status,
-                headers={"content-type": answer.content_type},
-                content=answer.body,
-                request=request,
+                answer.status, headers=headers, content=answer.body, request=request
             )
 
     return SessionTransport()

@@ -428,9 +428,14 @@ def to_chat(
             continue
         _convert(msg, messages)
     options: dict[str, Any] = {}
-    for key in ("chat_template_kwargs",):
+    for key in ("temperature", "top_p", "top_k", "chat_template_kwargs", "cache_salt",
+                "vllm_xargs", "watermarking"):  # fmt: skip
         if request.get(key) is not None:
             options[key] = request[key]
+    if request.get("stop_sequences"):
+        options["stop"] = list(request["stop_sequences"])
+    if request.get("max_tokens") is not None:
+        options["max_tokens"] = options["max_completion_tokens"] = request["max_tokens"]
     thinking = request.get("thinking")
     if isinstance(thinking, Mapping) and thinking.get("type") == "disabled":
         options["reasoning_effort"] = "none"

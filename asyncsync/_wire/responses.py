@@ -386,9 +386,18 @@ def to_chat(
         options["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     elif choice is not None:
         options["tool_choice"] = choice
-    for key in ("parallel_tool_calls", "chat_template_kwargs", "include_reasoning"):
+    for key in (
+        "parallel_tool_calls", "chat_template_kwargs", "include_reasoning", "temperature",
+        "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "frequency_penalty",
+        "presence_penalty", "repetition_penalty", "logit_bias", "ignore_eos", "cache_salt",
+        "vllm_xargs", "structured_outputs", "skip_special_tokens", "include_stop_str_in_output",
+    ):  # fmt: skip
         if request.get(key) is not None:
             options[key] = request[key]
+    if request.get("max_output_tokens") is not None:
+        options["max_tokens"] = request["max_output_tokens"]
+    if request.get("top_logprobs"):
+        options["logprobs"], options["top_logprobs"] = True, request["top_logprobs"]
     reasoning = request.get("reasoning")
     if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
         options["reasoning_effort"] = reasoning["effort"]
