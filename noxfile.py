@@ -125,7 +125,8 @@ def unit(session: nox.Session) -> None:
     routing, the shm backend's trainer side); under a minute once installed."""
     session.install(
         "-e",
-        ".[torch,fast,openai]",  # openai: fleet.openai's unit test
+        # openai, anthropic: fleet.openai's unit test, the gateway's SDK tests on the fake
+        ".[torch,fast,openai,anthropic]",
         "pytest>=8",
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",

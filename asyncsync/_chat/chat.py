@@ -71,7 +71,7 @@ from asyncsync._chat.render import (
 from asyncsync._chat.trajectory import Lineage, Trajectory
 from asyncsync._core import encoding as _json
 from asyncsync._core.completion import Completion
-from asyncsync._core.errors import GenerationError, ServerError
+from asyncsync._core.errors import AsyncSyncError, GenerationError
 from asyncsync._wire import anthropic as _anthropic
 from asyncsync._wire import responses as _responses
 from asyncsync._wire.chat import (
@@ -489,7 +489,7 @@ class ChatSession:
         if state.render is not False:
             try:
                 plan = await self._plan(turn, url, model, parent)
-            except ServerError as err:
+            except AsyncSyncError as err:
                 if err.status not in (403, 404) or not _render_route(err.route):
                     raise
                 state.render = False
@@ -601,7 +601,7 @@ class ChatSession:
         if turn.render_route != RENDER_ROUTE and state.dialects is not False:
             try:
                 rendered = await server.render(turn.render_route, body)
-            except ServerError as err:
+            except AsyncSyncError as err:
                 if err.status != 404 or err.route != turn.render_route:
                     raise
                 state.dialects = False
@@ -1037,7 +1037,8 @@ class ChatSession:
             )
         request = {**turn.chat, "model": model}
         if turn.max_tokens is not None:
-            request["max_tokens"] = turn.max_tokens
+            request["max_completion_tokens"] = turn.max_tokens
+            request.pop("max_tokens", None)
         client = self.fleet.client(url)
         top = request.get("top_logprobs") or 0
         body = chat_fallback_body(request, int(top))
@@ -1103,7 +1104,7 @@ def _chat_form(turn: TurnRequest, body: Mapping[str, Any]) -> dict[str, Any]:
     form = {**turn.chat, "model": body["model"]}
     limit = body.get("max_tokens", body.get("max_output_tokens"))
     if isinstance(limit, int):
-        form["max_tokens"] = form["max_completion_tokens"] = limit
+        form["max_completion_tokens"] = limit
     return form
 
 

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -251,7 +252,9 @@ class ChatRenderer:
         from pydantic import ValidationError
 
         try:
-            return self._types[kind].model_validate(self._local(body))
+            with warnings.catch_warnings():  # vLLM's deprecated fields (max_tokens...)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return self._types[kind].model_validate(self._local(body))
         except ValidationError as exc:
             raise ServerError(
                 f"the in-process renderer refused the request: {exc}",

@@ -435,7 +435,7 @@ def to_chat(
     if request.get("stop_sequences"):
         options["stop"] = list(request["stop_sequences"])
     if request.get("max_tokens") is not None:
-        options["max_tokens"] = options["max_completion_tokens"] = request["max_tokens"]
+        options["max_completion_tokens"] = request["max_tokens"]
     thinking = request.get("thinking")
     if isinstance(thinking, Mapping) and thinking.get("type") == "disabled":
         options["reasoning_effort"] = "none"

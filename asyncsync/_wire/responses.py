@@ -395,7 +395,7 @@ def to_chat(
         if request.get(key) is not None:
             options[key] = request[key]
     if request.get("max_output_tokens") is not None:
-        options["max_tokens"] = request["max_output_tokens"]
+        options["max_completion_tokens"] = request["max_output_tokens"]
     if request.get("top_logprobs"):
         options["logprobs"], options["top_logprobs"] = True, request["top_logprobs"]
     reasoning = request.get("reasoning")

@@ -26,6 +26,7 @@ from typing import Any
 from asyncsync.testing._fake._lm import FakeLM
 
 __all__ = [
+    "CHAT_GREEDY_PROB",
     "IM_END",
     "IM_START",
     "ChatLM",
@@ -335,6 +336,9 @@ def _arguments_of(body: str, complete: bool) -> str | None:
 
 # ------------------------------------------------------------------ the model
 _ASSISTANT = [IM_START, *b"assistant\n"]
+#: How likely the chat model samples its policy's next token: sampling at any
+#: temperature follows the script (an agent's default temperature of 1 included).
+CHAT_GREEDY_PROB = 1.0 - 1e-9
 
 
 class ChatLM(FakeLM):
@@ -342,7 +346,9 @@ class ChatLM(FakeLM):
     most likely token is the next one of ``policy(conversation)`` followed by
     ``<|im_end|>``, and ``<|im_end|>`` once the sample left the reply."""
 
-    def __init__(self, policy: ChatPolicy, vocab_size: int = 512, greedy_prob: float = 0.999):
+    def __init__(
+        self, policy: ChatPolicy, vocab_size: int = 512, greedy_prob: float = CHAT_GREEDY_PROB
+    ):
         if vocab_size <= IM_END:
             raise ValueError(f"a chat model needs vocab_size > {IM_END}, got {vocab_size}")
         super().__init__(vocab_size, greedy_prob=greedy_prob)
