@@ -10,6 +10,7 @@ tests/test_chat_vllm.py; these are the fast ones.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
@@ -686,3 +687,74 @@ async def test_without_scale_out_turns_go_through_chat_completions_checked() -> 
         assert all(s.source == "client" for s in second.weight_versions)
         assert len(fake.requests_to("/v1/chat/completions/render")) == 1
         assert_exact(session)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("api", ["chat", "anthropic", "responses"])
+async def test_content_goes_out_while_the_turn_is_still_sampling(api: str) -> None:
+    """A 200-token turn, streamed through the gateway: the server is frozen (vLLM's
+    ``pause(mode="keep")``) a few tokens in, and the client receives content while the
+    sample stands unfinished. A turn generated whole and then sent would never show any:
+    the wait would hang."""
+    from tests.waiting import wait_until
+
+    long_text = "The sun is out over Paris. " * 20
+    bodies: dict[str, tuple[str, dict[str, Any]]] = {
+        "chat": (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": "Go."}], "max_tokens": 200},
+        ),
+        "anthropic": (
+            "/messages",
+            {"model": "m", "max_tokens": 200, "messages": [{"role": "user", "content": "Go."}]},
+        ),
+        "responses": ("/responses", {"input": "Go.", "max_output_tokens": 200}),
+    }
+    path, body = bodies[api]
+    async with (
+        FakeVLLMServer(chat=scripted(long_text), token_delay=0.05) as fake,
+        az.Fleet([fake.url]) as fleet,
+        az.ChatGateway(fleet) as gateway,
+        aiohttp.ClientSession() as http,
+    ):
+        seen: list[str] = []
+        sampled_then: list[int] = []
+
+        async def read() -> None:
+            async with http.post(gateway.base_url("s") + path, json={**body, "stream": True}) as r:
+                async for line in r.content:
+                    piece = _content(line, api)
+                    if piece:
+                        if not seen:
+                            sampled_then.append(fake.tokens_generated)
+                        seen.append(piece)
+
+        reader = asyncio.ensure_future(read())
+        await wait_until(lambda: fake.tokens_generated >= 10, what="ten tokens sampled")
+        async with http.post(fake.url + "/pause", params={"mode": "keep"}) as resp:
+            assert resp.status == 200
+        await wait_until(lambda: bool(seen), what="content while the sample is frozen")
+        assert fake.tokens_generated < 200
+        fake.token_delay = 0.0
+        async with http.post(fake.url + "/resume") as resp:
+            assert resp.status == 200
+        await reader
+    assert sampled_then[0] < 200
+    reply = gateway.session("s").turns[-1].reply
+    assert len(reply.token_ids) == 200
+    assert "".join(seen) == reply.message.content == long_text[:200]
+
+
+def _content(line: bytes, api: str) -> str | None:
+    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+        return None
+    event = json.loads(line[6:])
+    if api == "chat":
+        return (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+    if api == "anthropic":
+        return (
+            event.get("delta", {}).get("text")
+            if event.get("type") == "content_block_delta"
+            else None
+        )
+    return event.get("delta") if event.get("type") == "response.output_text.delta" else None

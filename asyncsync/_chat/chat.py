@@ -627,7 +627,10 @@ class ChatSession:
         self, turn: TurnRequest, url: str, model: str, parent: ChatSession | None
     ) -> _Plan:
         body = await self._render_body(turn, model)
-        request = {**turn.chat, "model": model}
+        # the chat-form request of the history renders and of derender (no room asked:
+        # the server would hold it against the context)
+        request = {k: v for k, v in turn.chat.items() if k not in _LIMITS}
+        request["model"] = model
         where = locate(self._branches, turn.messages)
         if where.kind in ("extend", "branch"):
             assert where.node is not None
@@ -1099,9 +1102,13 @@ class ChatSession:
         return self._new_branch(rendered, request, server, False, turn, None)
 
 
+#: A chat request's fields asking for room in the context.
+_LIMITS = frozenset({"max_tokens", "max_completion_tokens"})
+
+
 def _chat_form(turn: TurnRequest, body: Mapping[str, Any]) -> dict[str, Any]:
     """A turn's render request in OpenAI chat form (its dialect converted)."""
-    form = {**turn.chat, "model": body["model"]}
+    form = {**{k: v for k, v in turn.chat.items() if k not in _LIMITS}, "model": body["model"]}
     limit = body.get("max_tokens", body.get("max_output_tokens"))
     if isinstance(limit, int):
         form["max_completion_tokens"] = limit

@@ -181,6 +181,12 @@ class ChatRenderer:
         await asyncio.shield(self._building)
 
     async def _build(self) -> None:
+        # vLLM's renderer reads its own deprecated ``max_tokens`` field of every chat
+        # request; in the server that warning goes to its log, here it would go to the
+        # caller's process on every turn.
+        warnings.filterwarnings(
+            "ignore", message="max_tokens is deprecated", category=DeprecationWarning
+        )
         args, config, types = await asyncio.to_thread(self._configure)
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.render.app_state import init_render_app_state
@@ -298,6 +304,19 @@ class ChatRenderer:
         )
         return got.chunk, got.stream_state
 
+    async def stream_parser(
+        self, request: Mapping[str, Any], prompt: Sequence[int]
+    ) -> _LocalStream | None:
+        """vLLM's own streaming parser kept alive for one sample (no replay per chunk),
+        or None where this vLLM's internals differ (the streamed derender then)."""
+        await self.start()
+        chat = await self._validated("chat", request, DERENDER_ROUTE)
+        try:
+            return _LocalStream(self._state.online_derenderer, chat, list(prompt))
+        except (ImportError, AttributeError, TypeError) as exc:  # another vLLM's internals
+            logger.info("in-process streaming parser unavailable (%s): derender per chunk", exc)
+            return None
+
     # ------------------------------------------------------------ checks
     def checked(self, url: str, route: str, body: Mapping[str, Any]) -> bool:
         """Whether this request was already found to render the same on ``url``."""
@@ -331,10 +350,53 @@ def deltas_of(chunk: Mapping[str, Any]) -> list[ChatDelta]:
     return out
 
 
+class _LocalStream:
+    """vLLM's incremental detokenizer and parser (tool and reasoning), run in this
+    process for one streamed sample: each chunk costs its own tokens, with no replay of
+    the earlier ones (which the stateless streamed derender needs)."""
+
+    def __init__(self, derenderer: Any, request: Any, prompt: list[int]) -> None:
+        from vllm.renderers import online_derenderer as module
+
+        self._derenderer = derenderer
+        self._request = request
+        self._prompt = prompt[-DERENDER_PROMPT_TAIL:]
+        self._tokenizer = derenderer.renderer.get_tokenizer()
+        parser_cls = derenderer.parser
+        self._parser = None
+        if parser_cls is not None:
+            kwargs = derenderer._resolve_chat_template_kwargs(request)
+            self._parser = parser_cls(
+                self._tokenizer, request.tools, chat_template_kwargs=kwargs,
+                model_config=derenderer.model_config,
+            )  # fmt: skip
+        self._skip, self._spaces = module._decode_params(
+            self._tokenizer, request, preserve_special=self._parser is not None
+        )
+        self._state = module._seed_stream_state(
+            self._tokenizer, self._prompt, skip_special_tokens=self._skip
+        )
+
+    def feed(self, token_ids: Sequence[int], finished: bool) -> dict[str, Any]:
+        """The chunk's delta message (``content``, ``reasoning``, ``tool_calls``)."""
+        text, self._state = self._derenderer._detokenize_delta(
+            self._tokenizer, list(token_ids), self._state, skip_special_tokens=self._skip,
+            spaces_between_special_tokens=self._spaces,
+        )  # fmt: skip
+        if self._parser is None:
+            return {"content": text}
+        delta = self._parser.parse_delta(
+            text, list(token_ids), self._request, prompt_token_ids=self._prompt,
+            finished=finished,
+        )  # fmt: skip
+        return {} if delta is None else dict(delta.model_dump(mode="json", exclude_none=True))
+
+
 class StreamParser:
-    """Sampled ids into `ChatDelta` objects as they stream, with a rendering's streamed
-    derender (the server's, or vLLM's in this process), in batches: the ids that arrive
-    while a call is out go together in the next one."""
+    """Sampled ids into `ChatDelta` objects as they stream, in batches (the ids that
+    arrive while one is parsed go together in the next): vLLM's own streaming parser in
+    this process with a `ChatRenderer`, else the server's streamed derender, one call
+    per batch."""
 
     def __init__(
         self,
@@ -351,6 +413,9 @@ class StreamParser:
         self._model = model
         self._id = request_id
         self._state: dict[str, Any] | None = None
+        self._local: _LocalStream | None = None
+        self._started = False
+        self._ids: dict[int, str] = {}  # the ids the stream gave its tool calls
         self.calls = 0  # derender calls made
 
     async def feed(
@@ -360,6 +425,14 @@ class StreamParser:
         reason, with its last ids)."""
         if not token_ids and finished is None:
             return []
+        if not self._started:
+            self._started = True
+            if isinstance(self._rendering, ChatRenderer):
+                self._local = await self._rendering.stream_parser(self._request, self._prompt)
+        if self._local is not None:
+            local = self._local
+            delta = await asyncio.to_thread(local.feed, token_ids, finished is not None)
+            return deltas_of({"choices": [{"delta": self._pin(delta)}]})
         body = derender_stream_body(
             token_ids,
             finished=finished,
@@ -373,3 +446,12 @@ class StreamParser:
         chunk, self._state = await self._rendering.derender_stream(body)
         self.calls += 1
         return deltas_of(chunk)
+
+    def _pin(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """Tool-call deltas with their ids (vLLM's parsers give one on a call's first
+        delta only)."""
+        for call in delta.get("tool_calls") or ():
+            index = int(call.get("index") or 0)
+            if call.get("id"):
+                self._ids.setdefault(index, str(call["id"]))
+        return delta

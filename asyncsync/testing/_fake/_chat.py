@@ -454,7 +454,13 @@ class ChatRoutes(RouteGroup):
         if (body.get("stream_options") or {}).get("include_usage"):
             counts = usage(len(job.prompt), len(sample.token_ids))
             counts = {k: counts[k] for k in ("prompt_tokens", "total_tokens", "completion_tokens")}
-            await response.write(sse_event({**head, "choices": [], "usage": counts}))
+            usage_event = {
+                **head,
+                "choices": [],
+                "usage": counts,
+                "system_fingerprint": "vllm-fake",
+            }
+            await response.write(sse_event(usage_event))
         await response.write(b"data: [DONE]\n\n")
         return response
 
