@@ -56,6 +56,7 @@ from asyncsync._publish.verify import (
 from asyncsync._publish.weights import (
     WeightsLike,
     WeightSource,
+    check_source,
     check_weights,
     finite,
     is_factory,
@@ -449,8 +450,7 @@ class AsyncWeightPublisher:
         called and checked in the thread), and the targets' checkpoint tables."""
         source = None if is_factory(weights) else resolve(weights)
         if source is not None:
-            check_weights(source)
-            self._backend.check(source)
+            await check_source(source, self._backend.check, self._executor)
         # Against each server's checkpoint (learned once per server): every mismatch.
         checkpoints = await self._checkpoints(targets)
         if source is not None:
