@@ -71,7 +71,7 @@ def no_shared_memory_left_behind() -> Iterator[None]:
 #: diagnostics the tests themselves call (which processes hold which segments).
 MAY_BLOCK = [
     ("asyncsync/_core/portal.py", {"call"}),
-    ("asyncsync/_rollout/openai_client.py", {"openai_client"}),
+    ("asyncsync/_chat/openai_client.py", {"openai_client"}),
     ("asyncsync/backends/_segments.py", {"open_segments", "leaked_segments"}),
 ]
 
