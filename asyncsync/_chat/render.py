@@ -26,12 +26,12 @@ import os
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from asyncsync._core import encoding as _json
-from asyncsync._core.errors import ServerError
+from asyncsync._core.errors import ServerError, UnsupportedVLLMError
 from asyncsync._wire.chat import (
     DERENDER_PROMPT_TAIL,
     DERENDER_ROUTE,
@@ -58,6 +58,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("asyncsync.generate")
+
+T = TypeVar("T")
 
 
 class ChatRenderWarning(UserWarning):
@@ -164,7 +166,8 @@ class ChatRenderer:
         self._state: Any = None
         self._types: Any = None
         self._building: asyncio.Future[None] | None = None
-        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         #: requests already found equal to a server's render: (url, route, body) digests
         self._checked: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()
 
@@ -187,7 +190,18 @@ class ChatRenderer:
         warnings.filterwarnings(
             "ignore", message="max_tokens is deprecated", category=DeprecationWarning
         )
-        args, config, types = await asyncio.to_thread(self._configure)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=loop.run_forever, name="asyncsync-chat-renderer", daemon=True
+        )
+        thread.start()
+        self._loop, self._thread = loop, thread
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._build_there(), loop))
+        logger.info("in-process chat renderer built for %s", self.model)
+
+    async def _build_there(self) -> None:
+        """On the renderer's own loop: vLLM's render-server state."""
+        args, config, types = self._configure()
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.render.app_state import init_render_app_state
 
@@ -195,10 +209,41 @@ class ChatRenderer:
         await init_render_app_state(config, state, args)
         self._types = types
         self._state = state
-        logger.info("in-process chat renderer built for %s", self.model)
+
+    async def _there(self, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``work()`` on the renderer's own loop (vLLM's renderer reads files and
+        templates and computes: never on the caller's loop)."""
+        await self.start()
+        assert self._loop is not None
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work(), self._loop))
+
+    async def aclose(self) -> None:
+        """Stop the renderer's thread (a later call starts it again). Idempotent."""
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        self._state, self._building = None, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            await asyncio.to_thread(thread.join, 30)
+            loop.close()
 
     def _configure(self) -> tuple[Any, Any, Any]:
         """vLLM's arguments and config for a render server of ``model`` (a thread)."""
+        try:
+            import vllm.entrypoints.launchers.render.app_state
+        except ImportError as exc:
+            try:
+                import vllm
+
+                found = str(vllm.__version__)
+            except ImportError:
+                found = "(not installed)"
+            raise UnsupportedVLLMError(
+                found,
+                "ChatRenderer runs vLLM's GPU-less render server code in this process, "
+                "which vLLM 0.32 and later have; render on the servers (ChatSession "
+                "without renderer=) instead",
+            ) from exc
         from vllm import AsyncEngineArgs, envs
         from vllm.config import VllmConfig
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
@@ -254,7 +299,7 @@ class ChatRenderer:
                 body=_json.dumps(result.model_dump()).decode(),
             )
 
-    async def _validated(self, kind: str, body: Mapping[str, Any], route: str) -> Any:
+    def _validated(self, kind: str, body: Mapping[str, Any], route: str) -> Any:
         from pydantic import ValidationError
 
         try:
@@ -270,52 +315,75 @@ class ChatRenderer:
             ) from exc
 
     async def render(self, route: str, body: Mapping[str, Any]) -> Rendered:
-        await self.start()
-        serving = self._state.serving_render
-        if route.startswith("/v1/messages"):
-            request = await self._validated("anthropic", body, route)
-            result = await serving.render_messages_request(request)
-        elif route.startswith("/v1/responses"):
-            request = await self._validated("responses", body, route)
-            result = await serving.render_responses_request(request)
-        else:
-            request = await self._validated("chat", body, route)
-            result = await serving.render_chat_request(request)
-        self._raise(result, route)
-        return parse_rendered(result.model_dump(mode="json"))
+        async def work() -> Rendered:
+            serving = self._state.serving_render
+            if route.startswith("/v1/messages"):
+                request = self._validated("anthropic", body, route)
+                result = await serving.render_messages_request(request)
+            elif route.startswith("/v1/responses"):
+                request = self._validated("responses", body, route)
+                result = await serving.render_responses_request(request)
+            else:
+                request = self._validated("chat", body, route)
+                result = await serving.render_chat_request(request)
+            self._raise(result, route)
+            return parse_rendered(result.model_dump(mode="json"))
+
+        return await self._there(work)
 
     async def derender(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        await self.start()
-        request = await self._validated("derender", body, DERENDER_ROUTE)
-        result = await self._state.serving_derender.derender_chat_response(request)
-        self._raise(result, DERENDER_ROUTE)
-        return parse_chat_response(result.model_dump(mode="json"))
+        async def work() -> dict[str, Any]:
+            request = self._validated("derender", body, DERENDER_ROUTE)
+            result = await self._state.serving_derender.derender_chat_response(request)
+            self._raise(result, DERENDER_ROUTE)
+            return parse_chat_response(result.model_dump(mode="json"))
+
+        return await self._there(work)
 
     async def derender_stream(
         self, body: Mapping[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        await self.start()
-        request = await self._validated("derender_stream", body, DERENDER_ROUTE)
-        result = await self._state.serving_derender.derender_chat_stream_response(request)
-        self._raise(result, DERENDER_ROUTE)
-        chunk, state = result
-        got = parse_derendered_chunk(
-            {"chunk": chunk.model_dump(mode="json"), "stream_state": state.model_dump(mode="json")}
-        )
-        return got.chunk, got.stream_state
+        async def work() -> tuple[dict[str, Any], dict[str, Any]]:
+            request = self._validated("derender_stream", body, DERENDER_ROUTE)
+            serving = self._state.serving_derender
+            result = await serving.derender_chat_stream_response(request)
+            self._raise(result, DERENDER_ROUTE)
+            chunk, state = result
+            got = parse_derendered_chunk(
+                {
+                    "chunk": chunk.model_dump(mode="json"),
+                    "stream_state": state.model_dump(mode="json"),
+                }
+            )
+            return got.chunk, got.stream_state
+
+        return await self._there(work)
 
     async def stream_parser(
         self, request: Mapping[str, Any], prompt: Sequence[int]
     ) -> _LocalStream | None:
         """vLLM's own streaming parser kept alive for one sample (no replay per chunk),
         or None where this vLLM's internals differ (the streamed derender then)."""
-        await self.start()
-        chat = await self._validated("chat", request, DERENDER_ROUTE)
-        try:
-            return _LocalStream(self._state.online_derenderer, chat, list(prompt))
-        except (ImportError, AttributeError, TypeError) as exc:  # another vLLM's internals
-            logger.info("in-process streaming parser unavailable (%s): derender per chunk", exc)
-            return None
+
+        async def work() -> _LocalStream | None:
+            chat = self._validated("chat", request, DERENDER_ROUTE)
+            try:
+                return _LocalStream(self._state.online_derenderer, chat, list(prompt))
+            except (ImportError, AttributeError, TypeError) as exc:  # another vLLM's
+                logger.info("in-process streaming parser unavailable (%s)", exc)
+                return None
+
+        return await self._there(work)
+
+    async def feed_local(
+        self, stream: _LocalStream, token_ids: Sequence[int], finished: bool
+    ) -> dict[str, Any]:
+        """One chunk of a `stream_parser`'s sample, parsed on the renderer's thread."""
+
+        async def work() -> dict[str, Any]:
+            return stream.feed(token_ids, finished)
+
+        return await self._there(work)
 
     # ------------------------------------------------------------ checks
     def checked(self, url: str, route: str, body: Mapping[str, Any]) -> bool:
@@ -430,8 +498,8 @@ class StreamParser:
             if isinstance(self._rendering, ChatRenderer):
                 self._local = await self._rendering.stream_parser(self._request, self._prompt)
         if self._local is not None:
-            local = self._local
-            delta = await asyncio.to_thread(local.feed, token_ids, finished is not None)
+            assert isinstance(self._rendering, ChatRenderer)
+            delta = await self._rendering.feed_local(self._local, token_ids, finished is not None)
             return deltas_of({"choices": [{"delta": self._pin(delta)}]})
         body = derender_stream_body(
             token_ids,
