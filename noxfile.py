@@ -314,7 +314,9 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast,ray,lora,delta", "vllm-router>=0.1.17")
+    install_with_server(
+        session, "server,fast,ray,lora,delta,openai,anthropic", "vllm-router>=0.1.17"
+    )
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

@@ -76,6 +76,7 @@ from asyncsync._wire import anthropic as _anthropic
 from asyncsync._wire import responses as _responses
 from asyncsync._wire.chat import (
     CHAT_ROUTE,
+    DERENDER_ROUTE,
     RENDER_ROUTE,
     Api,
     ChatRequestError,
@@ -899,8 +900,15 @@ class ChatSession:
     async def _check_derender(
         self, response: dict[str, Any], body: dict[str, Any], url: str
     ) -> dict[str, Any]:
+        renderer = self.renderer
+        assert renderer is not None
+        key = {**body, "generate_response": {**body["generate_response"], "request_id": ""}}
+        if renderer.checked(url, DERENDER_ROUTE, key):
+            return response
         theirs = await ServerRendering(self.fleet, url).derender(body)
-        if _message_key(theirs) != _message_key(response):
+        if _message_key(theirs) == _message_key(response):
+            renderer.mark_checked(url, DERENDER_ROUTE, key)
+        else:
             self._disagreed(
                 f"the in-process parse of turn {len(self._turns) + 1} differs from {url}'s derender"
             )
