@@ -54,6 +54,7 @@ PROMPT = "What does `echo 3` print? Run it and tell me."
 SYSTEM = "You are a coding agent. Use the Bash tool to run commands."
 ANSWER = "3"
 CONTEXT = 8192
+EOS = 4  # <|im_end|>
 #: How long one Claude Code run may take (node's start, two turns, one tool call).
 RUN_TIMEOUT = 300.0
 
@@ -79,12 +80,30 @@ async def run_claude(claude: str, gateway: az.ChatGateway, workdir: Path) -> tup
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
     }
-    args = [claude, "-p", PROMPT, "--model", "tiny", "--bare", "--tools", "Bash",
-            "--allowedTools", "Bash", "--max-turns", "3", "--system-prompt", SYSTEM]  # fmt: skip
+    args = [
+        claude,
+        "-p",
+        PROMPT,
+        "--model",
+        "tiny",
+        "--bare",
+        "--tools",
+        "Bash",
+        "--allowedTools",
+        "Bash",
+        "--max-turns",
+        "3",
+        "--system-prompt",
+        SYSTEM,
+    ]
     proc = await asyncio.create_subprocess_exec(
-        *args, env=env, cwd=workdir, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        *args,
+        env=env,
+        cwd=workdir,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
     except BaseException:
@@ -99,8 +118,9 @@ def recording(gateway: az.ChatGateway, into: list[dict[str, Any]]) -> None:
     """Keep the body of every Messages request the gateway answers."""
     handle: Callable[..., Awaitable[Any]] = gateway.api.handle
 
-    async def spy(session_id: Any, method: str, path: str, headers: Mapping[str, str],
-                  body: bytes) -> Any:  # fmt: skip
+    async def spy(
+        session_id: Any, method: str, path: str, headers: Mapping[str, str], body: bytes
+    ) -> Any:
         if path.strip("/") == "messages" and body:
             into.append({"headers": dict(headers), "body": json.loads(body)})
         return await handle(session_id, method, path, headers, body)
@@ -109,8 +129,9 @@ def recording(gateway: az.ChatGateway, into: list[dict[str, Any]]) -> None:
 
 
 async def _render(url: str, body: dict[str, Any], model: str) -> list[int]:
-    request = {k: v for k, v in body.items() if k not in ("stream", "metadata",
-               "context_management")}  # fmt: skip
+    request = {
+        k: v for k, v in body.items() if k not in ("stream", "metadata", "context_management")
+    }
     request.update(model=model, max_tokens=16)
     timeout = aiohttp.ClientTimeout(total=120)
     async with (
@@ -120,6 +141,33 @@ async def _render(url: str, body: dict[str, Any], model: str) -> list[int]:
         data = await resp.json()
         assert resp.status == 200, data
         return list(data["token_ids"])
+
+
+async def _bridge(url: str, body: dict[str, Any], model: str) -> list[int]:
+    """What the server's template puts after the conversation's last assistant turn's
+    end-of-turn id: its closing, then the new messages and the generation prompt."""
+    from asyncsync._wire.anthropic import to_chat
+
+    messages, tools, _ = to_chat({**body, "model": model})
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    request = {
+        "model": model,
+        "messages": messages[: last + 1],
+        "tools": tools,
+        "add_generation_prompt": False,
+    }
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as http,
+        http.post(url + "/v1/chat/completions/render", json=request) as resp,
+    ):
+        data = await resp.json()
+        assert resp.status == 200, data
+    history = list(data["token_ids"])
+    full = await _render(url, body, model)
+    assert full[: len(history)] == history  # the template is prefix-stable here
+    end = len(history) - history[::-1].index(EOS)
+    return history[end:] + full[len(history) :]
 
 
 def teach(model_dir: Path, examples: list[tuple[list[int], list[int]]]) -> Any:
@@ -168,31 +216,43 @@ async def test_claude_code_runs_a_tool_through_the_gateway_with_an_exact_traject
 
     # 2. taught on the real server's own render of those requests
     base = await asyncio.to_thread(
-        make_tiny_model, tmp_path / "chat", seed=0, chat_template=True,
+        make_tiny_model,
+        tmp_path / "chat",
+        seed=0,
+        chat_template=True,
         max_position_embeddings=CONTEXT,
-    )  # fmt: skip
+    )
     server = LocalVLLMServer(
-        base, backend="shm", tool_call_parser="hermes", max_model_len=CONTEXT,
+        base,
+        backend="shm",
+        tool_call_parser="hermes",
+        max_model_len=CONTEXT,
         startup_timeout=SERVER_STARTUP_TIMEOUT,
-    )  # fmt: skip
+    )
     async with server, az.Fleet([server.url]) as fleet:
         model = await az.ChatSession(fleet).served_model()
-        prompts = [await _render(server.url, body, model) for body in (first, second)]
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(base)
-        targets = [tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
-                   for text in (call, ANSWER)]  # fmt: skip
-        taught = await asyncio.to_thread(teach, base, list(zip(prompts, targets, strict=True)))
+        targets = [
+            tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
+            for text in (call, ANSWER)
+        ]
+        prompt = await _render(server.url, first, model)
+        # the second turn's prompt as the session builds it: the first prompt, the call as
+        # sampled (not as the template re-renders it), the template's bridge
+        later = await _bridge(server.url, second, model)
+        examples = [(prompt, targets[0]), (prompt + targets[0] + later, targets[1])]
+        taught = await asyncio.to_thread(teach, base, examples)
         async with az.AsyncWeightPublisher(fleet, backend="shm") as publisher:
             await publisher.publish(taught.state_dict(), version="taught")
 
         # 3. Claude Code for real
         async with az.ChatGateway(fleet) as gateway:
             code, out, err = await run_claude(claude, gateway, workdir)
+    (session,) = gateway.sessions.values()
     assert code == 0, (out, err)
     assert out.strip() == ANSWER
-    (session,) = gateway.sessions.values()
     assert [t.api for t in session.turns] == ["anthropic", "anthropic"]
     one, two = (t.reply for t in session.turns)
     (bash,) = one.message.tool_calls
