@@ -10,17 +10,12 @@ from typing import Any as _Any
 
 from asyncsync import backends
 from asyncsync._chat import openai_client as _openai_client  # noqa: F401  # registers fleet.openai
-from asyncsync._chat.chat import (
-    ChatFallbackWarning,
-    ChatSession,
-    ChatStats,
-    ChatStream,
-    ChatTurn,
-)
+from asyncsync._chat.chat import ChatFallbackWarning, ChatSession, ChatStats, ChatTurn
 from asyncsync._chat.chat_reply import ChatReply
 from asyncsync._chat.gateway import ChatGateway
 from asyncsync._chat.prefix import PrefixReport, UnstablePrefixError
 from asyncsync._chat.render import ChatDelta, ChatRenderer, ChatRenderWarning
+from asyncsync._chat.stream import ChatStream
 from asyncsync._chat.trajectory import Lineage, Trajectory
 from asyncsync._core import deprecation as _deprecation
 from asyncsync._core.completion import (

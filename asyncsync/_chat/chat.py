@@ -29,17 +29,14 @@ warning says so once per server.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 import uuid
 import warnings
-import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from asyncsync._chat.chat_reply import ChatReply, reply_from
 from asyncsync._chat.graph import (
@@ -63,11 +60,12 @@ from asyncsync._chat.prefix import (
 from asyncsync._chat.render import (
     ChatDelta,
     ChatRenderer,
-    ChatRenderWarning,
     Rendering,
     ServerRendering,
     StreamParser,
 )
+from asyncsync._chat.servers import LIMITS, SessionRenders, chat_servers
+from asyncsync._chat.stream import ChatStream, TurnSink, reconcile, stream_sample
 from asyncsync._chat.trajectory import Lineage, Trajectory
 from asyncsync._core import encoding as _json
 from asyncsync._core.completion import Completion
@@ -76,7 +74,6 @@ from asyncsync._wire import anthropic as _anthropic
 from asyncsync._wire import responses as _responses
 from asyncsync._wire.chat import (
     CHAT_ROUTE,
-    DERENDER_ROUTE,
     RENDER_ROUTE,
     Api,
     ChatRequestError,
@@ -99,10 +96,8 @@ __all__ = [
     "ChatFallbackWarning",
     "ChatSession",
     "ChatStats",
-    "ChatStream",
     "ChatTurn",
-    "TurnSink",
-    "chat_servers",
+    "new_reply_id",
 ]
 
 logger = logging.getLogger("asyncsync.generate")
@@ -112,43 +107,6 @@ class ChatFallbackWarning(UserWarning):
     """A server serves chat turns only through ``/v1/chat/completions`` (no
     ``--enable-scale-out``): prompts come from its render each turn and no weight
     versions from the server. Issued once per server."""
-
-
-@dataclass(slots=True)
-class _ServerChat:
-    """What is known about one server's chat routes."""
-
-    models: list[ModelEntry] | None = None
-    render: bool | None = None  # None: not tried yet
-    dialects: bool | None = None  # serves /v1/messages/render and /v1/responses/render
-    streamed_derender: bool | None = None  # parses a streamed sample chunk by chunk
-    warned: bool = False
-
-
-@dataclass(slots=True)
-class FleetChat:
-    """Per-fleet chat state shared by its sessions: each server's chat routes (probed
-    once) and the sessions `Fleet.openai` hands out."""
-
-    servers: dict[str, _ServerChat] = field(default_factory=dict)
-    sessions: dict[str, ChatSession] = field(default_factory=dict)
-
-    def of(self, url: str) -> _ServerChat:
-        found = self.servers.get(url)
-        if found is None:
-            found = self.servers[url] = _ServerChat()
-        return found
-
-
-_FLEETS: weakref.WeakKeyDictionary[Any, FleetChat] = weakref.WeakKeyDictionary()
-
-
-def chat_servers(fleet: Fleet) -> FleetChat:
-    """The chat state of ``fleet`` (created on first use)."""
-    found = _FLEETS.get(fleet)
-    if found is None:
-        found = _FLEETS[fleet] = FleetChat()
-    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,16 +170,6 @@ class ChatStats:
         )
 
 
-class TurnSink(Protocol):
-    """Where a streamed turn's pieces go as they are produced."""
-
-    async def started(self, prompt_token_ids: list[int]) -> None:
-        """The prompt is built and generation starts."""
-
-    async def delta(self, delta: ChatDelta) -> None:
-        """A piece of the message, parsed."""
-
-
 @dataclass(slots=True)
 class _Plan:
     """A turn ready to generate."""
@@ -238,7 +186,8 @@ class _Plan:
     bridge: list[int] = field(default_factory=list)
 
 
-def _new_id(api: Api) -> str:
+def new_reply_id(api: Api) -> str:
+    """A new answer's id in the dialect's own form."""
     token = secrets.token_hex(12)
     return {"chat": "chatcmpl-", "responses": "resp_", "anthropic": "msg_"}[api] + token
 
@@ -303,8 +252,8 @@ class ChatSession:
         self.tools = [dict(t) for t in tools] if tools is not None else None
         self.on_unstable: OnUnstable = on_unstable
         self.renderer = renderer
-        self._local = renderer is not None  # False once the renderer disagreed
         self._chat = chat_servers(fleet)
+        self._renders = SessionRenders(fleet, renderer, self.session_id, self._chat)
         self._branches: list[Branch] = []
         self._turns: list[ChatTurn] = []
         self._responses: dict[str, list[dict[str, Any]]] = {}  # Responses items by id
@@ -318,7 +267,7 @@ class ChatSession:
         defaults): the one ``fleet.openai(session_id)`` talks to."""
         sessions = chat_servers(fleet).sessions
         found = sessions.get(session_id)
-        if found is None:
+        if not isinstance(found, ChatSession):
             found = sessions[session_id] = cls(fleet, session_id=session_id)
         return found
 
@@ -457,11 +406,11 @@ class ChatSession:
         url = self._render_server()
         model = await self.served_model(turn.model, url)
         body = await self._render_body(turn, model)
-        rendering = self._rendering(url)
+        rendering = self._renders.rendering(url)
         if isinstance(rendering, ChatRenderer):
             rendered = await rendering.render(turn.render_route, body)
         else:
-            rendered = await self._server_render(url, turn, body)
+            rendered = await self._renders.server_render(url, turn, body)
         return len(rendered.token_ids)
 
     async def run(
@@ -476,7 +425,7 @@ class ChatSession:
         session a new conversation of this one is a subagent of (``x-parent-session``);
         ``reply_id``: the answer's id (a stream announces it before the reply exists)."""
         async with self._lock:
-            return await self._turn(turn, sink, parent, reply_id or _new_id(turn.api))
+            return await self._turn(turn, sink, parent, reply_id or new_reply_id(turn.api))
 
     async def _turn(
         self,
@@ -496,7 +445,7 @@ class ChatSession:
                     raise
                 state.render = False
             else:
-                if not self._local:
+                if not self._renders.local:
                     state.render = True
                 return await self._generate(plan, turn, model, sink, reply_id)
         return await self._fallback_turn(url, turn, model, sink, reply_id)
@@ -557,73 +506,6 @@ class ChatSession:
             body[key] = min(body[key], limit)
         return body
 
-    # ---------------------------------------------------------------- rendering
-    def _rendering(self, url: str) -> Rendering:
-        if self._local and self.renderer is not None:
-            return self.renderer
-        return ServerRendering(self.fleet, url)
-
-    def _checks_now(self) -> bool:
-        """Whether this turn is checked against the server (the first, and every
-        ``check_every``-th)."""
-        assert self.renderer is not None
-        return len(self._turns) % self.renderer.check_every == 0
-
-    async def _full(
-        self, turn: TurnRequest, body: dict[str, Any], url: str
-    ) -> tuple[Rendered, Rendering, bool]:
-        """The full render of the turn's request, the rendering that made it, and
-        whether its derender is checked too."""
-        rendering = self._rendering(url)
-        if not isinstance(rendering, ChatRenderer):
-            return await self._server_render(url, turn, body), rendering, False
-        if not self._checks_now():
-            return await rendering.render(turn.render_route, body), rendering, False
-        if rendering.checked(url, turn.render_route, body):
-            return await rendering.render(turn.render_route, body), rendering, True
-        server = ServerRendering(self.fleet, url)
-        local, theirs = await asyncio.gather(
-            rendering.render(turn.render_route, body), self._server_render(url, turn, body)
-        )
-        if local.token_ids == theirs.token_ids and local.sampling_params == theirs.sampling_params:
-            rendering.mark_checked(url, turn.render_route, body)
-            return local, rendering, True
-        where = first_difference(theirs.token_ids, local.token_ids)
-        self._disagreed(
-            f"the in-process render of turn {len(self._turns) + 1} differs from {url}'s "
-            + (f"at token {where}" if where is not None else "in its sampling parameters")
-        )
-        return theirs, server, False
-
-    async def _server_render(self, url: str, turn: TurnRequest, body: dict[str, Any]) -> Rendered:
-        """The server's render of the turn by its dialect's route; a server without that
-        route (vLLM 0.27.1 has only the chat one: probed once, remembered) renders the
-        request's chat form."""
-        server, state = ServerRendering(self.fleet, url), self._chat.of(url)
-        if turn.render_route != RENDER_ROUTE and state.dialects is not False:
-            try:
-                rendered = await server.render(turn.render_route, body)
-            except AsyncSyncError as err:
-                if err.status != 404 or err.route != turn.render_route:
-                    raise
-                state.dialects = False
-                logger.info("%s has no %s: rendering the chat form", url, turn.render_route)
-            else:
-                state.dialects = True
-                return rendered
-        if turn.render_route == RENDER_ROUTE:
-            return await server.render(RENDER_ROUTE, body)
-        return await server.render(RENDER_ROUTE, _chat_form(turn, body))
-
-    def _disagreed(self, what: str) -> None:
-        self._local = False
-        warnings.warn(
-            f"session {self.session_id!r}: {what}; the session renders on the server from "
-            "now on (are the ChatRenderer's model and flags the servers'?)",
-            ChatRenderWarning,
-            stacklevel=5,
-        )
-
     # ---------------------------------------------------------------- planning
     async def _plan(
         self, turn: TurnRequest, url: str, model: str, parent: ChatSession | None
@@ -631,13 +513,13 @@ class ChatSession:
         body = await self._render_body(turn, model)
         # the chat-form request of the history renders and of derender (no room asked:
         # the server would hold it against the context)
-        request = {k: v for k, v in turn.chat.items() if k not in _LIMITS}
+        request = {k: v for k, v in turn.chat.items() if k not in LIMITS}
         request["model"] = model
         where = locate(self._branches, turn.messages)
         if where.kind in ("extend", "branch"):
             assert where.node is not None
             return await self._bridge_plan(turn, body, request, url, model, where.node)
-        full, rendering, check = await self._full(turn, body, url)
+        full, rendering, check = await self._renders.full(turn, body, url, len(self._turns))
         if where.kind == "retry":
             assert where.node is not None
             node = where.node
@@ -742,9 +624,10 @@ class ChatSession:
         upto = turn.messages[: len(node.history)]
         opts = {k: v for k, v in request.items() if k not in ("messages", "tools")}
         history_request = chat_request(upto, turn.tools, opts, add_generation_prompt=False)
-        used = self._rendering(url)
+        used = self._renders.rendering(url)
         (full, rendering, check), history = await asyncio.gather(
-            self._full(turn, body, url), used.render(RENDER_ROUTE, history_request)
+            self._renders.full(turn, body, url, len(self._turns)),
+            used.render(RENDER_ROUTE, history_request),
         )
         if rendering is not used:  # the in-process renderer disagreed: the server's, all
             history = await rendering.render(RENDER_ROUTE, history_request)
@@ -812,7 +695,7 @@ class ChatSession:
             return closing_after(last.token_ids, part, ended_on, ())
         if branch.closing is None:
             empty = [*upto[:-1], {"role": "assistant", "content": ""}]
-            probe = await self._rendering(url).render(
+            probe = await self._renders.rendering(url).render(
                 RENDER_ROUTE, chat_request(empty, turn.tools, opts, add_generation_prompt=False)
             )
             limit = max(len(history) - len(before), 0)
@@ -891,29 +774,13 @@ class ChatSession:
         body = derender_body(completion, plan.request, model)
         response = await plan.rendering.derender(body)
         if plan.check:
-            response = await self._check_derender(response, body, completion.server)
+            response = await self._renders.check_derender(
+                response, body, completion.server, len(self._turns)
+            )
         reply = reply_from(response, completion, plan.report, model, reply_id)
         if sink is not None:
-            reply = await _reconcile(reply, streamed, sink)
+            reply = await reconcile(reply, streamed, sink)
         return self._record(plan, turn, completion, reply)
-
-    async def _check_derender(
-        self, response: dict[str, Any], body: dict[str, Any], url: str
-    ) -> dict[str, Any]:
-        renderer = self.renderer
-        assert renderer is not None
-        key = {**body, "generate_response": {**body["generate_response"], "request_id": ""}}
-        if renderer.checked(url, DERENDER_ROUTE, key):
-            return response
-        theirs = await ServerRendering(self.fleet, url).derender(body)
-        if _message_key(theirs) == _message_key(response):
-            renderer.mark_checked(url, DERENDER_ROUTE, key)
-        else:
-            self._disagreed(
-                f"the in-process parse of turn {len(self._turns) + 1} differs from {url}'s derender"
-            )
-            return theirs
-        return response
 
     async def _stream(
         self,
@@ -923,75 +790,15 @@ class ChatSession:
         sink: TurnSink,
         streamed: list[ChatDelta],
     ) -> Completion:
-        """Generate streamed: each batch of sampled ids that arrived is parsed into
-        deltas for ``sink`` while generation goes on."""
-        parser = StreamParser(plan.rendering, plan.request, plan.prompt, model, _new_id("chat"))
+        """Generate streamed, each batch of sampled ids parsed for ``sink`` as it comes
+        (`asyncsync._chat.stream.stream_sample`)."""
+        parser = StreamParser(
+            plan.rendering, plan.request, plan.prompt, model, new_reply_id("chat")
+        )
         server = None if isinstance(plan.rendering, ChatRenderer) else _rendering_server(plan)
-        state = None if server is None else self._chat.of(server)
-
-        async def parse(ids: list[int], end: tuple[str, int | str | None] | None) -> None:
-            if state is not None and state.streamed_derender is False:
-                return  # the whole message goes out when the sample ends
-            try:
-                found = await parser.feed(ids, end)
-            except AsyncSyncError as err:
-                if state is None or err.status not in (400, 404, 405, 422):
-                    raise
-                state.streamed_derender = False
-                logger.warning(
-                    "%s does not derender a streamed sample (%s): streamed turns send their "
-                    "message when it ends",
-                    server,
-                    err,
-                )
-                return
-            if state is not None:
-                state.streamed_derender = True
-            for d in found:
-                streamed.append(d)
-                await sink.delta(d)
-
-        chunks: asyncio.Queue[list[int] | None] = asyncio.Queue()
         stream = self.fleet.stream(plan.prompt, session_id=self.session_id, **sampling)
-
-        async def read() -> None:
-            try:
-                async for delta in stream:
-                    chunks.put_nowait(list(delta.token_ids))
-            finally:
-                chunks.put_nowait(None)
-
-        await sink.started(plan.prompt)
-        async with stream:
-            reader = asyncio.ensure_future(read())
-            try:
-                held: list[int] = []
-                done = False
-                while not done:
-                    ids = await chunks.get()
-                    batch = [] if ids is None else ids
-                    done = ids is None
-                    while not done and not chunks.empty():
-                        more = chunks.get_nowait()
-                        done = more is None
-                        batch += more or []
-                    held += batch
-                    if done:
-                        break
-                    # the last sampled id may end the sample: keep one back until the end
-                    ready, held = held[:-1], held[-1:]
-                    await parse(ready, None)
-                await reader
-            except BaseException:
-                reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
-                raise
-        completion = stream.completion
-        if _ended_on(completion) is not None and held:
-            held = held[:-1]  # the end-of-turn id: derendered, it would show as text
-        await parse(held, (completion.finish_reason or "stop", completion.stop_reason))
-        return completion
+        state = None if server is None else self._chat.of(server)
+        return await stream_sample(stream, plan.prompt, parser, sink, streamed, state, server)
 
     async def _context(self, prompt: list[int]) -> int | None:
         limit = await self._limit(
@@ -1097,7 +904,7 @@ class ChatSession:
         reply = reply_from(answer.response, completion, plan.report, model, reply_id)
         if sink is not None:
             await sink.started(answer.prompt_token_ids)
-            reply = await _reconcile(reply, [], sink)
+            reply = await reconcile(reply, [], sink)
         return self._record(plan, turn, completion, reply)
 
     def _fallback_plan(
@@ -1131,19 +938,6 @@ class ChatSession:
         return self._new_branch(rendered, request, server, False, turn, None)
 
 
-#: A chat request's fields asking for room in the context.
-_LIMITS = frozenset({"max_tokens", "max_completion_tokens"})
-
-
-def _chat_form(turn: TurnRequest, body: Mapping[str, Any]) -> dict[str, Any]:
-    """A turn's render request in OpenAI chat form (its dialect converted)."""
-    form = {**{k: v for k, v in turn.chat.items() if k not in _LIMITS}, "model": body["model"]}
-    limit = body.get("max_tokens", body.get("max_output_tokens"))
-    if isinstance(limit, int):
-        form["max_completion_tokens"] = limit
-    return form
-
-
 def _rendering_server(plan: _Plan) -> str:
     """The server a plan renders on (its streamed derender's)."""
     return str(getattr(plan.rendering, "url", ""))
@@ -1168,40 +962,6 @@ def _ended_on(completion: Completion) -> int | None:
     return completion.token_ids[-1]
 
 
-def _message_key(response: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What two derenders of one sample must agree on (tool-call ids are random)."""
-    message = response["choices"][0]["message"]
-    calls = []
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
-        calls.append((function.get("name"), function.get("arguments")))
-    reasoning = message.get("reasoning", message.get("reasoning_content"))
-    return message.get("content"), reasoning, tuple(calls)
-
-
-async def _reconcile(reply: ChatReply, streamed: list[ChatDelta], sink: TurnSink) -> ChatReply:
-    """Make what was streamed add up to the final message: the text (and reasoning) not
-    streamed yet, the tool calls the stream did not show; the reply keeps the ids the
-    stream gave its calls."""
-    parsed = (("reasoning", reply.message.reasoning_content), ("text", reply.message.content))
-    for kind, said in parsed:
-        sent = "".join(d.text for d in streamed if d.type == kind)
-        final = said or ""
-        if final.startswith(sent) and len(final) > len(sent):
-            await sink.delta(ChatDelta(kind, final[len(sent) :]))  # type: ignore[arg-type]
-        elif not final.startswith(sent):
-            logger.warning(
-                "streamed %s %r is not a prefix of the parsed message's %r", kind, sent, final
-            )
-    started = [d for d in streamed if d.type == "tool_call"]
-    calls = list(reply.message.tool_calls)
-    for i, call in enumerate(calls[len(started) :], start=len(started)):
-        await sink.delta(ChatDelta("tool_call", "", i, call.id, call.function.name))
-        await sink.delta(ChatDelta("tool_arguments", call.function.arguments, i))
-    ids = [d.call_id for d in started]
-    return reply.with_call_ids(ids) if ids else reply
-
-
 #: Sampling parameters render returns that generate must not get (or that asyncsync
 #: sets itself).
 _NOT_SENT = frozenset({"n", "output_kind", "skip_clone", "max_tokens", "logprobs"})
@@ -1224,71 +984,3 @@ def _sampling(
     if out["max_tokens"] is None:
         out.pop("max_tokens")
     return out
-
-
-class _QueueSink:
-    """A `TurnSink` feeding a `ChatStream`."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[ChatDelta | None] = asyncio.Queue()
-        self.prompt: list[int] | None = None
-
-    async def started(self, prompt_token_ids: list[int]) -> None:
-        self.prompt = prompt_token_ids
-
-    async def delta(self, delta: ChatDelta) -> None:
-        self.queue.put_nowait(delta)
-
-
-class ChatStream:
-    """A streamed turn (`ChatSession.stream`): `ChatDelta` objects as the sampled ids
-    are parsed, then `reply`. The turn runs from ``__aenter__``; leaving the block
-    before it ended cancels it (nothing is recorded)."""
-
-    def __init__(self, session: ChatSession, turn: TurnRequest) -> None:
-        self._session = session
-        self._turn = turn
-        self._sink = _QueueSink()
-        self._task: asyncio.Task[ChatReply] | None = None
-
-    @property
-    def reply(self) -> ChatReply:
-        """The turn's `ChatReply` (once the deltas are all read)."""
-        if self._task is None or not self._task.done():
-            raise RuntimeError("the stream has not finished yet")
-        return self._task.result()
-
-    async def __aenter__(self) -> ChatStream:
-        self._task = asyncio.ensure_future(self._run())
-        return self
-
-    async def _run(self) -> ChatReply:
-        try:
-            return await self._session.run(self._turn, sink=self._sink)
-        finally:
-            self._sink.queue.put_nowait(None)
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        task = self._task
-        if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def __aiter__(self) -> AsyncIterator[ChatDelta]:
-        return self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[ChatDelta]:
-        if self._task is None:
-            raise RuntimeError("use the stream as `async with session.stream(...) as s:`")
-        while True:
-            delta = await self._sink.queue.get()
-            if delta is None:
-                break
-            yield delta
-        await self._task  # its error, if it failed

@@ -40,7 +40,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import quote
 
-from asyncsync._chat.chat import ChatSession, ChatStats, _new_id
+from asyncsync._chat.chat import ChatSession, ChatStats, new_reply_id
 from asyncsync._chat.chat_reply import ChatReply
 from asyncsync._chat.export import session_rows, write_rows
 from asyncsync._chat.prefix import OnUnstable, UnstablePrefixError
@@ -426,7 +426,7 @@ async def _events(
     """A streamed turn's events as they are produced; the whole stream, once it ended
     well, answers a retry of the request."""
     sent: list[bytes] = []
-    reply_id = _new_id(turn.api)
+    reply_id = new_reply_id(turn.api)
     encoder = _Encoder(turn.api, turn, reply_id, model)
     sink = _StreamSink(encoder)
 
