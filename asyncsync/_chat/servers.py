@@ -129,14 +129,16 @@ class SessionRenders:
 
     async def server_render(self, url: str, turn: TurnRequest, body: dict[str, Any]) -> Rendered:
         """The server's render of the turn by its dialect's route; a server without that
-        route (vLLM 0.27.1 has only the chat one: probed once, remembered) renders the
-        request's chat form."""
+        route (vLLM 0.27.1 has only the chat one: probed once, remembered; it answers 404
+        or 405) renders the request's chat form."""
         server, state = ServerRendering(self.fleet, url), self.chat.of(url)
         if turn.render_route != RENDER_ROUTE and state.dialects is not False:
             try:
                 rendered = await server.render(turn.render_route, body)
             except AsyncSyncError as err:
-                if err.status != 404 or err.route != turn.render_route:
+                # 404, or 405 where another route owns the path (0.27.1's
+                # /v1/responses/{response_id} answers POST /v1/responses/render)
+                if err.status not in (404, 405) or err.route != turn.render_route:
                     raise
                 state.dialects = False
                 logger.info("%s has no %s: rendering the chat form", url, turn.render_route)
