@@ -523,11 +523,13 @@ async def test_nccl_refuses_weights_without_metadata(monkeypatch: pytest.MonkeyP
 # --------------------------------------------------------------------------- IPC
 @dataclass
 class IpcServer:
-    """A fake server whose update hook is vLLM's IPC worker engine (one worker)."""
+    """A fake server whose update hook is vLLM's IPC worker engine (one worker),
+    initialized again by each new ``/init_weight_transfer_engine``, as vLLM's is."""
 
     fake: FakeVLLMServer
     model: RecordingModel
     engine: Any = None
+    inits: int = 0
 
     def hook(self, info: Any) -> None:
         if self.engine is None:
@@ -536,6 +538,8 @@ class IpcServer:
             self.engine = worker_engine(
                 IPCWeightTransferEngine, "ipc", rank=0, world_size=1, model=self.model
             )
+        if self.inits != len(self.fake.init_infos):
+            self.inits = len(self.fake.init_infos)
             self.engine.init_transfer_engine(self.engine.parse_init_info(self.fake.init_infos[-1]))
         self.engine.update_weights(info)
 
@@ -609,6 +613,48 @@ async def test_ipc_rounds_through_vllms_engine(
             assert len(updates) == 2
         assert seen[-1][1] == report.bytes
         assert handles.opened > 0
+
+
+@pytest.mark.asyncio
+async def test_ipc_packs_a_model_of_many_small_tensors_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``IPC(packed=None)``: each round goes as the packing rule says for its model
+    (docs/transports/ipc.md); the servers' engines are told at init, again when the
+    mode changes."""
+    from asyncsync.backends.ipc import IpcBackend
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    many = {f"model.layers.0.experts.{i}.w": torch.full((16,), float(i)) for i in range(80)}
+    few = weights(seed=3)  # 6 tensors: one handle each
+    async with ipc_fleet(monkeypatch, count=1) as (servers, fleet, _handles):
+        server = servers[0]
+        ipc = az.backends.IPC(allow_insecure_serialization=True)
+        async with az.AsyncWeightPublisher(fleet, backend=ipc) as publisher:
+            backend = publisher._backend
+            assert isinstance(backend, IpcBackend)
+            report = await publisher.publish(many, version="many")
+            assert backend.last_packed is True
+            assert report.chunks == 1  # the staging buffer holds the whole (small) model
+            assert server.fake.init_infos[-1] == {"packed": True}
+            assert server.fake.updates[-1]["tensor_sizes"] == [64] * 80
+            assert_loaded(server.model.loaded, many)
+
+            server.model.loaded.clear()
+            await publisher.publish(few, version="few")
+            assert backend.last_packed is False
+            assert server.fake.init_infos[-1] == {"packed": False}
+            assert server.fake.updates[-1].get("tensor_sizes") is None
+            assert_loaded(server.model.loaded, few)
+            inits = len(server.fake.init_infos)
+            await publisher.publish(weights(seed=4), version="few-again")
+            assert len(server.fake.init_infos) == inits  # same mode: no new init
+        # An explicit choice wins over the rule.
+        explicit = az.backends.IPC(allow_insecure_serialization=True, packed=False)
+        async with az.AsyncWeightPublisher(fleet, backend=explicit) as publisher:
+            await publisher.publish(many, version="many-unpacked")
+            assert server.fake.init_infos[-1] == {"packed": False}
+            assert server.fake.updates[-1].get("tensor_sizes") is None
 
 
 @pytest.mark.asyncio
