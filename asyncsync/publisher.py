@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
+from asyncsync._core.collector import collections_paused
 from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
@@ -290,17 +291,19 @@ class AsyncWeightPublisher:
         checks = as_verify(verify, weights)
         if self._lock.locked() and self.if_busy == "raise":
             raise RuntimeError("a publish is already running (if_busy='raise')")
+        # No garbage collection stops every thread mid-round (asyncsync._core.collector).
         async with self._lock:
-            if self._closed:
-                raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
-            if not self.is_sender:
-                return await self._non_sender(weights, version)
-            if check_finite:
-                weights = await finite(weights, self._executor)
-            targets = self._targets(targets)
-            need = _need(min_servers, targets)
-            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
-            return await self._publish(weights, version, *args)
+            with collections_paused():
+                if self._closed:
+                    raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
+                if not self.is_sender:
+                    return await self._non_sender(weights, version)
+                if check_finite:
+                    weights = await finite(weights, self._executor)
+                targets = self._targets(targets)
+                need = _need(min_servers, targets)
+                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
+                return await self._publish(weights, version, *args)
 
     @property
     def draft_version(self) -> str | None:

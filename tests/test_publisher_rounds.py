@@ -278,3 +278,44 @@ async def test_backend_options_are_checked_by_the_backend() -> None:
     ) as pub:
         assert pub._backend.buffers.buffer_bytes == 1 << 20  # type: ignore[attr-defined]
         assert pub.backend_name == "asyncsync_shm"
+
+
+async def test_no_garbage_collection_runs_during_a_round(fakes: list[FakeVLLMServer]) -> None:
+    """A collection stops every thread, the event loop's too, for as long as it walks
+    the heap: the collector is paused while a round runs (the weights' checks, the
+    send, the fan-outs) and resumes after, also when the round fails."""
+    import gc
+
+    from asyncsync._core.collector import collections_paused
+
+    seen: list[bool] = []
+
+    def materialize() -> dict[str, torch.Tensor]:
+        seen.append(gc.isenabled())  # in the worker thread, mid-round
+        return LAYERS
+
+    assert gc.isenabled()
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
+    ):
+        await publisher.publish(materialize, version="v1")
+        assert seen == [False]
+        assert gc.isenabled()
+        fakes[0].inject("/start_weight_update", Fault.error(500, "worker failed"))
+        with pytest.raises(az.PublishError):
+            await publisher.publish(materialize, version="v2", min_servers="all")
+        assert gc.isenabled()
+    # counted: nested pauses resume once, a collector disabled before stays disabled
+    with collections_paused():
+        with collections_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
