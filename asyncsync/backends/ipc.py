@@ -45,7 +45,6 @@ from asyncsync.backends._vllm_drive import (
     VllmEngineBackend,
     VllmSource,
     explain_insecure_serialization,
-    payload_bytes,
 )
 
 if TYPE_CHECKING:
@@ -160,11 +159,8 @@ class IpcBackend(VllmEngineBackend):
         meta = source.metadata()
         if meta is None:
             return True, self.packed_buffer_size_bytes
-        nbytes = payload_bytes(
-            {"dtype_names": [str(d).removeprefix("torch.") for _n, d, _s in meta],
-             "shapes": [s for _n, _d, s in meta]}
-        )  # fmt: skip
-        if not packed_by_default(len(meta), nbytes):
+        nbytes = source.total_bytes()
+        if nbytes is None or not packed_by_default(len(meta), nbytes):
             return False, self.packed_buffer_size_bytes
         return True, max(1, min(self.packed_buffer_size_bytes, nbytes))
 
