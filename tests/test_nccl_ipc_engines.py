@@ -732,6 +732,46 @@ def test_ipc_handles_are_pickled_like_vllms_http_client() -> None:
     assert encode_ipc_update({"names": []}) == {"names": []}
 
 
+def test_many_handles_are_pickled_in_batches_that_read_back_as_one_list() -> None:
+    """An unpacked round's 9,339 handles pickled in one call hold the GIL 50-60 ms (the
+    event loop's longest stall on an H200): they are pickled in batches, into a stream
+    that vLLM's server (``pickle.loads`` in its update info class) reads back as the
+    same list; a short list is pickled exactly as vLLM's HTTP client pickles it."""
+    import base64
+    import pickle
+
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo
+
+    from asyncsync.backends._ipc_handles import BATCH, encode_ipc_update, pickled_handles
+
+    def handle(i: int) -> dict[str, tuple[Any, ...]]:
+        own = i.to_bytes(64, "little")
+        return {STANDIN_GPU_UUID: (
+            torch.Tensor, torch.Size([256, 1024]), (1024, 1), 0, torch.UntypedStorage,
+            torch.bfloat16, 0, own, 524288, 0, False, own[::-1], i, own + b"e", True,
+        )}  # fmt: skip
+
+    for count in (0, 1, BATCH, BATCH + 1, 3 * BATCH + 7, 9_339):
+        handles = [handle(i) for i in range(count)]
+        assert pickle.loads(pickled_handles(handles)) == handles, count
+        if count <= BATCH:
+            assert pickled_handles(handles) == pickle.dumps(handles)
+    names = [f"w{i}" for i in range(9_339)]
+    handles = [handle(i) for i in range(9_339)]
+    body = encode_ipc_update(
+        {"names": names, "dtype_names": ["bfloat16"] * 9_339, "shapes": [[256, 1024]] * 9_339,
+         "ipc_handles": handles}
+    )  # fmt: skip
+    assert pickle.loads(base64.b64decode(body["ipc_handles_pickled"])) == handles
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    try:
+        info = IPCWeightTransferUpdateInfo(**body)  # vLLM's own reading of it
+    finally:
+        monkeypatch.undo()
+    assert info.ipc_handles == handles
+
+
 def test_rank_offsets_follow_the_fleet_order() -> None:
     from asyncsync.backends.nccl import rank_offsets
 
