@@ -95,10 +95,11 @@ def test_efficiency_is_the_rate_over_the_ceiling() -> None:
 # --------------------------------------------------------------------------- packing
 def test_the_packing_rule_matches_the_documented_one() -> None:
     """docs/transports/ipc.md: packed when there are at least 64 tensors whose mean
-    size is under 16 MiB; explicit packed= wins; a stream goes packed."""
-    assert (PACK_MIN_TENSORS, PACK_MEAN_BYTES) == (64, 16 * 1024 * 1024)
+    size is under 32 MiB; explicit packed= wins; a stream goes packed."""
+    assert (PACK_MIN_TENSORS, PACK_MEAN_BYTES) == (64, 32 * 1024 * 1024)
     cases = [
         (51, 4_010_000_000, False),  # a dense 4 GB model: 78 MB a tensor
+        (339, 15_230_000_000, False),  # a dense 7B model in bf16: 45 MB a tensor
         (9_339, 5_100_000_000, True),  # MoE-like: 0.55 MB a tensor
         (1_250, 1_000_000_000, True),
         (63, 63, False),  # too few to pay for a copy

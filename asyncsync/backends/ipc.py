@@ -12,10 +12,11 @@ send_mode=<callback>, ...))`` whose rank-0 callback asyncsync bridges to the loo
 0.23-0.27).
 
 Packed or not: ``IPC(packed=None)`` (the default) chooses per round from the model
-(`packed_by_default`, docs/transports/ipc.md): one handle per tensor costs the servers
-about 0.14 ms a tensor to open, packing costs a copy of every byte (and the servers'
-clone of it) plus about 0.06 ms a tensor, so many small tensors are packed and a few
-large ones are not. An explicit ``packed=True`` or ``False`` always wins.
+(`packed_by_default`, docs/transports/ipc.md): packing saves 0.04-0.09 ms a tensor
+(one handle to make and open per chunk instead of per tensor) and costs 0.8-2.6 ms a GB
+(a copy of every byte into the staging buffer and the servers' clone of it), so many
+small tensors are packed and a few large ones are not. An explicit ``packed=True`` or
+``False`` always wins.
 
 Over HTTP the handles can only travel pickled (``ipc_handles_pickled``), and vLLM's
 servers unpickle them only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: whoever can
@@ -64,11 +65,12 @@ logger = logging.getLogger("asyncsync.publish")
 #: The packing rule (docs/transports/ipc.md): pack a round of at least this many
 #: tensors...
 PACK_MIN_TENSORS = 64
-#: ...whose mean size is under this many bytes. Measured on one H200 with vLLM 0.32's
-#: engines (docs/performance.md): one handle per tensor cost about 0.14 ms a tensor,
-#: packing about 0.06 ms a tensor plus 5 ms a GB (the copy into the buffer and the
-#: servers' clone): packing pays below 0.08 ms / (5 ms/GB) = 16 MB a tensor.
-PACK_MEAN_BYTES = 16 * 1024 * 1024
+#: ...whose mean size is under this many bytes. From rounds of a dense model (51
+#: tensors, 4 GB) and an MoE-like one (9,314-9,339 tensors, 5.1-5.3 GB) on one H200 with
+#: vLLM 0.32's engines (docs/performance.md): packing saves d a tensor and costs c a GB;
+#: it pays below d / c = 33 MB (vLLM's own client, the issue's run), 36 MB (vLLM's own
+#: client) and 58 MB (asyncsync) a tensor (this project's run).
+PACK_MEAN_BYTES = 32 * 1024 * 1024
 
 
 def packed_by_default(tensors: int | None, nbytes: int | None) -> bool:
