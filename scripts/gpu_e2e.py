@@ -509,8 +509,13 @@ class Paths:
     """One model and mode: asyncsync's publisher and vLLM's own engine, each into its
     receiver, timed round by round."""
 
-    def __init__(self, row: Row, tensors: Mapping[str, Any], device: Device) -> None:
+    def __init__(
+        self, row: Row, tensors: Mapping[str, Any], device: Device, *, lag: bool = True
+    ) -> None:
         self.row = row
+        #: a 1 ms timer on the loop during asyncsync's rounds (its lag); it wakes the
+        #: loop a thousand times a second, each time taking the GIL from the send
+        self.with_lag = lag
         self.tensors = tensors
         self.device = device
         self.publisher: Any = None
@@ -537,7 +542,7 @@ class Paths:
         self.device.sync()
         gc.callbacks.append(self._on_gc)
         try:
-            async with LoopLagMonitor() as lag:
+            async with LoopLagMonitor(interval=0.001 if self.with_lag else 3600) as lag:
                 self._counting = True
                 began = time.perf_counter()
                 report = await self.publisher.publish(self.tensors, version=version)
@@ -620,7 +625,7 @@ async def run_model(
             gc.freeze()
         row.ceiling_gb_per_s = ceiling
         row.default_packed = expected_default
-        paths = Paths(row, tensors, device)
+        paths = Paths(row, tensors, device, lag=not args.no_lag)
         options = az.backends.IPC(
             allow_insecure_serialization=True,
             packed=packed,
@@ -775,6 +780,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--unfrozen",
         action="store_true",
         help="also the unpacked rounds with the garbage collector not frozen",
+    )
+    parser.add_argument(
+        "--no-lag", action="store_true", help="time asyncsync's rounds without the 1 ms timer"
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--markdown", type=Path, help="write the table here")
