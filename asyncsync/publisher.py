@@ -57,6 +57,7 @@ from asyncsync._publish.verify import (
 from asyncsync._publish.weights import (
     WeightsLike,
     WeightSource,
+    check_source,
     check_weights,
     finite,
     is_factory,
@@ -478,16 +479,12 @@ class AsyncWeightPublisher:
         source = None if is_factory(weights) else resolve(weights)
         loop = asyncio.get_running_loop()
         if source is not None:
-            await loop.run_in_executor(self._executor, self._check_source, source)
+            await check_source(source, self._backend.check, self._executor)
         # Against each server's checkpoint (learned once per server): every mismatch.
         checkpoints = await self._checkpoints(targets)
         if source is not None and checkpoints:
             source = await loop.run_in_executor(self._executor, checkpoints.checked, source)
         return source, checkpoints
-
-    def _check_source(self, source: WeightSource) -> None:
-        check_weights(source)
-        self._backend.check(source)
 
     async def _checkpoints(self, targets: Sequence[str]) -> Checkpoints:
         """The targets' checkpoint tables, where their engine can describe them."""

@@ -65,6 +65,35 @@ def no_shared_memory_left_behind() -> Iterator[None]:
     assert sweep_stale_segments() == []
 
 
+#: Where asyncsync may block a running loop: the blocking facade's wait for its portal
+#: (its whole point, also from a notebook's running loop), ``fleet.openai()``'s import of
+#: the openai SDK on first use (a plain method; the import reads files once), and the
+#: diagnostics the tests themselves call (which processes hold which segments).
+MAY_BLOCK = [
+    ("asyncsync/_core/portal.py", {"call"}),
+    ("asyncsync/_rollout/openai_client.py", {"openai_client"}),
+    ("asyncsync/backends/_segments.py", {"open_segments", "leaked_segments"}),
+]
+
+
+@pytest.fixture(autouse=True)
+def loop_never_blocked() -> Iterator[None]:
+    """A blocking call made by asyncsync's own code on a running event loop (a file read,
+    a sleep, a socket or subprocess call, ...) fails the test: README promises the loop
+    is never blocked. blockbuster detects it. Not scanned: ``asyncsync.testing`` (the
+    servers, fakes and models the tests set up), ``asyncsync.vllm_plugin`` (it runs in
+    vLLM's worker process, where no loop runs; a fake runs it on the test's loop) and the
+    tests' own code; ``MAY_BLOCK`` lists the exceptions."""
+    from blockbuster import blockbuster_ctx
+
+    excluded = ["asyncsync.testing", "asyncsync.vllm_plugin"]
+    with blockbuster_ctx(scanned_modules=["asyncsync"], excluded_modules=excluded) as buster:
+        for function in buster.functions.values():
+            for filename, names in MAY_BLOCK:
+                function.can_block_in(filename, names)
+        yield
+
+
 def _core(index: int) -> str:
     """One core per server (two servers bound to one core slow each other down)."""
     return str(index % (os.cpu_count() or 1))
@@ -114,6 +143,7 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             backend="shm",
             tokenizer=True,
             cpu_cores=_core(0),
+            log_stats=True,  # /metrics: tests see what the engine runs (tests/waiting.py)
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
         token_only_server=LocalVLLMServer(
@@ -121,6 +151,7 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             backend="shm",
             tokenizer=False,
             cpu_cores=_core(1),
+            log_stats=True,
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
     )

@@ -806,3 +806,81 @@ async def test_auto_route_sends_n_samples_where_no_choice_is_lost(version: str, 
         assert paths.count("/v1/models") == paths.count("/collective_rpc") == 1
         generations = [p for p in paths if p not in ("/version", "/v1/models", "/collective_rpc")]
         assert generations == [path, "/inference/v1/generate", path]
+
+
+# ---------------------------------------------------------------- a plain request and a pause
+# The three orders in which a plain (non-streamed) request and pause(mode="abort") can meet
+# on vLLM (read in 0.27.1's and 0.32's EngineCore.pause_scheduler: "abort" ends the
+# requests the engine holds, with finish reason "abort", and queues new adds until resume),
+# each forced here; tests/test_generation_vllm.py meets them on real servers.
+PAUSE_ORDERS = [
+    ("0.32.0", "generate"),
+    ("0.32.0", "completions"),
+    ("0.27.1", "completions"),  # what route="auto" takes for n > 1 on 0.27.1
+]
+
+
+@pytest.mark.parametrize(("version", "route"), PAUSE_ORDERS)
+@pytest.mark.asyncio
+async def test_a_pause_mid_request_aborts_every_unfinished_sample(version: str, route: str) -> None:
+    """The pause lands while the engine runs the samples: GenerationAborted carries every
+    sample, the aborted ones with their tokens so far and aligned logprobs."""
+    async with (
+        FakeVLLMServer(version=version, token_delay=0.01) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        task = asyncio.create_task(
+            client.generate_n(PROMPT, n=8, max_tokens=200, logprobs=0, route=route)
+        )
+        await wait_until(lambda: fake.tokens_generated >= 8 * 3)  # mid-generation
+        await client.pause("abort")
+        with pytest.raises(az.GenerationAborted) as info:
+            await task
+        await client.resume()
+    completions = info.value.completions
+    assert len(completions) == 8
+    assert all(c.aborted and c.finish_reason == "abort" for c in completions)
+    assert all(0 < len(c.token_ids) < 200 for c in completions)
+    assert all(len(c.logprobs or []) == len(c.token_ids) for c in completions)
+
+
+@pytest.mark.parametrize(("version", "route"), PAUSE_ORDERS)
+@pytest.mark.asyncio
+async def test_a_request_that_reaches_a_paused_server_runs_whole_after_resume(
+    version: str, route: str
+) -> None:
+    """The pause landed before the request reached the engine: the server holds it and
+    runs it after resume, so it ends with every token and is not aborted (the real
+    server's race in test_abort_pause_is_a_retryable_outcome_with_tokens)."""
+    async with (
+        FakeVLLMServer(version=version, token_delay=0.001) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        await client.pause("abort")
+        task = asyncio.create_task(
+            client.generate_n(PROMPT, n=8, max_tokens=20, logprobs=0, route=route)
+        )
+        path = "/v1/completions" if route == "completions" else "/inference/v1/generate"
+        await wait_until(lambda: len(fake.requests_to(path)) == 1)
+        await client.is_paused()  # a round trip on the loop: the held request did not end
+        assert not task.done()
+        assert fake.tokens_generated == 0
+        await client.resume()
+        completions = await task
+    assert [(c.finish_reason, len(c.token_ids)) for c in completions] == [("length", 20)] * 8
+
+
+@pytest.mark.parametrize(("version", "route"), PAUSE_ORDERS)
+@pytest.mark.asyncio
+async def test_a_request_that_finished_before_the_pause_is_returned_whole(
+    version: str, route: str
+) -> None:
+    """The pause landed after the last token: nothing was aborted."""
+    async with (
+        FakeVLLMServer(version=version) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        completions = await client.generate_n(PROMPT, n=8, max_tokens=20, route=route)
+        await client.pause("abort")
+        await client.resume()
+    assert [(c.finish_reason, len(c.token_ids)) for c in completions] == [("length", 20)] * 8

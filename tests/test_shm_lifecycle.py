@@ -267,7 +267,10 @@ async def test_zero_copy_allocates_nothing_and_its_memory_goes_with_the_paramete
         receiver.receive(info, load, None)
 
     receiver.begin_round()  # a worker reads the model in place
-    send_round(list(model.named_parameters()), None, ShmBuffers(8192), hook, zero_copy=True)
+    # the trainer's side runs in a worker thread, as a publisher runs it
+    params = list(model.named_parameters())
+    await asyncio.to_thread(send_round, params, None, ShmBuffers(8192), hook, zero_copy=True)
+    del params
     receiver.end_round()
     assert mapped_anywhere(segment)
     del model
@@ -275,7 +278,7 @@ async def test_zero_copy_allocates_nothing_and_its_memory_goes_with_the_paramete
     assert mapped_anywhere(segment)  # the parameters are gone; the worker maps them still
     receiver.begin_round()  # its next round reads other weights
     with ShmBuffers(buffer_bytes=BUFFER) as buffers:
-        send_round(iter(WEIGHTS.items()), None, buffers, hook)
+        await asyncio.to_thread(send_round, iter(WEIGHTS.items()), None, buffers, hook)
         receiver.end_round()
         assert segment not in open_segments()
         assert mapped_anywhere(segment) == []  # dropped at the end of that round

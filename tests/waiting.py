@@ -9,14 +9,24 @@ only catches a hang, so it is generous: a loaded CI runner is slow, not stuck.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
+
 from asyncsync._http.transport import h1_pool
 from asyncsync.testing import FakeVLLMServer
 
-__all__ = ["HANG", "arrived", "checked_out", "wait_until", "wait_until_blocking"]
+__all__ = [
+    "HANG",
+    "arrived",
+    "checked_out",
+    "engine_running",
+    "wait_until",
+    "wait_until_blocking",
+]
 
 #: Seconds after which a condition not reached is a hang, not a slow machine.
 HANG = 60.0
@@ -62,3 +72,23 @@ def checked_out(session: Any) -> int:
     assert session is not None
     pool = h1_pool(session)
     return len(session.connector._acquired) + (pool.in_use if pool is not None else 0)
+
+
+_RUNNING = re.compile(rb"^vllm:num_requests_running(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
+
+
+async def engine_running(url: str) -> int:
+    """Samples a real vLLM server's engine is stepping now (``vllm:num_requests_running``
+    on its ``/metrics``: each sample of an ``n > 1`` request counts; the server must keep
+    its statistics, ``LocalVLLMServer(log_stats=True)``). What a test waits on to know a
+    request reached the engine, which no client-side count can tell."""
+    timeout = aiohttp.ClientTimeout(total=HANG)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(f"{url}/metrics") as answer,
+    ):
+        assert answer.status == 200, answer.status
+        text = await answer.read()
+    values = _RUNNING.findall(text)
+    assert values, f"{url}/metrics has no vllm:num_requests_running (log stats off?)"
+    return sum(int(float(v)) for v in values)

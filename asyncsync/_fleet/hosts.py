@@ -114,6 +114,7 @@ async def probe_hosts(urls: Iterable[str]) -> dict[str, str]:
     """The host identity of each URL, from its address (names resolved off the loop,
     each within a deadline)."""
     targets = list(urls)
+    await asyncio.to_thread(this_host)  # read once (the kernel's files), off the loop
     found = await asyncio.gather(*(_probe(url) for url in targets))
     return dict(zip(targets, found, strict=True))
 

@@ -36,7 +36,7 @@ from asyncsync._publish.checkpoint import Checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.report import PublishReport
 from asyncsync._publish.round import PublishRound
-from asyncsync._publish.weights import WeightsLike, WeightSource, check_weights, is_factory, resolve
+from asyncsync._publish.weights import WeightsLike, WeightSource, check_source, is_factory, resolve
 from asyncsync._wire.draft import DRAFT_START_ROUTE
 from asyncsync._wire.served import CheckpointTable
 from asyncsync.backends._base import SendStats
@@ -115,8 +115,7 @@ class DraftRounds:
         draft model (`UnsupportedVLLMError` naming it)."""
         source = None if is_factory(weights) else resolve(weights)
         if source is not None:
-            check_weights(source)
-            backend.check(source)
+            await check_source(source, backend.check, executor)
         checkpoints = await draft_checkpoints(fleet, targets, executor)
         if source is not None:
             source = checkpoints.checked(source)

@@ -102,10 +102,11 @@ class LoraRounds:
     ) -> PublishReport:
         began = time.perf_counter()
         _check_round(name, version, self.table.history(name).versions)
-        where = self._where(targets, shared_dir)
+        loop = asyncio.get_running_loop()
+        # off the loop: a host name may be looked up, the tmpfs is looked at
+        where = await loop.run_in_executor(self.executor, self._where, targets, shared_dir)
         limits = await self._lora_limits(targets)
         max_rank = min((x.max_lora_rank for x in limits if x.max_lora_rank), default=None)
-        loop = asyncio.get_running_loop()
         # Read, checked and written off the loop, before any server is touched.
         resolved = await loop.run_in_executor(
             self.executor, _prepare, adapter, config, base, max_rank

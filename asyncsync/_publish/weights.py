@@ -9,7 +9,7 @@ so FSDP-style materialization happens off the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -18,6 +18,7 @@ __all__ = [
     "WeightSource",
     "WeightsLike",
     "check_finite",
+    "check_source",
     "check_tensor",
     "check_weights",
     "finite",
@@ -227,3 +228,17 @@ async def finite(weights: WeightsLike, executor: Executor) -> WeightsLike:
     check_weights(source)
     await asyncio.get_running_loop().run_in_executor(executor, check_finite, source)
     return weights
+
+
+async def check_source(
+    source: WeightSource, backend_check: Callable[[WeightSource], None], executor: Executor
+) -> None:
+    """A round's weights checked before any server is touched (what the wire carries,
+    then ``backend_check``: the transport's own rules), in ``executor``: the work grows
+    with the tensor count, and zero-copy's check reads this process's memory map."""
+
+    def check() -> None:
+        check_weights(source)
+        backend_check(source)
+
+    await asyncio.get_running_loop().run_in_executor(executor, check)

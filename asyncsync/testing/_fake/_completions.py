@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -87,13 +88,14 @@ class CompletionsRoute(RouteGroup):
 
     async def _answer(self, completion: _Completion, jobs: list[Job]) -> dict[str, Any]:
         state = self.state
-        choices = []
-        completion_tokens = 0
-        for p_index, job in enumerate(jobs):
-            for i in range(job.params.n):
-                sample = await job.sample(i)
-                completion_tokens += len(sample.token_ids)
-                choices.append(self._choice(completion, job, p_index * job.params.n + i, sample))
+        # vLLM steps every sample of every prompt together: a pause lands on all at once
+        slots = [(p_index, job, i) for p_index, job in enumerate(jobs) for i in range(job.params.n)]
+        samples = await asyncio.gather(*(job.sample(i) for _, job, i in slots))
+        completion_tokens = sum(len(sample.token_ids) for sample in samples)
+        choices = [
+            self._choice(completion, job, p_index * job.params.n + i, sample)
+            for (p_index, job, i), sample in zip(slots, samples, strict=True)
+        ]
         answer: dict[str, Any] = {
             "id": jobs[0].request_id,
             "object": "text_completion",

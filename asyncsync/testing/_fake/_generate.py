@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from functools import partial
@@ -56,7 +57,8 @@ class GenerateRoute(RouteGroup):
             # between two tokens): its stream ends with [DONE] and no finish reason.
             empty_final = state.protocol == "0.32"
             return await stream(request, job, partial(self._event, job), empty_final=empty_final)
-        samples = [await job.sample(i) for i in range(params.n)]
+        # vLLM steps a request's samples together: a pause lands on all of them at once
+        samples = await asyncio.gather(*(job.sample(i) for i in range(params.n)))
         return web.json_response(self._answer(body, job, samples))
 
     async def _parse(
