@@ -286,10 +286,13 @@ async def test_an_ipc_round_of_10000_tensors_costs_the_loop_what_one_of_100_does
     exact, and what it costs the event loop, measured so that a busy machine does not
     change it: no full garbage collection runs during the round (one stops the loop for
     as long as it walks the heap: 0.5 s here before the collector was paused), no loop
-    callback costs over 5 ms of CPU, the loop's CPU for the round is within 20 ms of a
-    100-tensor round's (encoding, pickling and the weights' checks run in the worker
-    thread), and the loop is never held by this process for over 150 ms (its lag less
-    the OS's scheduling delay)."""
+    callback costs over 5 ms of CPU, and the loop's CPU for the round is within 20 ms of
+    a 100-tensor round's (encoding, pickling and the weights' checks run in the worker
+    thread). The loop's lag less the OS's scheduling delay is printed, not asserted: a
+    thread holding the GIL can itself be descheduled, so even that share grows with the
+    machine's load (20 ms here idle, 166 ms at a load of 30). How long the worker thread
+    holds the GIL at once is held down where it is decided (test_nccl_ipc_engines: the
+    handles pickled in batches)."""
     import asyncio
     import gc
     import threading
@@ -348,7 +351,6 @@ async def test_an_ipc_round_of_10000_tensors_costs_the_loop_what_one_of_100_does
                     # here); the loop's own young ones walk only what is new: cheap.
                     assert [c for c in collections if c[0] == 2] == [], collections
                     assert [c for c in collections if "publish" in c[1]] == [], collections
-                    assert worst <= 0.150, f"this process held the loop {worst * 1e3:.0f} ms"
     finally:
         receiver.stop()
         torch.multiprocessing.set_sharing_strategy(strategy)

@@ -756,6 +756,22 @@ def test_many_handles_are_pickled_in_batches_that_read_back_as_one_list() -> Non
         assert pickle.loads(pickled_handles(handles)) == handles, count
         if count <= BATCH:
             assert pickled_handles(handles) == pickle.dumps(handles)
+    # no single call pickles more than a batch: the GIL is free between them
+    dumped: list[int] = []
+    real_dumps = pickle.dumps
+
+    def counting(obj: Any, *args: Any, **kwargs: Any) -> bytes:
+        dumped.append(len(obj) if isinstance(obj, list) else 1)
+        return real_dumps(obj, *args, **kwargs)
+
+    spy = pytest.MonkeyPatch()
+    spy.setattr(pickle, "dumps", counting)
+    try:
+        pickled_handles([handle(i) for i in range(9_339)])
+    finally:
+        spy.undo()
+    assert max(dumped) == BATCH
+    assert sum(dumped) == 9_339
     names = [f"w{i}" for i in range(9_339)]
     handles = [handle(i) for i in range(9_339)]
     body = encode_ipc_update(
