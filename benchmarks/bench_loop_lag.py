@@ -220,10 +220,13 @@ async def _reload_both(session: Any, urls: list[str], ckpt: Path) -> float:
     payload = {"method": "reload_weights", "kwargs": {"weights_path": str(ckpt)}}
 
     async def one(url: str) -> None:
-        async with session.post(f"{url}/collective_rpc", json=payload) as resp:
-            body = await resp.text()
-            if resp.status != 200:
-                raise RuntimeError(f"reload_weights failed: {resp.status} {body[:300]}")
+        for attempt in range(3):  # vLLM cancels a collective RPC now and then under load
+            async with session.post(f"{url}/collective_rpc", json=payload) as resp:
+                body = await resp.text()
+                if resp.status == 200:
+                    return
+                if attempt == 2 or "cancelled" not in body:
+                    raise RuntimeError(f"reload_weights failed: {resp.status} {body[:300]}")
 
     began = time.perf_counter()
     await asyncio.gather(*(one(u) for u in urls))
