@@ -11,7 +11,8 @@ the event loop (see `asyncsync._publish.bridge`).
 Otherwise `PublishError` carries each server's outcome, and servers
 left mid-update are marked dirty in the fleet (generation avoids them) until a later
 round succeeds on them. A cancelled round stops at the next chunk boundary and leaves no
-server with an active update.
+server that answers with an active update (one whose call got no answer is sent nothing
+more: it stays dirty, and the next round ends what it still holds).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncsync._core.completion import Completion
+from asyncsync._core.errors import AsyncSyncError
 from asyncsync._wire.control import Call, Malformed, ModelEntry, parse_model_entries
 
 __all__ = [
@@ -57,14 +58,17 @@ _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _OWN_FIELDS = frozenset({"messages", "stream", "stream_options", "n", "tools"})
 
 
-class ChatRequestError(ValueError):
+class ChatRequestError(AsyncSyncError, ValueError):
     """A chat request that cannot be sent: ``param`` names the field (OpenAI's
-    ``error.param``), e.g. ``"messages[2].role"``."""
+    ``error.param``), e.g. ``"messages[2].role"``. An `AsyncSyncError`, and a
+    ``ValueError`` like every refused argument."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.param = param
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.param))
 
 
 @dataclass(frozen=True, slots=True)
