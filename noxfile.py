@@ -285,6 +285,7 @@ BENCHMARKS = {
     "chat": "benchmarks/bench_chat.py",
     "ray": "benchmarks/bench_ray.py",
     "small_rounds": "benchmarks/bench_small_rounds.py",
+    "loop_lag": "benchmarks/bench_loop_lag.py",
 }
 
 
@@ -309,6 +310,9 @@ def bench(session: nox.Session) -> None:
     - small_rounds: delta rounds beside full rounds (shm, gloo) of a bf16 model trained
       with Adam; a LoRA round beside a full round of its base; generation with
       ``--enable-lora`` beside without.
+    - loop_lag: the event loop's lag while it awaits shm publishes into two vLLM-CPU
+      servers, beside its lag while it awaits vLLM's own reload on them, with the
+      share the OS's scheduling accounts for and the CPU of the trainer and servers.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
