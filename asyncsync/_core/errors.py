@@ -284,8 +284,12 @@ class PublishError(AsyncSyncError):
     Attributes:
         version: the version the round tried to publish.
         outcomes: per-server outcome objects, keyed by server URL.
-        needs_resync: URLs of servers left mid-update (dirty) that need a later
-            successful round before they serve generations again.
+        needs_resync: URLs of servers left dirty (mid-update, or holding weights of no
+            published version) that need a later successful round before they serve
+            generations again; those the round never reached included.
+        never_reached: those of ``needs_resync`` the round could not connect to (refused,
+            or no connection in time): nothing of the round reached them. Is the server
+            up? A round resyncs it once it answers.
     """
 
     def __init__(
@@ -295,6 +299,7 @@ class PublishError(AsyncSyncError):
         version: str | None = None,
         outcomes: Mapping[str, Any] | None = None,
         needs_resync: Sequence[str] = (),
+        never_reached: Sequence[str] = (),
         server: str | None = None,
         route: str | None = None,
         status: int | None = None,
@@ -304,17 +309,24 @@ class PublishError(AsyncSyncError):
         self.version = version
         self.outcomes: dict[str, Any] = dict(outcomes or {})
         self.needs_resync: tuple[str, ...] = tuple(needs_resync)
+        self.never_reached: tuple[str, ...] = tuple(never_reached)
 
     def __str__(self) -> str:
         text = super().__str__()
-        if self.needs_resync:
-            text = f"{text}; needs resync: {', '.join(self.needs_resync)}"
+        reached = [url for url in self.needs_resync if url not in self.never_reached]
+        if reached:
+            text = f"{text}; needs resync: {', '.join(reached)}"
+        if self.never_reached:
+            text = (
+                f"{text}; never reached (could not connect: is it up? a round resyncs it "
+                f"once it answers): {', '.join(self.never_reached)}"
+            )
         return text
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_publish,
-            (self.message, self.version, self.outcomes, self.needs_resync),
+            (self.message, self.version, self.outcomes, self.needs_resync, self.never_reached),
         )
 
 
@@ -323,8 +335,15 @@ def _rebuild_publish(
     version: str | None,
     outcomes: dict[str, Any],
     needs_resync: tuple[str, ...],
+    never_reached: tuple[str, ...] = (),
 ) -> PublishError:
-    return PublishError(message, version=version, outcomes=outcomes, needs_resync=needs_resync)
+    return PublishError(
+        message,
+        version=version,
+        outcomes=outcomes,
+        needs_resync=needs_resync,
+        never_reached=never_reached,
+    )
 
 
 class WeightMismatchError(AsyncSyncError):
@@ -370,15 +389,25 @@ class WeightsModifiedError(PublishError):
         version: str | None = None,
         outcomes: Mapping[str, Any] | None = None,
         needs_resync: Sequence[str] = (),
+        never_reached: Sequence[str] = (),
     ) -> None:
-        super().__init__(message, version=version, outcomes=outcomes, needs_resync=needs_resync)
+        super().__init__(
+            message,
+            version=version,
+            outcomes=outcomes,
+            needs_resync=needs_resync,
+            never_reached=never_reached,
+        )
         self.parameters: tuple[str, ...] = tuple(parameters)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _rebuild_modified,
-            (self.message, self.parameters, self.version, self.outcomes, self.needs_resync),
-        )
+            (
+                self.message, self.parameters, self.version, self.outcomes,
+                self.needs_resync, self.never_reached,
+            ),
+        )  # fmt: skip
 
 
 def _rebuild_modified(
@@ -387,6 +416,7 @@ def _rebuild_modified(
     version: str | None,
     outcomes: dict[str, Any],
     needs_resync: tuple[str, ...],
+    never_reached: tuple[str, ...] = (),
 ) -> WeightsModifiedError:
     return WeightsModifiedError(
         message,
@@ -394,6 +424,7 @@ def _rebuild_modified(
         version=version,
         outcomes=outcomes,
         needs_resync=needs_resync,
+        never_reached=never_reached,
     )
 
 

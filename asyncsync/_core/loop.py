@@ -1,4 +1,5 @@
-"""Event-loop selection: uvloop when installed, unless opted out."""
+"""`asyncsync.run`'s event loop: uvloop when installed, unless opted out. Nothing else in
+asyncsync chooses or changes the event loop."""
 
 from __future__ import annotations
 

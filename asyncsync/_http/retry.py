@@ -1,8 +1,9 @@
 """Retries for idempotent calls, as small pure functions.
 
-Only calls that are safe to repeat are retried (``GET /health``, ``/version``,
-``/weight_info``, ``/is_paused``, ``/get_world_size``); weight updates, pause, resume and
-every other state-changing route are sent exactly once. The decision and the delay are
+Only calls that are safe to repeat are retried: the GET routes (``/health``,
+``/version``, ``/weight_info``, ``/is_paused``, ``/get_world_size``, ``/v1/models``,
+``/server_info``; a plan marks them ``idempotent``). Weight updates, pause, resume,
+generations and every other POST are sent exactly once. The decision and the delay are
 pure functions of the error, the attempt number and a random draw, so they are tested
 without a network and without sleeping.
 """

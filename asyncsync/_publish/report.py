@@ -62,6 +62,9 @@ class ServerOutcome:
         error: why (None when ok).
         dirty: it holds weights of no published version and serves nothing until a
             later round finishes there.
+        reached: False when nothing of the round reached it: every call it was sent
+            failed to connect (refused, or no connection in time). It is still
+            ``dirty``: a round resyncs it once it answers.
     """
 
     url: str
@@ -69,11 +72,13 @@ class ServerOutcome:
     phase: str | None = None
     error: BaseException | None = None
     dirty: bool = False
+    reached: bool = True
 
     def __repr__(self) -> str:
         if self.ok:
             return f"<ServerOutcome {self.url} ok>"
-        return f"<ServerOutcome {self.url} failed at {self.phase}: {self.error!s}>"
+        never = "" if self.reached else " never reached,"
+        return f"<ServerOutcome {self.url}{never} failed at {self.phase}: {self.error!s}>"
 
 
 @dataclass
@@ -101,6 +106,13 @@ class PublishReport:
         target: what the round loaded into: ``"main"`` (the served model) or
             ``"draft"`` (its speculative draft model; ``version`` is then the draft's,
             and the servers' served versions did not change).
+        ceiling_gb_per_s: the rate the hardware allows this transport, in GB/s: shm
+            this host's memcpy, ipc a device-to-device copy on the trainer's GPU, gloo
+            and nccl the link (``link_gb_per_s=`` when given; gloo measures loopback
+            or reads the interface's rate). Measured once per publisher, before its
+            first round, off the event loop; None when unknown (nccl without a given
+            rate).
+        ceiling_basis: what ``ceiling_gb_per_s`` is, in words (None with it).
     """
 
     version: str
@@ -115,6 +127,14 @@ class PublishReport:
     attempts: int = 1
     delta: Any = None
     target: str = "main"
+    ceiling_gb_per_s: float | None = None
+    ceiling_basis: str | None = None
+
+    @property
+    def never_reached(self) -> list[str]:
+        """The lost servers nothing of the round reached (it could not connect to
+        them), in fleet order."""
+        return [url for url in self.lost if url in self.outcomes and not self.outcomes[url].reached]
 
     @property
     def total_seconds(self) -> float:
@@ -126,14 +146,31 @@ class PublishReport:
         total = self.total_seconds
         return self.bytes / total / 1e9 if total > 0 else 0.0
 
+    @property
+    def efficiency(self) -> float | None:
+        """How close the round came to the hardware's limit: `gb_per_s` over
+        ``ceiling_gb_per_s`` (None without a ceiling). A slow round on a fast machine
+        shows as a low value; a round at the machine's limit as one near 1."""
+        if not self.ceiling_gb_per_s:
+            return None
+        return self.gb_per_s / self.ceiling_gb_per_s
+
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
-        lost = f"; lost {', '.join(self.lost)}" if self.lost else ""
+        never = self.never_reached
+        lost = ", ".join(f"{u} (never reached)" if u in never else u for u in self.lost)
+        lost = f"; lost {lost}" if lost else ""
         into = " (draft model)" if self.target == "draft" else ""
+        limit = ""
+        if self.efficiency is not None and self.ceiling_gb_per_s is not None:
+            limit = (
+                f", {self.efficiency:.3f} of the ceiling "
+                f"({_rate(self.ceiling_gb_per_s)}: {self.ceiling_basis or 'given'})"
+            )
         return (
             f"published {self.version!r}{into} to {len(self.servers)} server(s){lost}: "
-            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
-            f"({phases})"
+            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)}"
+            f"{limit} ({phases})"
         )
 
 
@@ -151,6 +188,7 @@ def publish_error(
     first, the version that stays, the servers left dirty."""
     failed = [o for o in outcomes.values() if not o.ok]
     dirty = [o.url for o in outcomes.values() if o.dirty]
+    never = [o.url for o in failed if not o.reached]
     lines = "; ".join(f"{o.url} failed at {o.phase}: {cause(o.error)}" for o in failed)
     message = (
         f"publishing version {version!r} failed ({lines or cause(exc)}); "
@@ -159,9 +197,11 @@ def publish_error(
     if isinstance(exc, WeightsModifiedError):  # the trainer's fault, typed as such
         return WeightsModifiedError(
             message, parameters=exc.parameters, version=version, outcomes=outcomes,
-            needs_resync=dirty,
+            needs_resync=dirty, never_reached=never,
         )  # fmt: skip
-    return PublishError(message, version=version, outcomes=outcomes, needs_resync=dirty)
+    return PublishError(
+        message, version=version, outcomes=outcomes, needs_resync=dirty, never_reached=never
+    )
 
 
 def cause(error: BaseException | None) -> str:

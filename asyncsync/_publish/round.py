@@ -44,6 +44,7 @@ from asyncsync._core.errors import (
     ServerUnavailableError,
 )
 from asyncsync._core.types import FleetResult, Outcome
+from asyncsync._http.transport import never_sent
 from asyncsync._publish.bridge import InitInfo, SyncFleetClient, UpdateInfo
 from asyncsync._publish.report import (
     SECONDS_ORDER,
@@ -240,6 +241,9 @@ class PublishRound(InitCalls):
         #: servers this round's start was sent to: on a failure they hold weights of no
         #: published version (dirty), finished or not
         self.touched: set[str] = set()
+        #: servers a call of this round connected to (it answered, or may have run
+        #: there): a lost server outside it was never reached (`ServerOutcome.reached`)
+        self.connected: set[str] = set()
         #: servers a pause was attempted on (resumed whatever happens), from the start
         #: those an earlier round left paused (its rollback skips a server that did not
         #: answer: this round resumes it once it answers again)
@@ -450,6 +454,9 @@ class PublishRound(InitCalls):
         """One fan-out of ``phase`` to the servers left (of ``only``): its seconds added,
         the servers it failed on dropped (`_drop`)."""
         result: FleetResult[Any] = await self._timed(phase, lambda: call(self._live(only)))
+        self.connected.update(
+            url for url, o in result.items() if o.error is None or not never_sent(o.error)
+        )
         self._drop(phase, result)
         return result
 
@@ -491,7 +498,10 @@ class PublishRound(InitCalls):
     def _lose(self, url: str, phase: Phase, error: BaseException) -> None:
         """``url`` drops out at ``phase``: dirty, sent nothing more in this round."""
         self.live.remove(url)
-        self.outcomes[url] = ServerOutcome(url, ok=False, phase=phase, error=error, dirty=True)
+        reached = url in self.connected or not never_sent(error)
+        self.outcomes[url] = ServerOutcome(
+            url, ok=False, phase=phase, error=error, dirty=True, reached=reached
+        )
         self._mark_dirty([url])
 
     def lost(self) -> list[str]:

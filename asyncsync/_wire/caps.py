@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncsync._core.errors import UnsupportedVLLMError
+from asyncsync._core.errors import AsyncSyncError, UnsupportedVLLMError
 
 __all__ = [
     "ENGINE_CONTRACTS",
@@ -200,7 +200,7 @@ _MARK = "ASYNCSYNC_SERVER_OPTIONS "
 PROBE_TIMEOUT = 600.0
 
 
-class ProbeError(RuntimeError):
+class ProbeError(AsyncSyncError, RuntimeError):
     """The probe subprocess could not read the server's options (vLLM missing or broken)."""
 
 

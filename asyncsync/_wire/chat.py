@@ -130,15 +130,19 @@ CHAT_REFUSED_FIELDS: dict[str, str] = {
 class ChatRequestError(AsyncSyncError, ValueError):
     """A chat request that cannot be sent: ``param`` names the field (OpenAI's
     ``error.param``), e.g. ``"messages[2].role"``; ``status`` is the HTTP status the
-    gateway answers with (400, or 404 for an unknown model)."""
+    gateway answers with (400, or 404 for an unknown model). An `AsyncSyncError`, and a
+    ``ValueError`` like every refused argument."""
 
-    def __init__(self, message: str, param: str | None = None, *, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
 
     def __str__(self) -> str:
         return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.param, self.status))
 
 
 @dataclass(frozen=True, slots=True)

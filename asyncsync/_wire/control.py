@@ -559,7 +559,7 @@ def plan_models() -> Call[int | None]:
     """``GET /v1/models``: the served model's ``max_model_len``."""
     return Call(
         "models", "GET", "/v1/models", "control", _context_length,
-        '{"data": [{"id": str, "max_model_len": int}]}',
+        '{"data": [{"id": str, "max_model_len": int}]}', idempotent=True,
     )  # fmt: skip
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._core.errors import WeightsModifiedError
+from asyncsync._core.errors import AsyncSyncError, WeightsModifiedError
 from asyncsync._publish.weights import check_tensor
 from asyncsync.backends._base import RoundCancelled, SendStats
 from asyncsync.backends._options import ZeroCopyMode, check_zero_copy_mode
@@ -74,7 +74,7 @@ _HOW = (
 )
 
 
-class NotInSharedMemory(ValueError):
+class NotInSharedMemory(AsyncSyncError, ValueError):
     """A tensor servers cannot read in place (``zero_copy="auto"`` then packs)."""
 
 

@@ -51,6 +51,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncsync._core.errors import AsyncSyncError
+
 __all__ = [
     "ALIGNMENT",
     "BACKEND_NAME",
@@ -101,7 +103,7 @@ DTYPE_SIZES: dict[str, int] = {
 SEGMENT_NAME = re.compile(r"asyncsync-[0-9]+-[0-9a-f]{16}|torch_[0-9]+_[0-9]+_[0-9]+")
 
 
-class ShmFormatError(ValueError):
+class ShmFormatError(AsyncSyncError, ValueError):
     """An update_info does not fit the shm wire format or the model it targets."""
 
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
+from asyncsync.backends._ceiling import Ceiling, link_ceiling
 from asyncsync.backends._gloo_group import GlooGroup, GlooTimeout, master_address_for
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooInitFields, chunk_extent
 from asyncsync.backends._options import Gloo
@@ -321,6 +322,7 @@ class GlooBackend(TrainerBackend):
         master_port: int | None = None,
         create_timeout_s: float = 60.0,
         op_timeout_s: float | None = None,
+        link_gb_per_s: float | None = None,
     ) -> None:
         if api != "engine":
             raise ValueError(
@@ -329,6 +331,7 @@ class GlooBackend(TrainerBackend):
         super().__init__(rank=rank, world_size=world_size, api=api)
         settings = GlooSettings(master_address, master_port, create_timeout_s, op_timeout_s)
         self.link = GlooLink(settings, buffer_bytes)
+        self.link_gb_per_s = link_gb_per_s
 
     def delta_servers(self, urls: Iterable[str]) -> frozenset[str]:
         """Every server: a broadcast crosses a network, where bytes cost time."""
@@ -354,6 +357,16 @@ class GlooBackend(TrainerBackend):
         self.link.update_deadline_s = client.update_deadline()
         self.link.ensure(client, client.world_sizes())
         return self.link.send_round(source, client, control)
+
+    def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
+        """The link to the servers: ``link_gb_per_s`` when given; else loopback TCP,
+        measured, when the group runs on loopback; else the rate the interface that
+        routes to them reports."""
+        if self.link_gb_per_s is not None:
+            return Ceiling(self.link_gb_per_s, "link, as given (Gloo(link_gb_per_s=...))")
+        if not urls:
+            return None
+        return link_ceiling(self.link.settings.master_address or master_address_for(list(urls)))
 
     def abort_info(self) -> Mapping[str, Any]:
         return ShmUpdateFields.abort_json()

@@ -22,8 +22,9 @@ try:
     import ray as _ray  # noqa: F401 - the extra's one dependency, checked here
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        "asyncsync.ray needs Ray, which is not installed: pip install 'asyncsync[ray]' "
-        "(into the environment that has your torch: a fresh one may resolve a CUDA torch)"
+        "asyncsync.ray needs Ray, which is not installed: install asyncsync's ray extra "
+        "(pip install -e '.[ray]' in asyncsync's clone) into the environment that has "
+        "your torch (a fresh one may resolve a CUDA torch)"
     ) from exc
 
 from asyncsync._fleet.hosts import this_host

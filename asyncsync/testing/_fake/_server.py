@@ -114,7 +114,10 @@ class FakeVLLMServer(FakeState):
         self._routes = {}
         for group in (ControlRoutes, WeightRoutes, GenerateRoute, CompletionsRoute, ChatRoutes):
             self._routes.update(group(self).routes())
-        app = web.Application(middlewares=[self._middleware])
+        # No limit on a request's body, as vLLM's server (uvicorn) sets none: an unpacked
+        # IPC update of 10,000 tensors is about 1.5 MB of JSON (aiohttp's default, 1 MiB,
+        # would answer 413 where vLLM takes it).
+        app = web.Application(middlewares=[self._middleware], client_max_size=0)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: a hung handler is cancelled when the client goes away,
         # so tests can see that a cancelled client closed its connection.
