@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -82,7 +84,7 @@ def victim(tiny_model_dir: Path) -> Iterator[LocalVLLMServer]:
         backend="shm",
         tokenizer=False,
         cpu_cores=_core(1),
-        port=free_port(),
+        port=_port_no_connection_takes(),
         startup_timeout=SERVER_STARTUP_TIMEOUT,
     )
     with start_blocking_portal() as portal:
@@ -91,6 +93,22 @@ def victim(tiny_model_dir: Path) -> Iterator[LocalVLLMServer]:
             yield server
         finally:
             portal.call(_thawed_and_stopped, server)
+
+
+def _port_no_connection_takes() -> int:
+    """A free port below the kernel's ephemeral range. Between a kill and the restart
+    the victim's port is free, and a port of that range can become the local port of
+    any outgoing connection on the machine meanwhile (one did, under load: the restart
+    failed with "Address already in use"); below it, only an explicit bind takes it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.SystemRandom().sample(range(max(1024, low - 10_000), low), 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()  # none free there: an ephemeral one, as before
 
 
 async def _thawed_and_stopped(server: LocalVLLMServer) -> None:
