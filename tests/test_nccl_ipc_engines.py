@@ -13,9 +13,8 @@ computes its own NCCL rank from the offset asyncsync sent and loads the weights.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 import asyncsync as az
 from asyncsync._core.errors import ProtocolError
 from asyncsync.testing import FakeVLLMServer, Fault
+from tests.calls import recording
 from tests.cuda_standins import (
     STANDIN_GPU_UUID,
     NcclHub,
@@ -35,6 +35,7 @@ from tests.cuda_standins import (
     worker_engine,
 )
 from tests.publish_fakes import round_calls
+from tests.waiting import HANG
 
 pytestmark = [pytest.mark.server_deps]
 
@@ -126,7 +127,11 @@ async def nccl_fleet(
     monkeypatch: pytest.MonkeyPatch,
     world_sizes: tuple[int, ...] = (2, 1),
     timeouts: az.Timeouts = DEFAULTS,
+    own_timeouts: Mapping[int, az.Timeouts] | None = None,
 ) -> AsyncIterator[NcclSetup]:
+    """Fakes with vLLM's NCCL engine (CUDA replaced by stand-ins) and a fleet over them
+    with ``timeouts``; the fakes at the indices of ``own_timeouts`` through clients of
+    their own with those."""
     from asyncsync._wire.caps import installed_trainer_api
 
     install_cuda_on_cpu(monkeypatch)
@@ -155,7 +160,12 @@ async def nccl_fleet(
 
     monkeypatch.setattr(nccl_common, "stateless_init_process_group", open_group)
     try:
-        async with az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet:
+        async with AsyncExitStack() as stack:
+            members: list[str | az.AsyncVLLMClient] = [f.url for f in fakes]
+            for index, own in (own_timeouts or {}).items():
+                client = az.AsyncVLLMClient(fakes[index].url, timeouts=own)
+                members[index] = await stack.enter_async_context(client)
+            fleet = await stack.enter_async_context(az.Fleet(members, timeouts=timeouts))
             yield NcclSetup(hub, fakes, fleet, replay, installed_trainer_api("nccl"))
     finally:
         hub.release()  # a broadcast left blocked by a failed round ends now
@@ -358,17 +368,27 @@ async def test_nccl_frozen_server_fails_the_round_at_the_update_deadline(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A server that never answers ``/update_weights`` never joins the broadcast either.
-    A round that needs both fails with its ServerTimeout at the fleet's update deadline
-    (3 s here; control's is 60 s, so the phase is the update's), and the trainer is not
-    left in the broadcast; with the default ``min_servers=1`` the same round goes on in
-    a new group without it."""
-    timeouts = az.Timeouts(connect=5, control=60, update=3, generate=60)
-    async with nccl_fleet(monkeypatch, timeouts=timeouts) as setup:
+    A round that needs both fails with its ServerTimeout at its update deadline (3 s,
+    its own client's; control's is 60 s, so the phase is the update's; the other
+    server's deadlines only catch a hang, so its answers never race one), and the
+    trainer is not left in the broadcast; with the default ``min_servers=1`` the same
+    round goes on in a new group without it. Each round waits that one deadline, read
+    from the calls that timed out."""
+    frozen = az.Timeouts(connect=5, control=60, update=3, generate=60)
+    async with nccl_fleet(
+        monkeypatch, timeouts=az.Timeouts.uniform(HANG), own_timeouts={1: frozen}
+    ) as setup:
         a, b = setup.fakes
         b.inject("/update_weights", Fault.hang(), times=None)
-        async with az.AsyncWeightPublisher(setup.fleet, backend="nccl") as publisher:
-            with pytest.raises(az.PublishError) as caught:
+        fleet = setup.fleet
+        async with az.AsyncWeightPublisher(fleet, backend="nccl") as publisher:
+            with (
+                recording(fleet.client(url) for url in fleet.urls) as log,
+                pytest.raises(az.PublishError) as caught,
+            ):
                 await publisher.publish(weights(seed=1), version="v1", min_servers="all")
+            assert [(s.url, s.op) for s in log.timed_out()] == [(b.url, "update_weights")]
+            assert log.to(b.url)[-1].timed_out
             outcome = caught.value.outcomes[b.url]
             assert outcome.phase == "update"
             assert isinstance(outcome.error, az.ServerTimeout)
@@ -376,11 +396,13 @@ async def test_nccl_frozen_server_fails_the_round_at_the_update_deadline(
             assert setup.hub.sent == []  # the broadcast never completed
             assert not a.update_active
             assert publisher.version is None
-            began = time.monotonic()
-            report = await publisher.publish(weights(seed=2), version="v2")
-            # b is known unhealthy: it is probed (it answers /health) and included; its
-            # update times out once (3 s), then the group of a alone takes the round.
-            assert time.monotonic() - began < 30
+            # b is known unhealthy: it is probed (it answers /health) and included; it
+            # still holds v1's update (refused: "already active"), so the update that
+            # ends it is sent, and times out: the round's one deadline. Then the group
+            # of a alone takes the round.
+            with recording(fleet.client(url) for url in fleet.urls) as log:
+                report = await publisher.publish(weights(seed=2), version="v2")
+            assert [(s.url, s.op) for s in log.timed_out()] == [(b.url, "update_weights")]
             assert (report.servers, report.lost, report.attempts) == ([a.url], [b.url], 2)
             assert held(setup.fleet, a) == "v2"
             assert not a.update_active

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -19,8 +18,10 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
+from asyncsync._publish.round import is_stale_round_error
 from asyncsync.backends._segments import leaked_segments, open_segments
 from asyncsync.testing import LocalVLLMServer, LoopLagMonitor, check_greedy, make_tiny_model
+from tests.calls import recording
 from tests.conftest import SERVER_STARTUP_TIMEOUT
 from tests.loop_cost import LoopWork, OwnLag
 from tests.test_shm_lifecycle import mapped_anywhere
@@ -194,6 +195,9 @@ _KILLED_TRAINER = textwrap.dedent(
     import asyncsync as az
     from safetensors.torch import load_file
 
+    def announce(chunks, nbytes):  # in the publisher's worker thread
+        print(chunks, flush=True)
+
     async def main(url, model_dir):
         weights = load_file(model_dir + "/model.safetensors")
         async with az.Fleet([url]) as fleet:
@@ -202,7 +206,7 @@ _KILLED_TRAINER = textwrap.dedent(
             round_ = 0
             while True:
                 round_ += 1
-                await publisher.publish(weights, version=f"doomed-{round_}")
+                await publisher.publish(weights, version=f"doomed-{round_}", progress=announce)
 
     asyncio.run(main(sys.argv[1], sys.argv[2]))
     """
@@ -214,33 +218,43 @@ _KILLED_TRAINER = textwrap.dedent(
 async def test_killed_trainer_leaves_nothing_behind(
     big_server: LocalVLLMServer, big_model_dir: Path
 ) -> None:
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once; polled without blocking
-        [sys.executable, "-c", _KILLED_TRAINER, big_server.url, str(big_model_dir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+    """SIGKILL a trainer in the middle of a round (its second chunk announced: the
+    server has started the round and loaded the first chunk), never at a time: nothing
+    is ever named in /dev/shm, the server is left holding the dead trainer's round, and
+    a new publisher ends that round and publishes exactly."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _KILLED_TRAINER,
+        big_server.url,
+        str(big_model_dir),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 180
-        while not open_segments(proc.pid):
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline, "the trainer never created a segment"
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # somewhere inside a round
+        assert proc.stdout is not None
+        line = b""
+        while line.strip() != b"2":  # chunk 0 acknowledged, chunk 1 announced: mid-round
+            line = await asyncio.wait_for(proc.stdout.readline(), timeout=180)
+            assert line, await proc.stderr.read() if proc.stderr else b""
+        assert open_segments(proc.pid)
         assert leaked_segments(pid=proc.pid) == []  # memfds: never named in /dev/shm
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        if proc.stderr is not None:
-            proc.stderr.close()
+        await proc.wait()
     # SIGKILL gives a process no chance to clean up, and there is nothing to clean up:
     # the kernel frees the segments once the server drops its mappings (next round).
     assert leaked_segments(pid=proc.pid) == []
 
-    # The server may hold the dead trainer's open round; a new publisher recovers.
+    # The server holds the dead trainer's open round; a new publisher ends it first.
     model = await asyncio.to_thread(_big_model, big_model_dir, 3)
     async with az.Fleet([big_server.url]) as fleet, az.AsyncWeightPublisher(fleet) as publisher:
-        report = await publisher.publish(model, version="recovered")
+        with recording([fleet.client(big_server.url)]) as log:
+            report = await publisher.publish(model, version="recovered")
         assert report.version == "recovered"
+        starts = [s.error for s in log.sent if s.op == "start_weight_update"]
+        assert [error is None for error in starts] == [False, True], starts
+        assert is_stale_round_error(starts[0]), starts  # refused: the old round is open
         tokens = await _greedy(fleet, big_server.url, 6)
         await asyncio.to_thread(check_greedy, model, PROMPT, tokens, max_new_tokens=6)
     assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []  # its memory is freed
