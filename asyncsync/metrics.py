@@ -16,7 +16,8 @@ or the generation.
 What is reported:
 
 - `MetricsHook.on_publish`: a successful round's `PublishReport`
-  (version, seconds per phase, bytes, servers).
+  (version, seconds per phase, bytes, servers, and how close it came to the
+  transport's ceiling: ``efficiency``, ``ceiling_gb_per_s``).
 - `MetricsHook.on_publish_failed`: the version and the
   `PublishError` of a failed round.
 - `MetricsHook.on_generation`: each `Completion` (server, latency,
@@ -92,7 +93,9 @@ class PrometheusMetrics(MetricsHook):
     prometheus_client``), named ``<namespace>_...``:
 
     - ``publish_phase_seconds{phase}`` (histogram), ``publish_bytes_total``,
-      ``publish_rounds_total{outcome}``, ``published_version_info{version}``;
+      ``publish_rounds_total{outcome}``, ``published_version_info{version}``,
+      ``publish_efficiency`` and ``publish_ceiling_gigabytes_per_second`` (gauges: the
+      last round's GB/s over the transport's ceiling, and that ceiling);
     - ``generation_seconds{server}`` (histogram), ``generated_tokens_total{server}``,
       ``generation_staleness`` (histogram, fleet generations only);
     - ``server_health_transitions_total{server, old, new}`` (each move of a server in
@@ -116,6 +119,12 @@ class PrometheusMetrics(MetricsHook):
         self.publish_bytes = prom.Counter("publish_bytes", "Payload bytes published", **kw)
         self.rounds = prom.Counter("publish_rounds", "Publish rounds", ["outcome"], **kw)
         self.version = prom.Info("published_version", "The last published version", **kw)
+        self.efficiency = prom.Gauge(
+            "publish_efficiency", "The last round's GB/s over the transport's ceiling", **kw
+        )
+        self.ceiling = prom.Gauge(
+            "publish_ceiling_gigabytes_per_second", "The transport's ceiling (GB/s)", **kw
+        )
         self.generation_seconds = prom.Histogram(
             "generation_seconds", "Generation latency", ["server"], **kw
         )
@@ -142,6 +151,9 @@ class PrometheusMetrics(MetricsHook):
         self.publish_bytes.inc(report.bytes)
         self.rounds.labels("ok").inc()
         self.version.info({"version": report.version})
+        if report.efficiency is not None and report.ceiling_gb_per_s is not None:
+            self.efficiency.set(report.efficiency)
+            self.ceiling.set(report.ceiling_gb_per_s)
 
     def on_publish_failed(self, version: str, error: PublishError) -> None:
         self.rounds.labels("failed").inc()
@@ -164,7 +176,9 @@ class OpenTelemetryMetrics(MetricsHook):
 
     - ``asyncsync.publish.duration`` (histogram, s, attribute ``phase``),
       ``asyncsync.publish.bytes`` (counter, By), ``asyncsync.publish.rounds`` (counter,
-      attribute ``outcome``);
+      attribute ``outcome``), ``asyncsync.publish.efficiency`` (histogram, 1: a round's
+      GB/s over the transport's ceiling) and ``asyncsync.publish.ceiling`` (histogram,
+      GBy/s);
     - ``asyncsync.generation.duration`` (histogram, s, attribute ``server``),
       ``asyncsync.generation.tokens`` (counter), ``asyncsync.generation.staleness``
       (histogram, fleet generations only);
@@ -188,6 +202,14 @@ class OpenTelemetryMetrics(MetricsHook):
             "asyncsync.publish.bytes", unit="By", description="Payload bytes published"
         )
         self.rounds = meter.create_counter("asyncsync.publish.rounds", description="Rounds")
+        self.efficiency = meter.create_histogram(
+            "asyncsync.publish.efficiency",
+            unit="1",
+            description="A round's GB/s over the transport's ceiling",
+        )
+        self.ceiling = meter.create_histogram(
+            "asyncsync.publish.ceiling", unit="GBy/s", description="The transport's ceiling"
+        )
         self.generation_seconds = meter.create_histogram(
             "asyncsync.generation.duration", unit="s", description="Generation latency"
         )
@@ -207,6 +229,9 @@ class OpenTelemetryMetrics(MetricsHook):
             self.phase_seconds.record(seconds, {"phase": phase})
         self.publish_bytes.add(report.bytes)
         self.rounds.add(1, {"outcome": "ok"})
+        if report.efficiency is not None and report.ceiling_gb_per_s is not None:
+            self.efficiency.record(report.efficiency)
+            self.ceiling.record(report.ceiling_gb_per_s)
 
     def on_publish_failed(self, version: str, error: PublishError) -> None:
         self.rounds.add(1, {"outcome": "failed"})

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core import hooks as _hooks
+from asyncsync._core.collector import collections_paused
 from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
@@ -68,6 +69,7 @@ from asyncsync._publish.weights import (
 from asyncsync._wire.served import ASYNCSYNC_ENGINES
 from asyncsync.backends import (
     BackendOptions,
+    Ceiling,
     SendControl,
     SendStats,
     TrainerApi,
@@ -179,6 +181,9 @@ class AsyncWeightPublisher:
         if catch_up == "host" or (catch_up == "auto" and self._backend.keeps_last_round):
             self._kept = KeptRound(shared=bool(getattr(options, "zero_copy", False)))
         self._catch_up: CatchUp | None = None
+        #: the transport's ceiling (`PublishReport.ceiling_gb_per_s`), asked once
+        self._ceiling: Ceiling | None = None
+        self._ceiling_asked = False
         if fleet is not None:
             fleet._on_close(self._release)
             if self.is_sender and (self._kept is not None or self._refill is not None):
@@ -343,17 +348,19 @@ class AsyncWeightPublisher:
             raise RuntimeError("a publish is already running (if_busy='raise')")
         if self._catch_up is not None:
             await self._catch_up.supersede()  # a trainer's round takes precedence
+        # No garbage collection stops every thread mid-round (asyncsync._core.collector).
         async with self._lock:
-            if self._closed:
-                raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
-            if not self.is_sender:
-                return await self._non_sender(weights, version)
-            if check_finite:
-                weights = await finite(weights, self._executor)
-            targets = self._targets(targets)
-            need = _need(min_servers, targets)
-            args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
-            return await self._publish(weights, version, *args)
+            with collections_paused():
+                if self._closed:
+                    raise ClosedError("this AsyncWeightPublisher is closed; create a new one")
+                if not self.is_sender:
+                    return await self._non_sender(weights, version)
+                if check_finite:
+                    weights = await finite(weights, self._executor)
+                targets = self._targets(targets)
+                need = _need(min_servers, targets)
+                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
+                return await self._publish(weights, version, *args)
 
     @property
     def draft_version(self) -> str | None:
@@ -419,6 +426,7 @@ class AsyncWeightPublisher:
             chain, source, checkpoints = await self._prepared(
                 weights, targets, version, delta, draft
             )
+        await self._ask_ceiling(targets)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
         )
@@ -482,9 +490,27 @@ class AsyncWeightPublisher:
         self._chain, chain = chain_round(self._chain, delta, self._backend, targets, version)
         return chain, *await self._checked(weights, targets)
 
+    async def _ask_ceiling(self, targets: list[str]) -> None:
+        """The backend's ceiling, asked once per publisher before its first round, in
+        the worker thread (a measurement takes tens of ms); a failure only leaves the
+        reports without one."""
+        if self._ceiling_asked:
+            return
+        self._ceiling_asked = True
+        loop = asyncio.get_running_loop()
+        try:
+            self._ceiling = await loop.run_in_executor(
+                self._executor, self._backend.ceiling, list(targets)
+            )
+        except Exception as exc:
+            logger.warning("backend %r: its ceiling could not be measured (%s)", self.backend, exc)
+
     async def _published_report(
         self, report: PublishReport, chain: ChainRound | None
     ) -> PublishReport:
+        if self._ceiling is not None:
+            report.ceiling_gb_per_s = self._ceiling.gb_per_s
+            report.ceiling_basis = self._ceiling.basis
         if chain is not None:
             chain.done(report)
         self.last_report = report
@@ -531,14 +557,17 @@ class AsyncWeightPublisher:
         self, weights: WeightsLike, targets: Sequence[str]
     ) -> tuple[WeightSource | None, Checkpoints]:
         """The weights checked before the round touches any server (None for a factory,
-        called and checked in the thread), and the targets' checkpoint tables."""
+        called and checked in the thread), and the targets' checkpoint tables. The checks
+        read every tensor's metadata, which costs Python time per tensor (tens of ms for
+        10,000 tensors): they run in the worker thread, not on the event loop."""
         source = None if is_factory(weights) else resolve(weights)
+        loop = asyncio.get_running_loop()
         if source is not None:
             await check_source(source, self._backend.check, self._executor)
         # Against each server's checkpoint (learned once per server): every mismatch.
         checkpoints = await self._checkpoints(targets)
-        if source is not None:
-            source = checkpoints.checked(source)
+        if source is not None and checkpoints:
+            source = await loop.run_in_executor(self._executor, checkpoints.checked, source)
         return source, checkpoints
 
     async def _checkpoints(self, targets: Sequence[str]) -> Checkpoints:

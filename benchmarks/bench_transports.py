@@ -58,6 +58,10 @@ async def _rounds(
         "chunks": median.chunks,
         "transfer_s": median.seconds.get("transfer", 0.0),
         "pack_s": median.seconds.get("pack", 0.0),
+        # the report's: its GB/s over the transport's ceiling (PublishReport.efficiency)
+        "efficiency": median.efficiency,
+        "ceiling_gbps": median.ceiling_gb_per_s,
+        "ceiling": median.ceiling_basis,
     }
 
 
@@ -92,15 +96,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
-        "| transport | servers | median round | GB/s | chunks | transfer | pack |",
-        "|---|---|---|---|---|---|---|",
+        "| transport | servers | median round | GB/s | efficiency (ceiling) | chunks | transfer "
+        "| pack |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for backend in args.backends:
         for n in (1, 2):
             x = r[f"{backend}{n}"]
+            efficiency = (
+                f"{x['efficiency']:.3f} ({x['ceiling_gbps']:.2f} GB/s, {x['ceiling']})"
+                if x.get("efficiency") is not None
+                else "-"
+            )
             rows.append(
                 f"| {backend} | {n} | {x['total_s'] * 1000:.0f} ms | {x['gbps']:.2f} | "
-                f"{x['chunks']} | {x['transfer_s'] * 1000:.0f} ms | {x['pack_s'] * 1000:.0f} ms |"
+                f"{efficiency} | {x['chunks']} | {x['transfer_s'] * 1000:.0f} ms | "
+                f"{x['pack_s'] * 1000:.0f} ms |"
             )
     notes = [
         "",

@@ -29,7 +29,8 @@ async def main() -> None:
             await stack.enter_async_context(FakeVLLMServer()),
         ]
         urls = [s.url for s in servers]
-        timeouts = az.Timeouts(control=5.0, update=2.0)
+        # Per-phase deadlines: a server that stops answering fails its call at them.
+        timeouts = az.Timeouts(control=10.0, update=60.0)
 
         async with az.Fleet(urls, timeouts=timeouts) as fleet:
             # A clean round on every server.

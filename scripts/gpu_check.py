@@ -3,6 +3,11 @@ without vLLM (docs/transports/ipc.md, "On a GPU machine")::
 
     python scripts/gpu_check.py                 # a short table; exit 0 when all passed
     python scripts/gpu_check.py --json out.json --model-mb 1024
+    python scripts/gpu_check.py --e2e --json e2e.json   # whole rounds (scripts/gpu_e2e.py)
+
+``--e2e`` runs `scripts/gpu_e2e.py` instead (its options follow): whole ``ipc`` rounds
+through ``AsyncWeightPublisher`` beside vLLM's own client, into receivers that load the
+way vLLM's worker does; it needs vLLM's weight-transfer engines importable.
 
 Checks (well under 5 minutes on one GPU; the CPU-side ones run anywhere):
 
@@ -406,6 +411,13 @@ def check_pack_rate(model_mb: int, buffer_bytes: int) -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if "--e2e" in args_list:  # the whole-round check, with its own options
+        args_list.remove("--e2e")
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_e2e
+
+        return int(gpu_e2e.main(args_list))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-mb", type=int, default=512, help="model size for packing")
     parser.add_argument("--ipc-model-mb", type=int, default=64, help="model size for IPC")
@@ -415,7 +427,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--require-cuda", action="store_true", help="exit 2 when there is no CUDA device"
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--e2e", action="store_true", help="whole rounds instead (scripts/gpu_e2e.py --help)"
+    )
+    args = parser.parse_args(args_list)
     buffer_bytes = args.buffer_mb * MIB
 
     try:

@@ -28,7 +28,13 @@ SCALE_OUT_DISABLED = {
     }
 }
 SCALE_OUT_ROUTES = frozenset(
-    {"/v1/chat/completions/render", "/v1/chat/completions/derender", "/inference/v1/generate"}
+    {
+        "/v1/chat/completions/render",
+        "/v1/messages/render",
+        "/v1/responses/render",
+        "/v1/chat/completions/derender",
+        "/inference/v1/generate",
+    }
 )
 
 

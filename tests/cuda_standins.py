@@ -19,6 +19,12 @@ Only the CUDA-bound calls are replaced, nothing of vLLM's logic:
   (``rebuild_cuda_tensor``): a handle has the shape of torch's (the device index at
   position 6) and names a tensor in a registry; opening it aliases that tensor, as
   opening a real handle maps the trainer's memory.
+- :class:`SharedIpcHandles`: the same across processes: a handle names the tensor's
+  storage in shared memory (torch's file-system sharing, a file in ``/dev/shm``), which
+  the receiving process maps; with ``install_cuda_on_cpu(..., shared=True)`` the
+  buffers vLLM allocates "on the device" live there too. Opening a handle aliases the
+  trainer's memory, as CUDA IPC does: a packed buffer rewritten for the next chunk is
+  seen rewritten (``scripts/gpu_e2e.py --standins`` runs its receivers this way).
 """
 
 from __future__ import annotations
@@ -96,19 +102,24 @@ class _Accelerator:
 
 
 class CudaOnCpu:
-    """The ``torch`` module vLLM's weight-transfer modules see (see the module doc)."""
+    """The ``torch`` module vLLM's weight-transfer modules see (see the module doc).
+    ``shared``: "device" memory is allocated in shared memory (`SharedIpcHandles`)."""
 
     cuda = _Cuda()
     accelerator = _Accelerator()
 
+    def __init__(self, *, shared: bool = False) -> None:
+        self.shared = shared
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
-    @staticmethod
-    def empty(*size: Any, device: Any = None, **options: Any) -> torch.Tensor:
-        if device is not None and str(device).startswith("cuda"):
-            device = "cpu"
-        return torch.empty(*size, device=device, **options)
+    def empty(self, *size: Any, device: Any = None, **options: Any) -> torch.Tensor:
+        on_device = device is not None and str(device).startswith("cuda")
+        tensor = torch.empty(*size, device="cpu" if on_device else device, **options)
+        if on_device and self.shared:
+            tensor.untyped_storage()._share_filename_cpu_()
+        return tensor
 
 
 #: vLLM's modules whose ``torch`` is replaced.
@@ -121,12 +132,12 @@ _SHIMMED = (
 )
 
 
-def install_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def install_cuda_on_cpu(monkeypatch: pytest.MonkeyPatch, *, shared: bool = False) -> None:
     import importlib
 
     from vllm.distributed.weight_transfer import packed_tensor
 
-    shim = CudaOnCpu()
+    shim = CudaOnCpu(shared=shared)
     for name in _SHIMMED:
         monkeypatch.setattr(importlib.import_module(name), "torch", shim)
     cached = getattr(packed_tensor, "_get_streams", None)  # vLLM >= 0.28 caches streams
@@ -336,5 +347,69 @@ def install_ipc_handles(monkeypatch: pytest.MonkeyPatch) -> IpcHandles:
     monkeypatch.setattr(packed_tensor, "reduce_tensor", handles.reduce_tensor)
     monkeypatch.setattr(ipc_engine, "rebuild_cuda_tensor", handles.rebuild_cuda_tensor)
     # PackedBufferImporter imports it when it opens a packed buffer.
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", handles.rebuild_cuda_tensor)
+    return handles
+
+
+class SharedIpcHandles:
+    """CUDA IPC handles across processes, on CPU (see the module doc). A handle has the
+    shape of torch's: the device index at position 6, the storage's shared-memory name
+    (manager socket, file name, size) at position 7; offsets, sizes and strides are in
+    elements as torch's are. The opening process keeps the last few storages it mapped
+    (a model's, a packed buffer's), as vLLM's importer keeps its buffer."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.produced = 0
+        self.opened = 0
+        self._keep = keep
+        self._mapped: dict[tuple[bytes, bytes, int], torch.UntypedStorage] = {}
+
+    def reduce_tensor(self, tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+        """Like torch's ``reduce_tensor`` for a CUDA tensor: ``(rebuild, args)``."""
+        storage = tensor.untyped_storage()
+        manager, name, nbytes = storage._share_filename_cpu_()  # in place; once per storage
+        self.produced += 1
+        args = (
+            type(tensor),
+            tensor.size(),
+            tensor.stride(),
+            tensor.storage_offset(),
+            "stand-in shared storage",
+            tensor.dtype,
+            0,  # the device index: the receiver overwrites it with its own
+            (manager, name, nbytes),
+            nbytes,
+            0,
+            False,
+            b"",
+            0,
+            b"",
+            False,
+        )
+        return self.rebuild_cuda_tensor, args
+
+    def rebuild_cuda_tensor(self, *args: Any) -> torch.Tensor:
+        """Like torch's ``rebuild_cuda_tensor``: map the storage, view the tensor."""
+        _cls, size, stride, offset, _kind, dtype, _device, key = args[:8]
+        key = (bytes(key[0]), bytes(key[1]), int(key[2]))
+        storage = self._mapped.pop(key, None)
+        if storage is None:
+            storage = torch.UntypedStorage._new_shared_filename_cpu(*key)
+        self._mapped[key] = storage  # the most recent last
+        while len(self._mapped) > self._keep:
+            self._mapped.pop(next(iter(self._mapped)))
+        self.opened += 1
+        return torch.empty(0, dtype=dtype).set_(storage, offset, size, stride)
+
+
+def install_shared_ipc_handles(monkeypatch: pytest.MonkeyPatch) -> SharedIpcHandles:
+    """`SharedIpcHandles` where vLLM's IPC engines produce and open handles."""
+    from torch.multiprocessing import reductions
+    from vllm.distributed.weight_transfer import ipc_engine, packed_tensor
+
+    handles = SharedIpcHandles()
+    monkeypatch.setattr(ipc_engine, "reduce_tensor", handles.reduce_tensor)
+    monkeypatch.setattr(packed_tensor, "reduce_tensor", handles.reduce_tensor)
+    monkeypatch.setattr(ipc_engine, "rebuild_cuda_tensor", handles.rebuild_cuda_tensor)
     monkeypatch.setattr(reductions, "rebuild_cuda_tensor", handles.rebuild_cuda_tensor)
     return handles

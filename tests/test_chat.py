@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 
 import asyncsync as az
-from asyncsync._core.completion import Completion
-from asyncsync._rollout.chat import _sampling
-from asyncsync._rollout.gateway import ChatAPI, sse_chunks
-from asyncsync._rollout.prefix import (
+from asyncsync._chat.chat import _sampling
+from asyncsync._chat.gateway import ChatAPI, sse_chunks
+from asyncsync._chat.prefix import (
     align_end,
     closing_after,
     first_difference,
@@ -22,6 +21,7 @@ from asyncsync._rollout.prefix import (
     same_message,
     template_closing,
 )
+from asyncsync._core.completion import Completion
 from asyncsync._wire.chat import (
     DERENDER_PROMPT_TAIL,
     check_chat_request,
@@ -97,7 +97,7 @@ def test_messages_echoed_back_with_other_json_spacing_and_ids_still_match() -> N
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
-        ({"messages": [{"role": "user"}]}, "messages[0]"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
         (
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{}]}]},
             "messages[0].tool_calls[0].function",
@@ -109,6 +109,17 @@ def test_messages_echoed_back_with_other_json_spacing_and_ids_still_match() -> N
         ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "model": 7}, "model"),
+        ({"messages": [{"role": "user", "content": "x"}], "audio": {}}, "audio"),
+        ({"messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, "frobnicate"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {"role": "tool", "content": "y", "tool_call_id": "nope"},
+                ]
+            },
+            "messages[1].tool_call_id",
+        ),
     ],
 )
 def test_bad_chat_requests_name_the_field(body: dict[str, Any], param: str) -> None:
@@ -190,11 +201,11 @@ def test_sampling_keeps_the_servers_parameters_and_fits_max_tokens_to_the_sessio
         "stop": [],
         "logprobs": None,
     }
-    out = _sampling(params, {}, prompt_len=300, limit=1024)
+    out = _sampling(params, None, prompt_len=300, limit=1024)
     assert out == {"temperature": 0.0, "stop": [], "logprobs": 0, "max_tokens": 724}
-    assert _sampling(params, {"max_tokens": 8}, 300, 1024)["max_tokens"] == 8
-    assert _sampling(params, {"max_tokens": 900}, 300, 1024)["max_tokens"] == 724
-    assert _sampling({**params, "logprobs": 3}, {}, 300, None)["logprobs"] == 3
+    assert _sampling(params, 8, 300, 1024)["max_tokens"] == 8
+    assert _sampling(params, 900, 300, 1024)["max_tokens"] == 724
+    assert _sampling({**params, "logprobs": 3}, None, 300, None)["logprobs"] == 3
 
 
 def test_session_arguments_are_checked() -> None:

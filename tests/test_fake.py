@@ -176,3 +176,40 @@ async def test_tokens_per_event_must_be_sizes_of_at_least_one_token() -> None:
     for bad in (0, -1, (), (2, 0)):
         with pytest.raises(ValueError, match="tokens_per_event"):
             FakeVLLMServer(tokens_per_event=bad)
+
+
+async def test_an_update_of_ten_thousand_handles_is_taken_like_vllm_takes_it() -> None:
+    """vLLM's server sets no limit on a request's body; an unpacked IPC update of 10,000
+    tensors is about 1.5 MB of JSON (aiohttp's default limit, 1 MiB, would answer 413)."""
+    import asyncsync as az
+    from asyncsync.backends._ipc_handles import encode_ipc_update
+
+    count = 10_000
+
+    def handle(i: int) -> tuple[Any, ...]:
+        """The shape of torch's CUDA handle: sizes, strides, offsets, the 64-byte IPC
+        handles of the storage, its ref counter and its event (each its own)."""
+        own = i.to_bytes(64, "little")
+        return (
+            "Tensor", (256, 1024), (1024, 1), 0, "storage", "bfloat16", 0, own,
+            524288, 0, False, own[::-1], i, own + b"e", True,
+        )  # fmt: skip
+
+    info = {
+        "names": [f"model.layers.{i // 128}.mlp.experts.{i % 128}.w" for i in range(count)],
+        "dtype_names": ["bfloat16"] * count,
+        "shapes": [[256, 1024]] * count,
+        "ipc_handles": [{"GPU-0": handle(i)} for i in range(count)],
+    }
+    seen: list[int] = []
+    async with (
+        FakeVLLMServer(backend="ipc", update_hook=lambda u: seen.append(len(u["names"]))) as fake,
+        az.Fleet([fake.url]) as fleet,
+    ):
+        await fleet.start_weight_update()
+        await fleet.update_weights(encode_ipc_update(info))
+        await fleet.finish_weight_update("v1")
+    body = fake.requests_to("/update_weights")[0]
+    assert len(body.body) > 1024 * 1024
+    assert seen == [count]
+    assert fake.weight_version == "v1"

@@ -17,7 +17,7 @@ import pytest_asyncio
 import asyncsync as az
 from asyncsync._core import encoding as _json
 from asyncsync.testing import FakeVLLMServer, Fault
-from tests.waiting import checked_out, wait_until
+from tests.waiting import HANG, checked_out, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -145,11 +145,15 @@ async def test_one_dead_server_of_three_raises_fleet_error(fakes: list[FakeVLLMS
 async def test_except_star_splits_by_error_type(fakes: list[FakeVLLMServer]) -> None:
     fakes[0].inject("/resume", Fault.hang())
     fakes[1].inject("/resume", Fault.error(500, "boom", shape="string"))
-    # Long enough that the 500 is answered within it on a loaded machine (at 0.3 s the
-    # answer once came late under CI, timed out too, and no ServerError was left).
-    timeouts = az.Timeouts(control=2.0)
+    # Only the hung server has a short deadline (its own client, its version given: the
+    # hung /resume is the one call it sends); the 500 never races one on a loaded
+    # machine (at a fleet-wide 0.3 s it once came late under CI, timed out too, and no
+    # ServerError was left).
+    short = az.Timeouts(control=0.3)
+    hung = az.AsyncVLLMClient(fakes[0].url, timeouts=short, vllm_version="0.32.0")
     caught: dict[str, Any] = {}
-    async with az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet:
+    urls = [hung, fakes[1].url, fakes[2].url]
+    async with hung, az.Fleet(urls, timeouts=az.Timeouts.uniform(HANG)) as fleet:
         try:
             await fleet.resume()
         except* az.ServerTimeout as group:

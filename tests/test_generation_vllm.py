@@ -10,6 +10,7 @@ docs/testing.md, "What depends on the CPU".
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ import pytest
 
 import asyncsync as az
 from asyncsync.testing import FLOAT32_TOLERANCE, FakeVLLMServer, check_greedy, reference_logprobs
-from tests.waiting import engine_running
+from tests.waiting import HANG, engine_running
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -198,18 +199,41 @@ def _perturbed(tiny_model_dir: Path) -> dict[str, Any]:
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
 
 
+#: How long the two pause tests below run their scenario again while the requests
+#: keep ending before the engine is frozen (the uninteresting order): a bound that only
+#: catches a freeze that never lands in time. An attempt takes 1-3 s. With both cores
+#: kept busy (scripts/with_cpu_load.py) beside other servers, load average 15-25, they
+#: needed at most 4 attempts; at a load average of 45 the abort test needed 17-40.
+RETRY_SECONDS = 3 * HANG
+
+
 @pytest.mark.needs("generate:weight_versions")
 async def test_keep_pause_across_a_publish_reports_two_spans(
     fleet: az.Fleet, tiny_model_dir: Path, original_weights_restored: None
 ) -> None:
-    """The generation is known to be running (its first tokens have streamed back) when
-    the publish starts; the publish pauses with mode="keep" a few milliseconds later.
-    If a loaded machine still lets all samples finish inside that window, no sample can
-    be split, so the scenario is repeated (never silently passed)."""
+    """A generation paused with mode="keep" mid-way across a publish reports two spans.
+
+    Once its first tokens have streamed back, the generation is frozen on the engine
+    with pause("keep") (one call: the shortest window), and the engine is asked whether
+    it still holds the samples (its /metrics: vLLM's last step left them running). If
+    so, the order is forced: the publish (pause="keep": the engine is paused already)
+    loads new weights and resumes, so every sample spans the old version and the new.
+    The tiny model samples 240 tokens in well under a second, so on a starved machine
+    the samples can end before the pause reaches the engine: then the engine holds
+    nothing, each sample must have run whole on the old version, and the scenario is
+    run again (for at most RETRY_SECONDS). Any other ending fails at once."""
+    from safetensors.torch import load_file
+
     new_weights = _perturbed(tiny_model_dir)
     url = fleet.urls[1]
     async with az.Fleet([url]) as one, az.AsyncWeightPublisher(one) as pub:
-        for attempt in range(3):
+        # A first round's own work (the engine's init, the checkpoint's description)
+        # done here, not while a generation waits for it.
+        await pub.publish(load_file(tiny_model_dir / "model.safetensors"), version="keep-warm")
+        raced: list[str] = []
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + RETRY_SECONDS
+        for attempt in itertools.count():
             before = (await one.weight_info())[url].value
             version = f"keep-v{attempt}"
             async with one.stream(
@@ -217,41 +241,57 @@ async def test_keep_pause_across_a_publish_reports_two_spans(
             ) as stream:
                 deltas = aiter(stream)
                 await anext(deltas)  # tokens are flowing: the request is on the engine
-                await pub.publish(new_weights, version=version, pause="keep")
+                await one.pause("keep")
+                held = await engine_running(url)  # samples frozen mid-way (0: all ended)
+                if held:
+                    await pub.publish(new_weights, version=version, pause="keep")
+                else:
+                    await one.resume()
                 async for _ in deltas:
                     pass
             samples = stream.completions
             assert len(samples) == 4
-            split = [s for s in samples if len(s.weight_versions) == 2]
-            if split:
+            assert [(s.finish_reason, len(s.token_ids)) for s in samples] == [("length", 240)] * 4
+            spans = [[(v.version, v.start, v.end) for v in s.weight_versions] for s in samples]
+            if held:
                 break
-            assert all(s.weight_versions[0].version == before for s in samples)
-        assert split, [s.weight_versions for s in samples]
-    for s in split:
+            # The samples ended before the pause reached the engine: all on `before`.
+            assert spans == [[(before, 0, 240)]] * 4, spans
+            raced.append(f"attempt {attempt}: every sample ended before the pause")
+            if loop.time() > give_up:
+                pytest.fail(f"the pause never landed while the samples ran: {raced}")
+    assert held == 4, held  # each sample counts (no other request on this server)
+    cut = samples[0].weight_versions[0].end
+    print(f"\nkeep pause: split at token {cut} of 240 on attempt {attempt + 1} {raced}")
+    for s in samples:
         first, second = s.weight_versions
-        assert (first.version, second.version) == (before, version)
+        assert (first.version, second.version) == (before, version), spans
         assert first.start == 0
-        assert first.end == second.start
+        assert 0 < first.end == second.start < 240
         assert second.end == 240
         assert s.token_versions.count(version) == len(second)
 
 
 async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -> None:
-    """A plain generate (8 samples) and a stream run on one server; once the engine is
-    stepping both (its /metrics), a pause with mode="abort" must end both with
+    """A plain generate (8 samples) and a stream run on one server; a pause with
+    mode="abort" that reaches the engine while it holds both must end both with
     GenerationAborted carrying the tokens so far.
 
-    vLLM's pause aborts what its engine holds and queues what arrives later until resume
-    (EngineCore.pause_scheduler in 0.27.1 and 0.32; tests/test_generation.py forces each
-    order on the fake). So a request can also end whole: it finished before the pause
-    reached the engine (the test process descheduled for a second on a starved machine,
-    seen in CI), or it reached the engine after the pause and ran after resume. Both are
-    correct outcomes, the test's race, and the scenario is run again (at most five times);
-    each ending is checked whatever it is, and anything else fails at once."""
+    The order is forced: once the stream's first tokens are back, the engine is frozen
+    with pause("keep") (one call) and asked what it holds (its /metrics: what its last
+    step left running). Holding all 9 samples, the abort cannot miss them. Holding
+    fewer, a request finished before the freeze reached the engine (the test process
+    descheduled on a starved machine, seen in CI), or reached the engine after it
+    (vLLM queues it until resume; EngineCore.pause_scheduler in 0.27.1 and 0.32;
+    tests/test_generation.py forces each order on the fake): the engine is resumed
+    without the abort, each request must then end whole, and the scenario is run again
+    (for at most RETRY_SECONDS). Every ending is checked, whatever it is."""
     url = fleet.urls[0]
     client = fleet.client(url)
     raced: list[str] = []
-    for _attempt in range(5):
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + RETRY_SECONDS
+    for attempt in itertools.count():
         task = asyncio.create_task(
             client.generate_n(PROMPTS[0], n=8, max_tokens=240, ignore_eos=True, logprobs=0)
         )
@@ -259,11 +299,12 @@ async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -
             async with client.stream(PROMPTS[1], max_tokens=240, ignore_eos=True) as stream:
                 deltas = aiter(stream)
                 await anext(deltas)
-                # Both in the engine (8 samples and the stream), unless the plain one ended.
-                running = 0
-                while running < 9 and not task.done():
-                    running = await engine_running(url)
-                await fleet.pause("abort", targets=[url])
+                await fleet.pause("keep", targets=[url])
+                held = await engine_running(url)  # 8 samples and the stream, frozen mid-way
+                if held == 9:
+                    await fleet.pause("abort", targets=[url])
+                else:
+                    await fleet.resume(targets=[url])
                 try:
                     async for _ in deltas:
                         pass
@@ -272,10 +313,8 @@ async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -
                 else:
                     streamed = None
                     _check_whole(stream.completions, 1)
-                    raced.append("the stream ended whole")
             try:
                 _check_whole(await task, 8)
-                raced.append("the plain request ended whole")
                 plain: Sequence[az.Completion] | None = None
             except az.GenerationAborted as error:
                 plain = error.completions
@@ -283,14 +322,19 @@ async def test_abort_pause_is_a_retryable_outcome_with_tokens(fleet: az.Fleet) -
             # a raced attempt's request: awaited, its outcome checked above
             await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 60)
             await fleet.resume(targets=[url])
-        if streamed is not None:
-            _check_aborted(streamed, logprobs=False)
-        if plain is not None:
-            _check_aborted(plain, logprobs=True)
-        if streamed is not None and plain is not None:
+        if held == 9:
+            assert streamed is not None, "the abort missed the stream the engine held"
+            assert plain is not None, "the abort missed the request the engine held"
             break
-    else:
-        pytest.fail(f"the pause never landed while both requests ran: {raced}")
+        # Not aborted: both ran whole (checked above).
+        assert (streamed, plain) == (None, None), (held, streamed, plain)
+        raced.append(f"attempt {attempt}: the engine held {held} of 9 samples")
+        if loop.time() > give_up:
+            pytest.fail(f"the pause never landed while both requests ran: {raced}")
+    _check_aborted(streamed, logprobs=False)
+    _check_aborted(plain, logprobs=True)
+    assert all(c.aborted for c in [*streamed, *plain])  # the engine held every sample
+    print(f"\nabort pause: both aborted on attempt {attempt + 1} {raced}")
 
 
 def _check_whole(completions: Sequence[az.Completion], n: int) -> None:

@@ -23,6 +23,7 @@ from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, check_greedy
+from tests.calls import CallLog, recording
 from tests.test_publish_vllm import _perturbed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
@@ -31,10 +32,19 @@ PROMPT = [1, 17, 42, 99, 123, 7, 300, 5]
 MAX_TOKENS = 8
 #: Each of the two pack buffers: the tiny model then takes several chunks.
 SMALL_BUFFER = 256 * 1024
-#: The fault tests' update deadline; the others are far from it, so that which one
-#: ended a round is beyond doubt on a loaded machine.
+#: The server to be frozen (its own client): an 8 s update deadline ends its frozen call
+#: (the trainer gives up its chunk a little earlier, at 0.9 of it); the others are far
+#: from it, so that which one ended a round is beyond doubt on a loaded machine.
 UPDATE_DEADLINE = 8.0
-FAULT_TIMEOUTS = az.Timeouts(connect=60, control=120, update=UPDATE_DEADLINE, generate=120)
+FREEZE_TIMEOUTS = az.Timeouts(connect=60, control=120, update=UPDATE_DEADLINE, generate=120)
+#: The servers that are not frozen: their answers never race a short deadline (the
+#: trainer's chunk deadline follows the shortest update deadline of the round's servers).
+GENEROUS = az.Timeouts(connect=60, control=120, update=120, generate=120)
+#: The killed server's round: deadlines (and the trainer's chunk deadline, 0.9 of
+#: update's) so far away that a round that waited one could not end within
+#: `NO_DEADLINE_WAITED` seconds, which a round that waited none does on any machine.
+KILL_TIMEOUTS = az.Timeouts(connect=60, control=300, update=300, generate=300)
+NO_DEADLINE_WAITED = 120.0
 STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
 
 
@@ -209,10 +219,15 @@ async def test_vllms_trainer_api_drives_the_gloo_engine(
 
 
 @contextlib.asynccontextmanager
-async def _publisher(urls: list[str], model_dir: Path) -> AsyncIterator[az.AsyncWeightPublisher]:
-    """A gloo publisher with the fault tests' deadlines that published "before"."""
+async def _publisher(
+    survivor: str, victim: str, model_dir: Path, victim_timeouts: az.Timeouts
+) -> AsyncIterator[az.AsyncWeightPublisher]:
+    """A gloo publisher over ``survivor`` (generous deadlines) and ``victim`` (its own
+    client, with ``victim_timeouts``) that published "before"."""
+    timeouts = KILL_TIMEOUTS if victim_timeouts is KILL_TIMEOUTS else GENEROUS
     async with (
-        az.Fleet(urls, timeouts=FAULT_TIMEOUTS) as fleet,
+        az.AsyncVLLMClient(victim, timeouts=victim_timeouts) as to_fault,
+        az.Fleet([survivor, to_fault], timeouts=timeouts) as fleet,
         az.AsyncWeightPublisher(
             fleet, backend=az.backends.Gloo(buffer_bytes=SMALL_BUFFER)
         ) as publisher,
@@ -223,17 +238,21 @@ async def _publisher(urls: list[str], model_dir: Path) -> AsyncIterator[az.Async
 
 async def _round_with_fault(
     publisher: az.AsyncWeightPublisher, model: Any, server: LocalVLLMServer, sig: signal.Signals
-) -> tuple[az.PublishReport, float]:
+) -> tuple[az.PublishReport, float, CallLog]:
     """Publish ``model`` while ``server`` gets ``sig`` once chunk 1 was loaded
-    everywhere (mid-broadcast). Returns the round's report and its seconds, after
-    checking what losing a member of the collective leaves: the server named as lost,
-    the round sent again in a new group to the other one and published there, the
-    publisher's thread free."""
+    everywhere (mid-broadcast). Returns the round's report, its seconds and the calls
+    sent in it, after checking what losing a member of the collective
+    leaves: the server named as lost, the round sent again in a new group to the other
+    one and published there, the publisher's thread free."""
+    fleet = publisher.fleet
+    assert fleet is not None
     fault = _after_chunks(2, lambda: _signal_server(server, sig))
     generation = publisher._backend.link.generation  # type: ignore[attr-defined]
-    started = time.monotonic()
-    report = await publisher.publish(model, version=sig.name, progress=fault)
-    took = time.monotonic() - started
+    with recording(fleet.client(url) for url in fleet.urls) as log:
+        started = time.monotonic()
+        report = await publisher.publish(model, version=sig.name, progress=fault)
+        took = time.monotonic() - started
+    print(f"\n{sig.name}: the round took {took:.1f} s")
     assert report.version == publisher.version == sig.name
     assert report.lost == [server.url]
     assert report.attempts == 2
@@ -244,7 +263,7 @@ async def _round_with_fault(
     assert publisher._backend.link.generation == generation + 1  # type: ignore[attr-defined]
     assert publisher._backend.link.members == {report.servers[0]: 1}  # type: ignore[attr-defined]
     await _thread_is_free(publisher)
-    return report, took
+    return report, took, log
 
 
 async def test_a_frozen_server_is_lost_and_the_round_goes_on_in_a_new_group(
@@ -253,14 +272,17 @@ async def test_a_frozen_server_is_lost_and_the_round_goes_on_in_a_new_group(
     live, frozen = gloo_servers
     urls = [live.url, frozen.url]
     model = _perturbed(tiny_model_dir, seed=5)
-    async with _publisher(urls, tiny_model_dir) as publisher:
+    async with _publisher(live.url, frozen.url, tiny_model_dir, FREEZE_TIMEOUTS) as publisher:
         try:
-            report, took = await _round_with_fault(publisher, model, frozen, signal.SIGSTOP)
-            # The trainer gave up at its chunk deadline and the frozen server's own call
-            # ran to the update deadline: one deadline, then the round again in a new
-            # group of the survivor alone, which is exact.
-            assert took < 1.5 * UPDATE_DEADLINE + 15, took
-            assert isinstance(report.outcomes[frozen.url].error, az.ServerTimeout)
+            report, _took, log = await _round_with_fault(publisher, model, frozen, signal.SIGSTOP)
+            # The trainer gave up at its chunk deadline while the frozen server's own
+            # call ran to the update deadline: one deadline (that call's, the only one
+            # that timed out, and the last thing sent to it), then the round again in a
+            # new group of the survivor alone, which is exact.
+            timed_out = log.timed_out()
+            assert [(s.url, s.op) for s in timed_out] == [(frozen.url, "update_weights")]
+            assert log.to(frozen.url)[-1] is timed_out[0]
+            assert "(update deadline)" in str(report.outcomes[frozen.url].error)
             await _assert_serves([live.url], model, "SIGSTOP")
         finally:
             _signal_server(frozen, signal.SIGCONT)
@@ -278,9 +300,11 @@ async def test_a_killed_server_is_lost_and_the_survivor_is_exact_in_the_same_cal
 ) -> None:
     survivor, victim = gloo_servers
     model = _perturbed(tiny_model_dir, seed=7)
-    async with _publisher([survivor.url, victim.url], tiny_model_dir) as publisher:
-        report, took = await _round_with_fault(publisher, model, victim, signal.SIGKILL)
-        # Its connections dropped at once: no deadline waited for it.
-        assert took < UPDATE_DEADLINE + 10, took
+    async with _publisher(survivor.url, victim.url, tiny_model_dir, KILL_TIMEOUTS) as publisher:
+        report, took, log = await _round_with_fault(publisher, model, victim, signal.SIGKILL)
+        # Its connections dropped at once: no call timed out, and the round ended long
+        # before any deadline of this fleet (or the trainer's chunk deadline) could fire.
+        assert log.timed_out() == []
+        assert took < NO_DEADLINE_WAITED, took
         assert not isinstance(report.outcomes[victim.url].error, az.ServerTimeout)
     await _assert_serves([survivor.url], model, "SIGKILL")

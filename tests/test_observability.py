@@ -272,6 +272,11 @@ async def test_prometheus_adapter(fakes: list[FakeVLLMServer]) -> None:
     assert value("asyncsync_publish_phase_seconds_sum", phase="transfer") == pytest.approx(
         report.seconds["transfer"]
     )
+    # how close the round came to the transport's ceiling (shm: this host's memcpy)
+    assert report.efficiency is not None
+    assert value("asyncsync_publish_efficiency") == pytest.approx(report.efficiency)
+    ceiling = value("asyncsync_publish_ceiling_gigabytes_per_second")
+    assert ceiling == pytest.approx(report.ceiling_gb_per_s)
     server = completion.server
     assert value("asyncsync_generation_seconds_count", server=server) == 1
     assert value("asyncsync_generated_tokens_total", server=server) == 4
@@ -297,6 +302,9 @@ async def test_opentelemetry_adapter(fakes: list[FakeVLLMServer]) -> None:
     assert points["asyncsync.publish.rounds"] == [({"outcome": "ok"}, 1)]
     phases = {attrs["phase"]: total for attrs, total in points["asyncsync.publish.duration"]}
     assert phases == pytest.approx(report.seconds)
+    assert report.efficiency is not None
+    assert points["asyncsync.publish.efficiency"] == [({}, pytest.approx(report.efficiency))]
+    assert points["asyncsync.publish.ceiling"] == [({}, pytest.approx(report.ceiling_gb_per_s))]
     assert points["asyncsync.generation.tokens"] == [({"server": completion.server}, 4)]
     assert points["asyncsync.generation.staleness"] == [({}, 0)]
 

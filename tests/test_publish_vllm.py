@@ -73,6 +73,10 @@ async def test_published_weights_generate_exactly(
     assert {"pause", "start", "pack", "transfer", "finish", "resume", "total"} <= set(
         report.seconds
     )
+    # how close the round came to this host's memcpy (measured by the publisher)
+    assert report.ceiling_basis == "this host's memcpy, 1 thread"
+    assert report.efficiency is not None
+    assert 0 < report.efficiency <= 1.5, report
     for url in fleet.urls:
         state = fleet.state(url)
         assert (state.weight_version, state.dirty, state.paused) == (version, False, False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import pickle
 import re
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,8 +19,9 @@ import torch
 
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault, free_port
+from tests.calls import recording
 from tests.publish_fakes import ABORT, aborts_received, round_calls, shm_fakes
-from tests.waiting import arrived, wait_until
+from tests.waiting import HANG, arrived, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -39,21 +39,27 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
 ) -> None:
     healthy, hung = fakes
     hung.inject("/update_weights", Fault.hang())
-    # The other deadlines are far from update's, so that which one ended the round is
-    # beyond doubt on a loaded machine.
-    timeouts = az.Timeouts(connect=60, control=60, update=0.5, generate=60)
+    # Only the hung server has a short update deadline (its own client): the healthy
+    # one's answers never race a deadline on a loaded machine, and the hung one's other
+    # deadlines are far from it, so that which one ended the round is beyond doubt.
+    short = az.Timeouts(connect=HANG, control=HANG, update=3, generate=HANG)
     async with (
-        az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
+        az.AsyncVLLMClient(hung.url, timeouts=short) as hung_client,
+        az.Fleet([healthy.url, hung_client], timeouts=az.Timeouts.uniform(HANG)) as fleet,
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
-        started = time.monotonic()
-        with pytest.raises(az.PublishError) as info:
+        with (
+            recording(fleet.client(url) for url in fleet.urls) as log,
+            pytest.raises(az.PublishError) as info,
+        ):
             await publisher.publish(WEIGHTS, version="v1", pause="wait", min_servers="all")
-        assert time.monotonic() - started < 60  # ended by update's 0.5 s, not by a 60 s one
+        # One deadline ended the round: the hung update's, the last call sent to it.
+        assert [(s.url, s.op) for s in log.timed_out()] == [(hung.url, "update_weights")]
+        assert log.to(hung.url)[-1].timed_out
         err = info.value
         assert isinstance(err.outcomes[hung.url].error, az.ServerTimeout)
         assert err.outcomes[hung.url].phase == "update"
-        assert "no response within 0.5 s (update deadline)" in str(err)
+        assert "no response within 3 s (update deadline)" in str(err)
         assert publisher.version is None
         assert set(err.needs_resync) == {healthy.url, hung.url}
         assert fleet.state(healthy.url).dirty
@@ -88,13 +94,16 @@ async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more
     fakes: list[FakeVLLMServer],
 ) -> None:
     """pause="keep", then a server that stops answering once paused (frozen): the round
-    fails at its start by the update deadline, and the rollback sends it neither
-    the abort nor the resume (each would wait a control deadline, 60 s here). It is
+    fails at its start by the frozen server's update deadline, and the rollback sends
+    it neither the abort nor the resume (each would wait another deadline). It is
     recorded as paused and dirty; once it answers again, the next round resumes it."""
     healthy, frozen = fakes
-    timeouts = az.Timeouts(connect=60, control=60, update=1, generate=60)
+    # The frozen server's own client has the short deadline; the healthy one's answers
+    # never race one on a loaded machine.
+    short = az.Timeouts(connect=HANG, control=HANG, update=3, generate=HANG)
     async with (
-        az.Fleet([f.url for f in fakes], timeouts=timeouts) as fleet,
+        az.AsyncVLLMClient(frozen.url, timeouts=short) as frozen_client,
+        az.Fleet([healthy.url, frozen_client], timeouts=az.Timeouts.uniform(HANG)) as fleet,
         az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
     ):
         await publisher.publish(WEIGHTS, version="v1", pause="keep")
@@ -102,10 +111,14 @@ async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more
         # Frozen right after it paused: nothing after that is answered.
         for route in ("/start_weight_update", "/update_weights", "/resume"):
             frozen.inject(route, Fault.hang())
-        started = time.monotonic()
-        with pytest.raises(az.PublishError) as info:
+        with (
+            recording(fleet.client(url) for url in fleet.urls) as log,
+            pytest.raises(az.PublishError) as info,
+        ):
             await publisher.publish(WEIGHTS, version="v2", pause="keep", min_servers="all")
-        assert time.monotonic() - started < 30  # one 1 s deadline, not a 60 s one
+        # One deadline: the frozen server's start, the last call sent to it.
+        assert [(s.url, s.op) for s in log.timed_out()] == [(frozen.url, "start_weight_update")]
+        assert log.to(frozen.url)[-1].timed_out
         outcome = info.value.outcomes[frozen.url]
         assert (outcome.phase, type(outcome.error)) == ("start", az.ServerTimeout)
         assert publisher.version == "v1"

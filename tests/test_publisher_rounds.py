@@ -124,6 +124,37 @@ async def test_a_factory_is_called_in_the_worker_thread(fakes: list[FakeVLLMServ
     assert fakes[0].updates[0]["manifest"]["names"] == list(LAYERS)
 
 
+async def test_the_ceiling_is_measured_once_per_publisher_in_its_worker_thread(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """shm's ceiling is this host's memcpy, measured once per publisher before its first
+    round, off the event loop; every report states it and the efficiency against it."""
+    measured: list[str] = []
+    async with az.Fleet([f.url for f in fakes]) as fleet:
+        for _ in range(2):  # a second publisher measures again
+            async with az.AsyncWeightPublisher(
+                fleet, backend=az.backends.Shm(buffer_bytes=8192)
+            ) as publisher:
+                backend = publisher._backend
+                measure = backend.ceiling
+
+                def spy(urls: list[str], measure: Any = measure) -> Any:
+                    measured.append(threading.current_thread().name)
+                    return measure(urls)
+
+                backend.ceiling = spy  # type: ignore[method-assign]
+                reports = [await publisher.publish(LAYERS, version=f"v{i}") for i in range(3)]
+            assert {r.ceiling_gb_per_s for r in reports} == {reports[0].ceiling_gb_per_s}
+            for report in reports:
+                assert report.ceiling_basis == "this host's memcpy, 1 thread"
+                assert report.efficiency is not None
+                assert 0 < report.efficiency <= 1.5, report
+                assert report.efficiency == report.gb_per_s / report.ceiling_gb_per_s
+                assert "of the ceiling" in str(report)
+    assert len(measured) == 2
+    assert all(name.startswith("asyncsync-publish") for name in measured)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Loopback(BackendOptions):
     """The made-up transport's options, the way a third-party backend declares them."""
@@ -201,6 +232,9 @@ async def test_a_registered_backend_plugs_into_the_round() -> None:
         assert publisher.backend_name == "fake"
         report = await publisher.publish(weights, version="v1")
         assert (report.chunks, report.params, report.bytes) == (2, 2, 20)
+        # A backend that names no ceiling: the report says nothing about one.
+        assert (report.ceiling_gb_per_s, report.efficiency) == (None, None)
+        assert "ceiling" not in str(report)
         assert first.init_infos == [{"group": "trainers", "rank_offset": 1}]
         assert second.init_infos == [{"group": "trainers", "rank_offset": 3}]
         assert (
@@ -245,3 +279,44 @@ async def test_backend_options_are_checked_by_the_backend() -> None:
     ) as pub:
         assert pub._backend.buffers.buffer_bytes == 1 << 20  # type: ignore[attr-defined]
         assert pub.backend_name == "asyncsync_shm"
+
+
+async def test_no_garbage_collection_runs_during_a_round(fakes: list[FakeVLLMServer]) -> None:
+    """A collection stops every thread, the event loop's too, for as long as it walks
+    the heap: the collector is paused while a round runs (the weights' checks, the
+    send, the fan-outs) and resumes after, also when the round fails."""
+    import gc
+
+    from asyncsync._core.collector import collections_paused
+
+    seen: list[bool] = []
+
+    def materialize() -> dict[str, torch.Tensor]:
+        seen.append(gc.isenabled())  # in the worker thread, mid-round
+        return LAYERS
+
+    assert gc.isenabled()
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
+    ):
+        await publisher.publish(materialize, version="v1")
+        assert seen == [False]
+        assert gc.isenabled()
+        fakes[0].inject("/start_weight_update", Fault.error(500, "worker failed"))
+        with pytest.raises(az.PublishError):
+            await publisher.publish(materialize, version="v2", min_servers="all")
+        assert gc.isenabled()
+    # counted: nested pauses resume once, a collector disabled before stays disabled
+    with collections_paused():
+        with collections_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collections_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -20,6 +20,7 @@ from asyncsync._wire.served import describe_payload
 from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
 from asyncsync.testing import Fault
 from tests.publish_fakes import shm_fakes
+from tests.waiting import HANG
 
 TOKEN = "sk-test-0123456789abcdef-SECRET"
 WEIGHTS = {f"model.layers.{i}.w": torch.full((256,), float(i)) for i in range(6)}
@@ -168,11 +169,22 @@ async def test_bearer_token_sent_on_every_request_and_never_logged_or_in_an_erro
 ) -> None:
     caplog.set_level(logging.DEBUG)
     errors: list[BaseException] = []
-    # Short enough for the hung /weight_info, long enough for the answers on a loaded machine.
-    timeouts = az.Timeouts(connect=5, control=2.0, update=2.0, generate=5)
+    # Deadlines that only catch a hang; the hung /weight_info is asked through a client
+    # of its own with a short one (its version given: that is the one call it sends),
+    # so that no answer races a deadline on a loaded machine.
+    generous = az.Timeouts.uniform(HANG)
     async with shm_fakes(1) as fakes:
         fake = fakes[0]
-        async with az.Fleet([fake.url], api_key=TOKEN, timeouts=timeouts, retry=None) as fleet:
+        async with (
+            az.Fleet([fake.url], api_key=TOKEN, timeouts=generous, retry=None) as fleet,
+            az.AsyncVLLMClient(
+                fake.url,
+                api_key=TOKEN,
+                timeouts=az.Timeouts(control=0.3),
+                retry=None,
+                vllm_version="0.32.0",
+            ) as hung,
+        ):
             client = fleet.client(fake.url)
             await client.health()
             await client.vllm_version(refresh=True)
@@ -196,7 +208,7 @@ async def test_bearer_token_sent_on_every_request_and_never_logged_or_in_an_erro
             for call in (
                 lambda: client.pause("wait"),
                 client.is_paused,
-                client.weight_info,
+                hung.weight_info,
                 client.health,
                 lambda: publisher.publish(WEIGHTS, version="v2"),
             ):

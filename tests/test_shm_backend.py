@@ -512,3 +512,24 @@ def test_a_worker_maps_only_the_segment_it_was_told(
         assert worker.loaded == {}
     finally:
         other.close()
+
+
+def test_a_new_segment_is_faulted_in_step_by_step() -> None:
+    """Every page of a new segment is written once before packing (in steps of
+    TOUCH_STEP, so that the event loop runs between them: one MAP_POPULATE of 256 MiB
+    stopped it for 150-420 ms under memory pressure), a size that is no multiple of
+    the step included; a segment asked not to populate is left untouched."""
+    from unittest import mock
+
+    from asyncsync.backends import _segments
+
+    size = _segments.TOUCH_STEP + 4096 + 17
+    with mock.patch.object(_segments, "_touch", wraps=_segments._touch) as touch:
+        with _segments.Segment(size) as segment:
+            view = memoryview(segment.buffer())
+            assert len(view) == size
+            assert view[-1] == 0
+            view.release()
+        with _segments.Segment(4096, populate=False):
+            pass
+    assert touch.call_count == 1

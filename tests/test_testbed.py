@@ -3,10 +3,10 @@ reproduce transformers exactly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import aiohttp
@@ -144,7 +144,9 @@ def test_stop_leaves_nothing_behind_even_after_outside_kill(tiny_model_dir: Path
         assert rings, "vLLM's ring buffers between its processes were not found"
         assert rings <= ring_buffers_of(members)
         os.kill(pgid, signal.SIGKILL)  # only the leader: its children are orphaned
-        time.sleep(0.5)
+        # Dead before the block ends (not reaped: WNOWAIT leaves that to stop()).
+        with contextlib.suppress(ChildProcessError):  # already reaped: dead too
+            os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT)
     assert server.process is None
     assert process_group_members(pgid) == []
     # Nor its ring buffers in /dev/shm (a server SIGKILLed whole leaves them all: the

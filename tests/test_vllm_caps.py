@@ -282,6 +282,8 @@ VERSION_GATES = {
     "_wire/control.py:generate_keeps_all_choices": "n > 1 on the generate route (< 0.29)",
     "_wire/control.py:stream_drops_silent_aborts": "an abort without tokens (< 0.32)",
     "testing/_fake/_state.py:protocol_of": "the fake imitates the version it is given",
+    "testing/_fake/_chat.py:_dialect_render": "the fake's Anthropic and Responses renders (0.32)",
+    "testing/_fake/_chat.py:_scale_out_refused": "the fake's render needs scale-out (0.30)",
 }
 
 

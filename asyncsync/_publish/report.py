@@ -106,6 +106,13 @@ class PublishReport:
         target: what the round loaded into: ``"main"`` (the served model) or
             ``"draft"`` (its speculative draft model; ``version`` is then the draft's,
             and the servers' served versions did not change).
+        ceiling_gb_per_s: the rate the hardware allows this transport, in GB/s: shm
+            this host's memcpy, ipc a device-to-device copy on the trainer's GPU, gloo
+            and nccl the link (``link_gb_per_s=`` when given; gloo measures loopback
+            or reads the interface's rate). Measured once per publisher, before its
+            first round, off the event loop; None when unknown (nccl without a given
+            rate).
+        ceiling_basis: what ``ceiling_gb_per_s`` is, in words (None with it).
     """
 
     version: str
@@ -120,6 +127,8 @@ class PublishReport:
     attempts: int = 1
     delta: Any = None
     target: str = "main"
+    ceiling_gb_per_s: float | None = None
+    ceiling_basis: str | None = None
 
     @property
     def never_reached(self) -> list[str]:
@@ -137,16 +146,31 @@ class PublishReport:
         total = self.total_seconds
         return self.bytes / total / 1e9 if total > 0 else 0.0
 
+    @property
+    def efficiency(self) -> float | None:
+        """How close the round came to the hardware's limit: `gb_per_s` over
+        ``ceiling_gb_per_s`` (None without a ceiling). A slow round on a fast machine
+        shows as a low value; a round at the machine's limit as one near 1."""
+        if not self.ceiling_gb_per_s:
+            return None
+        return self.gb_per_s / self.ceiling_gb_per_s
+
     def __str__(self) -> str:
         phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items())
         never = self.never_reached
         lost = ", ".join(f"{u} (never reached)" if u in never else u for u in self.lost)
         lost = f"; lost {lost}" if lost else ""
         into = " (draft model)" if self.target == "draft" else ""
+        limit = ""
+        if self.efficiency is not None and self.ceiling_gb_per_s is not None:
+            limit = (
+                f", {self.efficiency:.3f} of the ceiling "
+                f"({_rate(self.ceiling_gb_per_s)}: {self.ceiling_basis or 'given'})"
+            )
         return (
             f"published {self.version!r}{into} to {len(self.servers)} server(s){lost}: "
-            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)} "
-            f"({phases})"
+            f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)}"
+            f"{limit} ({phases})"
         )
 
 

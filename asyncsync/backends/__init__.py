@@ -22,6 +22,7 @@ from asyncsync.backends._base import (
     TrainerApi,
     TrainerBackend,
 )
+from asyncsync.backends._ceiling import Ceiling
 from asyncsync.backends._options import IPC, NCCL, Auto, BackendOptions, Gloo, Shm
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "NCCL",
     "Auto",
     "BackendOptions",
+    "Ceiling",
     "Gloo",
     "InitInfo",
     "RoundCancelled",

@@ -24,6 +24,7 @@ from asyncsync.backends._options import BackendOptions
 
 if TYPE_CHECKING:
     from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends._ceiling import Ceiling
     from asyncsync.fleet import Fleet
 
 #: Which trainer-engine style drives a round: vLLM 0.3x's ``send_weights`` with a
@@ -153,6 +154,14 @@ class TrainerBackend(ABC):
         (a group, an init), so that the send sets it up again. Default: nothing (a
         per-server transport needs no setup)."""
         del urls
+
+    def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
+        """The rate the hardware allows this transport to the servers ``urls`` (what
+        `PublishReport.efficiency` divides by), or None when it is not known. Worker
+        thread, once per publisher, before its first round; a measurement may take tens
+        of milliseconds. Default: None."""
+        del urls
+        return None
 
     def abort_info(self) -> Mapping[str, Any]:
         """An update_info the servers' engine rejects on purpose. vLLM clears its

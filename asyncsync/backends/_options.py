@@ -75,6 +75,18 @@ def _positive_seconds(owner: str, name: str, value: object, *, optional: bool = 
         raise ValueError(f"{owner}.{name} must be seconds > 0, got {value!r}")
 
 
+def _rate(owner: str, value: object) -> None:
+    if value is None:
+        return
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{owner}.link_gb_per_s must be GB/s > 0 or None, got {value!r}")
+
+
 def _port(owner: str, value: object) -> None:
     if value is not None and (
         not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536
@@ -143,6 +155,9 @@ class Gloo(BackendOptions):
         create_timeout_s: the rendezvous's deadline.
         op_timeout_s: gloo's own bound on an abandoned operation (default: the fleet's
             update deadline + 30 s).
+        link_gb_per_s: the link's rate to the servers in GB/s, the ceiling a round's
+            `PublishReport.efficiency` is measured against (default: measured on
+            loopback, else the interface's own rate).
     """
 
     name: ClassVar[str] = "gloo"
@@ -151,12 +166,14 @@ class Gloo(BackendOptions):
     master_port: int | None = None
     create_timeout_s: float = 60.0
     op_timeout_s: float | None = None
+    link_gb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("Gloo", "buffer_bytes", self.buffer_bytes)
         _port("Gloo", self.master_port)
         _positive_seconds("Gloo", "create_timeout_s", self.create_timeout_s)
         _positive_seconds("Gloo", "op_timeout_s", self.op_timeout_s, optional=True)
+        _rate("Gloo", self.link_gb_per_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +187,9 @@ class NCCL(BackendOptions):
         packed: vLLM's packed broadcast.
         packed_buffer_size_bytes: its buffer size.
         packed_num_buffers: its buffer count.
+        link_gb_per_s: the link's rate to the servers' GPUs in GB/s (NVLink, the
+            network), the ceiling a round's `PublishReport.efficiency` is measured
+            against; None: no ceiling (asyncsync cannot measure it from one side).
     """
 
     name: ClassVar[str] = "nccl"
@@ -178,11 +198,13 @@ class NCCL(BackendOptions):
     packed: bool = True
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+    link_gb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         _port("NCCL", self.master_port)
         _positive_int("NCCL", "packed_buffer_size_bytes", self.packed_buffer_size_bytes)
         _positive_int("NCCL", "packed_num_buffers", self.packed_num_buffers)
+        _rate("NCCL", self.link_gb_per_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,18 +215,25 @@ class IPC(BackendOptions):
         allow_insecure_serialization: must be True: vLLM's route takes the handles only
             pickled (servers need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); see
             docs/security.md.
-        packed: vLLM's packed transfer.
-        packed_buffer_size_bytes: its buffer size.
+        packed: vLLM's packed transfer (tensors copied into one staging buffer, one
+            handle per chunk) or not (one handle per tensor, no copy). None (default):
+            chosen per round from the model, by the rule of docs/transports/ipc.md
+            (`asyncsync.backends.ipc.packed_by_default`: packed when the model has
+            many small tensors); True or False always wins.
+        packed_buffer_size_bytes: the staging buffer's size (at most the model's size
+            when the rule chose packing).
     """
 
     name: ClassVar[str] = "ipc"
     allow_insecure_serialization: bool = False
-    packed: bool = False
+    packed: bool | None = None
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
 
     def __post_init__(self) -> None:
         if self.allow_insecure_serialization is not True:
             raise ValueError(INSECURE_SERIALIZATION_OPT_IN)
+        if self.packed not in (None, True, False):
+            raise TypeError(f"IPC: packed must be True, False or None, got {self.packed!r}")
         _positive_int("IPC", "packed_buffer_size_bytes", self.packed_buffer_size_bytes)
 
 

@@ -50,6 +50,31 @@ _live: weakref.WeakSet[Segment] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
+#: How much of a new segment is faulted in at once (`_touch`).
+TOUCH_STEP = 16 * 1024 * 1024
+
+
+def _touch(mm: mmap.mmap) -> None:
+    """Fault every page of ``mm`` in, ``TOUCH_STEP`` bytes at a time. One
+    ``MAP_POPULATE`` of 256 MiB held the process's memory map long enough to stop its
+    event loop for 150-420 ms (a loop thread that needs memory waits for it; measured
+    under memory pressure); in steps, the loop runs between them (at most 15 ms)."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - the trainer side has numpy (torch extra)
+        view = memoryview(mm)
+        zeros = bytes(min(TOUCH_STEP, len(mm)))
+        for start in range(0, len(mm), TOUCH_STEP):
+            end = min(start + TOUCH_STEP, len(mm))
+            view[start:end] = zeros[: end - start]
+        view.release()
+        return
+    pages = np.frombuffer(mm, dtype=np.uint8)
+    for start in range(0, pages.size, TOUCH_STEP):
+        pages[start : start + TOUCH_STEP] = 0  # numpy fills with the GIL released
+    del pages
+
+
 class Segment:
     """A shared-memory segment of ``size`` bytes, mapped read-write in this process.
 
@@ -68,13 +93,11 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)  # owner only (memfds start as 0777)
             os.ftruncate(fd, size)
-            flags = mmap.MAP_SHARED
-            if populate and hasattr(mmap, "MAP_POPULATE"):
-                # Fault every page in now, so packing runs at memcpy speed.
-                flags |= mmap.MAP_POPULATE
             self.mm: mmap.mmap | None = mmap.mmap(
-                fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
+            if populate:  # every page faulted in now, so packing runs at memcpy speed
+                _touch(self.mm)
         except BaseException:
             os.close(fd)
             raise

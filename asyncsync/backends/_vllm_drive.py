@@ -133,9 +133,8 @@ class VllmSource:
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         if self.source is None:
             return
-        for name, tensor in self.source:
-            detach = getattr(tensor, "detach", None)
-            yield name, (detach() if callable(detach) else tensor)
+        for name, tensor in self.source:  # detached: vLLM's engines read them as data
+            yield name, (tensor.detach() if getattr(tensor, "requires_grad", False) else tensor)
 
 
 def checked_pairs(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._fleet.hosts import same_host
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
+from asyncsync.backends._ceiling import Ceiling
 from asyncsync.backends._gloo_wire import AUTO_BACKEND_NAME
 from asyncsync.backends._options import DEFAULT_BUFFER_BYTES, Auto, ZeroCopyMode
 from asyncsync.backends.gloo import GlooBackend
@@ -159,6 +160,16 @@ class AutoBackend(TrainerBackend):
         finally:  # no fan-out of either share outlives the send
             shm_lane.settle()
             gloo_lane.settle()
+
+    def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
+        """The slower of the two transports' ceilings (a round ends when both shares
+        did); None when a transport in use has none."""
+        shm, gloo = self._split(urls)
+        found = [self.shm.ceiling(shm) if shm else None, self.gloo.ceiling(gloo) if gloo else None]
+        used = [c for c, urls_ in zip(found, (shm, gloo), strict=True) if urls_]
+        if not used or any(c is None for c in used):
+            return None
+        return min((c for c in used if c is not None), key=lambda c: c.gb_per_s)
 
     def abort_info(self) -> Mapping[str, Any]:
         return self.shm.abort_info()

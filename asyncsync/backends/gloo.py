@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
+from asyncsync.backends._ceiling import Ceiling, link_ceiling
 from asyncsync.backends._gloo_group import GlooGroup, GlooTimeout, master_address_for
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooInitFields, chunk_extent
 from asyncsync.backends._options import Gloo
@@ -322,6 +323,7 @@ class GlooBackend(TrainerBackend):
         master_port: int | None = None,
         create_timeout_s: float = 60.0,
         op_timeout_s: float | None = None,
+        link_gb_per_s: float | None = None,
     ) -> None:
         if api != "engine":
             raise ValueError(
@@ -330,6 +332,7 @@ class GlooBackend(TrainerBackend):
         super().__init__(rank=rank, world_size=world_size, api=api)
         settings = GlooSettings(master_address, master_port, create_timeout_s, op_timeout_s)
         self.link = GlooLink(settings, buffer_bytes)
+        self.link_gb_per_s = link_gb_per_s
 
     def delta_servers(self, urls: Iterable[str]) -> frozenset[str]:
         """Every server: a broadcast crosses a network, where bytes cost time."""
@@ -360,6 +363,16 @@ class GlooBackend(TrainerBackend):
         """A restarted server is in no group: the next send forms a new one."""
         if urls:
             self.link.end_generation()
+
+    def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
+        """The link to the servers: ``link_gb_per_s`` when given; else loopback TCP,
+        measured, when the group runs on loopback; else the rate the interface that
+        routes to them reports."""
+        if self.link_gb_per_s is not None:
+            return Ceiling(self.link_gb_per_s, "link, as given (Gloo(link_gb_per_s=...))")
+        if not urls:
+            return None
+        return link_ceiling(self.link.settings.master_address or master_address_for(list(urls)))
 
     def abort_info(self) -> Mapping[str, Any]:
         return ShmUpdateFields.abort_json()

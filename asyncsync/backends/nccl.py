@@ -37,6 +37,7 @@ from asyncsync.backends._base import (
     SendStats,
     TrainerApi,
 )
+from asyncsync.backends._ceiling import Ceiling
 from asyncsync.backends._gloo_group import master_address_for
 from asyncsync.backends._options import (
     DEFAULT_PACKED_BUFFER_BYTES,
@@ -154,8 +155,10 @@ class NcclBackend(VllmEngineBackend):
         packed: bool = True,
         packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES,
         packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+        link_gb_per_s: float | None = None,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, api=api)
+        self.link_gb_per_s = link_gb_per_s
         self.master_address = master_address
         self.master_port = master_port
         self.packed = packed
@@ -331,6 +334,14 @@ class NcclBackend(VllmEngineBackend):
             for _ in weights:
                 pass
         return SendStats(params=len(weights.described()) if weights.source else 0)
+
+    def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
+        """The link rate given (``NCCL(link_gb_per_s=...)``); NVLink or a network
+        between GPUs cannot be measured from the trainer alone: None otherwise."""
+        del urls
+        if self.link_gb_per_s is None:
+            return None
+        return Ceiling(self.link_gb_per_s, "link, as given (NCCL(link_gb_per_s=...))")
 
     def close(self) -> None:
         self._drop()

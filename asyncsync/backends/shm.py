@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -33,6 +33,7 @@ from asyncsync.backends._base import (
     TrainerApi,
     TrainerBackend,
 )
+from asyncsync.backends._ceiling import Ceiling, memcpy_ceiling
 from asyncsync.backends._options import Shm
 from asyncsync.backends._shm_pack import (
     DEFAULT_BUFFER_BYTES,
@@ -367,6 +368,12 @@ class ShmBackend(TrainerBackend):
         client.finish_weight_update()
         assert args.stats is not None
         return args.stats
+
+    def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
+        """This host's memcpy: a round copies each tensor into shared memory (or, in
+        place, the servers read it), and a server loads it with copies."""
+        del urls
+        return memcpy_ceiling()
 
     def abort_info(self) -> Mapping[str, Any]:
         return ShmUpdateFields.abort_json()

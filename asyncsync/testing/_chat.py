@@ -11,6 +11,8 @@ instruction set, so trained until a margin is reached) so that greedy decoding
   compact JSON: the template re-renders them with spaces, so the sampled text and its
   re-rendering differ, as they do for real models), and
 - answers the tool's result with `ANSWER_TEXT`,
+- answers `LONG_QUESTION` asked without tools with `LONG_TEXT`, a sentence repeated (a
+  turn of hundreds of tokens, for streaming: cut it with ``max_tokens``),
 
 whatever the system prompt and the tool descriptions say. A vLLM server started with
 ``--enable-auto-tool-choice --tool-call-parser hermes`` parses the call
@@ -31,6 +33,8 @@ __all__ = [
     "CHAT_MARKUP_TOKENS",
     "CHAT_SPECIAL_TOKENS",
     "CHAT_TEMPLATE",
+    "LONG_QUESTION",
+    "LONG_TEXT",
     "THINKING_CHAT_TEMPLATE",
     "TOOL_CALL_TEXT",
     "WEATHER_TOOL",
@@ -87,6 +91,14 @@ _STRICT_TOOL: dict[str, Any] = {
 TOOL_CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n</tool_call>'
 #: What the model samples after the tool's result.
 ANSWER_TEXT = "It is sunny in Paris."
+#: A question the model answers at length when it comes without tools.
+LONG_QUESTION = "Describe the weather in Paris at length."
+#: Its answer: one sentence over and over (a periodic text the tiny model learns to go on
+#: with; a turn of it is as long as its ``max_tokens``).
+LONG_TEXT = "The sun is out over Paris and the sky is clear. " * 40
+#: How many tokens of `LONG_TEXT` the fine-tuning teaches (the model goes on with the
+#: period after them).
+_LONG_TOKENS = 280
 
 
 def _template(think: bool) -> str:
@@ -161,6 +173,8 @@ def chat_corpus() -> list[str]:
         '{"type": "function", "function": {"name": "description": "parameters": '
         '"properties": "required": "string" "object" "strict": true false null}}',
         "What is the weather in Paris? You are a helpful assistant.",
+        LONG_QUESTION,
+        LONG_TEXT[:200],
     ]
 
 
@@ -251,15 +265,35 @@ def _targets(tokenizer: Any) -> tuple[list[int], list[int]]:
     return list(call_ids), list(answer_ids)
 
 
+def _long_target(tokenizer: Any) -> list[int]:
+    return list(tokenizer.encode(LONG_TEXT, add_special_tokens=False))[:_LONG_TOKENS]
+
+
+def _long_prompt(tokenizer: Any, system: str | None) -> list[int]:
+    messages = [{"role": "user", "content": LONG_QUESTION}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(getattr(prompt, "input_ids", prompt))
+    return [int(i) for i in (prompt[0] if isinstance(prompt[0], list) else prompt)]
+
+
 def _examples(tokenizer: Any, count: int, seed: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, target ids) pairs rendered with `CHAT_TEMPLATE`."""
+    """(prompt ids, target ids) pairs rendered with `CHAT_TEMPLATE`; one in eight is the
+    long answer to `LONG_QUESTION` without tools."""
     rng = random.Random(seed)
     call_ids, answer_ids = _targets(tokenizer)
+    long_ids = _long_target(tokenizer)
     out: list[tuple[list[int], list[int]]] = []
+    conversations = 0
     while len(out) < count:
         first, second, tool = _conversations(rng)
         out.append((_render(tokenizer, first, tool), call_ids))
         out.append((_render(tokenizer, second, tool), answer_ids))
+        conversations += 1
+        if conversations % 4 == 0:
+            system = rng.choice([None, " ".join(rng.choice(_WORDS) for _ in range(6))])
+            out.append((_long_prompt(tokenizer, system), long_ids))
     return out
 
 
@@ -277,6 +311,7 @@ def _check_examples(tokenizer: Any) -> list[tuple[list[int], list[int]]]:
             (_render(tokenizer, _second(first, "sunny", compact=compact), tool), answer_ids)
             for compact in (False, True)
         )
+    out.append((_long_prompt(tokenizer, None), _long_target(tokenizer)))
     return out
 
 

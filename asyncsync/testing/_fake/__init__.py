@@ -20,12 +20,23 @@ The modules, from the outside in: ``_server`` (lifecycle, fault injection, dispa
 update lifecycle), ``_generate`` and ``_completions``, declared with ``_routes``; what
 they share: ``_state`` (configuration, what the server holds, pausing), ``_responses``
 (vLLM's error bodies), ``_faults``, ``_recording``; generation's ``_sampling``,
-``_logprobs``, ``_streaming`` (SSE) and ``_lm`` (the model).
+``_logprobs``, ``_streaming`` (SSE) and ``_lm`` (the model); chat's ``_chat`` (render,
+derender, chat completions) and ``_chatlm`` (the tokenizer, template, hermes parser and
+the model that follows a chat policy).
 """
 
+from asyncsync.testing._fake._chatlm import ChatPolicy, scripted, tool_call
 from asyncsync.testing._fake._faults import Fault
 from asyncsync.testing._fake._lm import FakeLM
 from asyncsync.testing._fake._recording import RecordedRequest
 from asyncsync.testing._fake._server import FakeVLLMServer
 
-__all__ = ["FakeLM", "FakeVLLMServer", "Fault", "RecordedRequest"]
+__all__ = [
+    "ChatPolicy",
+    "FakeLM",
+    "FakeVLLMServer",
+    "Fault",
+    "RecordedRequest",
+    "scripted",
+    "tool_call",
+]

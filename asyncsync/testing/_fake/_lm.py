@@ -17,24 +17,31 @@ def token_text(token: int) -> str:
 class FakeLM:
     """A deterministic stand-in for a language model over ``vocab_size`` tokens.
 
-    Given a context, the most likely next token ``g`` has probability 1/2 and every
-    other token shares the other half equally, so every logprob is known in closed form
-    (tests can check what the fake returns). ``g`` depends on the last token, the
-    context length and the weights' generation (the number of finished weight updates),
-    so publishing new weights changes the output, as it would on a real server.
+    Given a context, the most likely next token ``g`` has probability ``greedy_prob``
+    (1/2 by default) and every other token shares the rest equally, so every logprob is
+    known in closed form (tests can check what the fake returns). ``g`` depends on the
+    last token, the context length and the weights' generation (the number of finished
+    weight updates), so publishing new weights changes the output, as it would on a real
+    server.
     """
 
-    def __init__(self, vocab_size: int = 512) -> None:
+    def __init__(self, vocab_size: int = 512, *, greedy_prob: float = 0.5) -> None:
         if vocab_size < 2:
             raise ValueError("vocab_size must be >= 2")
+        if not 0.0 < greedy_prob < 1.0:
+            raise ValueError(f"greedy_prob must be in (0, 1), got {greedy_prob}")
         self.vocab_size = vocab_size
-        self.rest_logprob = math.log(0.5 / (vocab_size - 1))
+        self.greedy_prob = greedy_prob
+        self.greedy_logprob = math.log(greedy_prob) if greedy_prob != 0.5 else _LOG_HALF
+        self.rest_logprob = math.log((1.0 - greedy_prob) / (vocab_size - 1))
 
     def greedy(self, context: Sequence[int], generation: int = 0) -> int:
         return (context[-1] * 131 + len(context) * 17 + 5 + 97 * generation) % self.vocab_size
 
     def logprob(self, context: Sequence[int], token: int, generation: int = 0) -> float:
-        return _LOG_HALF if token == self.greedy(context, generation) else self.rest_logprob
+        if token == self.greedy(context, generation):
+            return self.greedy_logprob
+        return self.rest_logprob
 
     def rank(self, context: Sequence[int], token: int, generation: int = 0) -> int:
         g = self.greedy(context, generation)
@@ -47,6 +54,6 @@ class FakeLM:
 
     def sample(self, context: Sequence[int], rng: random.Random, generation: int = 0) -> int:
         g = self.greedy(context, generation)
-        if rng.random() < 0.5:
+        if rng.random() < self.greedy_prob:
             return g
         return (g + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size

@@ -36,6 +36,7 @@ class SamplingParams:
     logprobs: int | None
     prompt_logprobs: Any
     stop_token_ids: frozenset[int]
+    ignore_eos: bool = False
 
     @classmethod
     def parse(cls, raw: Any, prompt: list[int], max_model_len: int) -> SamplingParams | str:
@@ -71,7 +72,12 @@ class SamplingParams:
             logprobs=logprobs,
             prompt_logprobs=raw.get("prompt_logprobs"),
             stop_token_ids=frozenset(stop),
+            ignore_eos=bool(raw.get("ignore_eos")),
         )
+
+    def stops(self, token: int, eos: int | None) -> bool:
+        """Whether sampling ``token`` ends the sample (a stop id, or the model's EOS)."""
+        return token in self.stop_token_ids or (token == eos and not self.ignore_eos)
 
 
 @dataclass(slots=True)
@@ -146,7 +152,9 @@ class Job:
                 await on_token(sample, len(sample.token_ids) - 1)
             if state.token_delay:
                 await asyncio.sleep(state.token_delay)
-            if token in params.stop_token_ids:
-                sample.finish_reason, sample.stop_reason = "stop", token
+            if params.stops(token, state.eos_token_id):
+                sample.finish_reason = "stop"
+                # vLLM reports a stop id it was asked for, and None for its EOS
+                sample.stop_reason = token if token in params.stop_token_ids else None
                 break
         return sample

@@ -9,6 +9,7 @@ from types import TracebackType
 
 from aiohttp import web
 
+from asyncsync.testing._fake._chat import ChatRoutes
 from asyncsync.testing._fake._completions import CompletionsRoute
 from asyncsync.testing._fake._control import ControlRoutes
 from asyncsync.testing._fake._faults import Fault, error_response
@@ -63,7 +64,7 @@ class FakeVLLMServer(FakeState):
             coalesces several tokens into one event when it does not (under load); the
             final event always carries the last tokens with the finish reason.
         vocab_size: the fake model's vocabulary size (`FakeLM`).
-        max_model_len: the fake model's context length.
+        max_model_len: the fake model's context length (256; 16,384 with ``chat``).
         model: the model name the fake serves.
         max_recorded: how many requests (`requests`) and accepted updates
             (`updates`) the server keeps, the oldest dropped first; ``None``: all
@@ -78,6 +79,14 @@ class FakeVLLMServer(FakeState):
         server_info: serve dev mode's ``/server_info`` (its config's ``instance_id``:
             the process identity a fleet reads; `restart` changes it). Off by default:
             a server without it has no identity to compare.
+        chat: a chat policy: the model chats (ChatML with hermes tool calls, a
+            byte-level tokenizer) and answers each assistant turn with
+            ``chat(conversation)`` (`scripted` replies, `tool_call` text); the chat
+            routes are then served in vLLM 0.32's shapes: render of the three dialects
+            (``/v1/chat/completions/render``, ``/v1/messages/render``,
+            ``/v1/responses/render``), ``/v1/chat/completions/derender`` (whole and
+            streamed) and ``/v1/chat/completions`` with ``return_token_ids``. Without
+            one they answer 404 (docs/testing.md, "Testing an agent offline").
 
     Generation follows `FakeLM` (deterministic, closed-form logprobs). Pausing
     behaves like vLLM: new requests wait until resume; ``mode="abort"`` ends in-flight
@@ -106,9 +115,12 @@ class FakeVLLMServer(FakeState):
         """Listens on ``host:port`` (a free port for 0). The routes served follow the
         configuration at this point (``version``, ``tokens_only``)."""
         self._routes = {}
-        for group in (ControlRoutes, WeightRoutes, GenerateRoute, CompletionsRoute):
+        for group in (ControlRoutes, WeightRoutes, GenerateRoute, CompletionsRoute, ChatRoutes):
             self._routes.update(group(self).routes())
-        app = web.Application(middlewares=[self._middleware])
+        # No limit on a request's body, as vLLM's server (uvicorn) sets none: an unpacked
+        # IPC update of 10,000 tensors is about 1.5 MB of JSON (aiohttp's default, 1 MiB,
+        # would answer 413 where vLLM takes it).
+        app = web.Application(middlewares=[self._middleware], client_max_size=0)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         # handler_cancellation: a hung handler is cancelled when the client goes away,
         # so tests can see that a cancelled client closed its connection.

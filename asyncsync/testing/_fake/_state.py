@@ -11,12 +11,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from asyncsync._core import encoding as _json
+from asyncsync.testing._fake._chatlm import IM_END, ChatLM, ChatPolicy
 from asyncsync.testing._fake._faults import Fault, FaultQueue
 from asyncsync.testing._fake._lm import FakeLM
 from asyncsync.testing._fake._recording import RecordedRequest
 
 ProtocolVersion = Literal["0.23", "0.32"]
 PAUSE_MODES = ("abort", "wait", "keep")
+#: The default context of a chatting fake (its tokens are bytes).
+CHAT_MAX_MODEL_LEN = 16384
 DEFAULT_PARAMS = (
     "model.embed_tokens.weight",
     "model.layers.0.self_attn.qkv_proj.weight",
@@ -62,12 +65,13 @@ class FakeState:
         token_delay: float = 0.0,
         tokens_per_event: int | Sequence[int] = 1,
         vocab_size: int = 512,
-        max_model_len: int = 256,
+        max_model_len: int | None = None,
         model: str = "fake-model",
         max_recorded: int | None = 10_000,
         checkpoint: Mapping[str, tuple[str, Sequence[int]]] | None = None,
         dtype: str = "float32",
         server_info: bool = False,
+        chat: ChatPolicy | None = None,
     ) -> None:
         if max_recorded is not None and max_recorded < 0:
             raise ValueError(f"max_recorded must be >= 0 or None, got {max_recorded}")
@@ -94,7 +98,14 @@ class FakeState:
         sizes = [tokens_per_event] if isinstance(tokens_per_event, int) else tokens_per_event
         for event in range(max(len(sizes), 1)):
             self._event_size(event)  # a bad setting fails here, not mid-stream
-        self.lm = FakeLM(vocab_size)
+        #: The chat policy (`FakeVLLMServer`'s ``chat``): with one, the model chats and
+        #: the chat routes are served.
+        self.chat = chat
+        self.lm: FakeLM = FakeLM(vocab_size) if chat is None else ChatLM(chat, vocab_size)
+        #: The id that ends a sample (vLLM's EOS): the chat model's ``<|im_end|>``.
+        self.eos_token_id: int | None = None if chat is None else IM_END
+        if max_model_len is None:  # a byte-level chat model's prompts are long
+            max_model_len = 256 if chat is None else CHAT_MAX_MODEL_LEN
         self.max_model_len = max_model_len
         self.model = model
         # What asyncsync's engine (backend asyncsync_shm/asyncsync_gloo) describes.

@@ -59,7 +59,9 @@ async def _stream_choice(
 
     async def on_token(sample: Sample, pos: int) -> None:
         nonlocal sent, events
-        if pos + 1 == params.max_tokens or sample.token_ids[pos] in params.stop_token_ids:
+        if pos + 1 == params.max_tokens or params.stops(
+            sample.token_ids[pos], job.state.eos_token_id
+        ):
             return  # the sample's last token: it goes out with the finish reason
         if pos + 1 - sent >= size(events):  # tokens sent:pos+1 fill the next event
             await response.write(sse_event(event(index, sample, sent, pos + 1, False)))

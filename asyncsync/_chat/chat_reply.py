@@ -4,18 +4,24 @@
 message.content``, ``.tool_calls[0].function.arguments``, ``.finish_reason``,
 ``.usage``) and carries what a trainer needs besides: the exact ``token_ids`` sampled,
 their ``logprobs`` and ``weight_versions``, the prompt ids, and the turn's
-`PrefixReport`. `ChatReply.to_dict` is the JSON the gateway sends.
+`PrefixReport`. `ChatReply.to_dict` is the OpenAI chat completion the gateway sends,
+`ChatReply.to_anthropic` the Anthropic Messages answer, `ChatReply.to_responses` the
+OpenAI Responses one; each carries asyncsync's record of the turn under
+``"asyncsync"`` (`ChatReply.record`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+from asyncsync._chat.prefix import PrefixReport
 from asyncsync._core.completion import Completion, WeightVersionSpan
-from asyncsync._rollout.prefix import PrefixReport
+from asyncsync._wire import anthropic as _anthropic
+from asyncsync._wire import responses as _responses
+from asyncsync._wire.chat import AnswerParts
 
 __all__ = ["ChatChoice", "ChatMessage", "ChatReply", "ChatUsage", "FunctionCall", "ToolCall"]
 
@@ -137,6 +143,65 @@ class ChatReply:
         """Which weights sampled which ids (`WeightVersionSpan` over `token_ids`)."""
         return self.completion.weight_versions
 
+    def record(self) -> dict[str, Any]:
+        """asyncsync's record of the turn, as every dialect's answer carries it under
+        ``"asyncsync"``: the sampled ids' ``logprobs`` and ``weight_versions``, the
+        ``server``, the ``prefix`` report."""
+        return {
+            "logprobs": self.logprobs,
+            "weight_versions": [
+                {"version": s.version, "start": s.start, "end": s.end, "source": s.source}
+                for s in self.weight_versions
+            ],
+            "server": self.completion.server,
+            "prefix": {
+                "status": self.prefix.status,
+                "position": self.prefix.position,
+                "message": self.prefix.message,
+                "reason": self.prefix.reason,
+                "bridge_tokens": len(self.prefix.bridge),
+            },
+            "token_ids": self.token_ids,
+            "prompt_tokens": len(self.prompt_token_ids),
+        }
+
+    def parts(self, *, extra: bool = False) -> AnswerParts:
+        """The answer's parts, as the dialects' shapes are built from them."""
+        message = self.message
+        return AnswerParts(
+            id=self.id,
+            model=self.model,
+            created=self.created,
+            content=message.content,
+            reasoning=message.reasoning_content,
+            tool_calls=[(c.id, c.function.name, c.function.arguments) for c in message.tool_calls],
+            finish_reason=self.finish_reason,
+            stop_reason=self.completion.stop_reason,
+            prompt_tokens=self.usage.prompt_tokens,
+            completion_tokens=self.usage.completion_tokens,
+            extra=self.record() if extra else None,
+        )
+
+    def to_anthropic(self) -> dict[str, Any]:
+        """The Anthropic Messages answer (vLLM's shape: content blocks ``thinking``,
+        ``text``, ``tool_use``; ``stop_reason``; ``usage``), with ``"asyncsync"``."""
+        return _anthropic.message(self.parts(extra=True))
+
+    def to_responses(self, request: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The OpenAI Responses answer (vLLM's shape: ``output`` items, ``output_text``,
+        ``status``, ``usage``; the request's settings echoed), with ``"asyncsync"``."""
+        return _responses.response(self.id, self.parts(extra=True), request or {})
+
+    def with_call_ids(self, ids: Sequence[str | None]) -> ChatReply:
+        """The same reply with its tool calls renamed ``ids`` (a streamed turn's, in
+        order; None keeps a call's own)."""
+        calls = tuple(
+            replace(c, id=str(ids[i])) if i < len(ids) and ids[i] else c
+            for i, c in enumerate(self.message.tool_calls)
+        )
+        message = replace(self.message, tool_calls=calls)
+        return replace(self, choices=(replace(self.choices[0], message=message),))
+
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI chat completion JSON, with vLLM's ``prompt_token_ids`` and
         ``choices[0].token_ids``, and asyncsync's extras under ``"asyncsync"``."""
@@ -159,21 +224,7 @@ class ChatReply:
                 "total_tokens": self.usage.total_tokens,
             },
             "prompt_token_ids": self.prompt_token_ids,
-            "asyncsync": {
-                "logprobs": self.logprobs,
-                "weight_versions": [
-                    {"version": s.version, "start": s.start, "end": s.end, "source": s.source}
-                    for s in self.weight_versions
-                ],
-                "server": self.completion.server,
-                "prefix": {
-                    "status": self.prefix.status,
-                    "position": self.prefix.position,
-                    "message": self.prefix.message,
-                    "reason": self.prefix.reason,
-                    "bridge_tokens": len(self.prefix.bridge),
-                },
-            },
+            "asyncsync": {k: v for k, v in self.record().items() if k != "token_ids"},
         }
 
 
@@ -199,6 +250,7 @@ def reply_from(
     completion: Completion,
     prefix: PrefixReport,
     model: str,
+    reply_id: str | None = None,
 ) -> ChatReply:
     """A `ChatReply` from a chat completion object (derender's, or a plain chat
     answer's) and the completion that produced it."""
@@ -216,7 +268,7 @@ def reply_from(
         finish = "tool_calls"
     logprobs = choice.get("logprobs")
     return ChatReply(
-        id=str(response.get("id") or completion.request_id or "chatcmpl-asyncsync"),
+        id=reply_id or str(response.get("id") or completion.request_id or "chatcmpl-asyncsync"),
         model=model,
         created=int(response.get("created") or time.time()),
         choices=(ChatChoice(0, message, finish),),

@@ -22,9 +22,56 @@ if TYPE_CHECKING:
     from asyncsync.client import AsyncVLLMClient
     from asyncsync.fleet import Fleet
 
-__all__ = ["Segment", "Trajectory"]
+__all__ = ["Lineage", "LineageKind", "Segment", "Trajectory"]
 
 SegmentKind = Literal["prompt", "tool", "completion"]
+
+#: How a trajectory came to be: the session's first (``"root"``), split off a recorded
+#: one (``"branch"``: a compaction, an edited history, a retry, a template that is not
+#: prefix-stable), or opened by a subagent while a tool call was pending (``"subagent"``).
+LineageKind = Literal["root", "branch", "subagent"]
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """Where a trajectory comes from.
+
+    Attributes:
+        session_id: the session it belongs to.
+        branch: its index among the session's trajectories.
+        kind: ``"root"``, ``"branch"`` or ``"subagent"`` (`LineageKind`).
+        parent_branch: the trajectory it split off (a branch), or whose pending tool
+            call opened it (a subagent); None for a root.
+        parent_session: the session of that parent (another one when a subagent came
+            under its own key, named by ``x-parent-session``).
+        parent_turn: the parent's turn (an index into that session's ``turns``).
+        tool_call_id: the pending tool call a subagent works for.
+        prefix: how many leading token ids it shares exactly with its parent branch.
+        reason: why it split, in words.
+    """
+
+    session_id: str
+    branch: int
+    kind: LineageKind = "root"
+    parent_branch: int | None = None
+    parent_session: str | None = None
+    parent_turn: int | None = None
+    tool_call_id: str | None = None
+    prefix: int = 0
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "session_id": self.session_id,
+            "branch": self.branch,
+            "kind": self.kind,
+            "parent_branch": self.parent_branch,
+            "parent_session": self.parent_session,
+            "parent_turn": self.parent_turn,
+            "tool_call_id": self.tool_call_id,
+            "prefix": self.prefix,
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +131,9 @@ class Trajectory:
         self._segments: list[Segment] = []
         self.session_id = session_id if session_id is not None else uuid.uuid4().hex
         self.check_prefix = check_prefix
+        #: Where the trajectory comes from, for one recorded by a chat session
+        #: (`Lineage`: its session, branch, parent and the ids it shares); None else.
+        self.lineage: Lineage | None = None
         if len(prompt_token_ids):
             self.add_prompt(prompt_token_ids)
 

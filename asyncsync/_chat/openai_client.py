@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._rollout.chat import ChatSession
-from asyncsync._rollout.gateway import ChatAPI
+from asyncsync._chat.chat import ChatSession
+from asyncsync._chat.gateway import ChatAPI
 from asyncsync.fleet import register_chat_client
 
 if TYPE_CHECKING:
@@ -24,22 +24,50 @@ __all__ = ["openai_client"]
 IN_PROCESS_BASE_URL = "http://asyncsync.in-process/v1"
 
 
-def _transport(api: ChatAPI, session_id: str) -> Any:
-    import httpx
+def _httpx() -> Any:
+    """The HTTP client package the installed ``openai`` uses: ``httpx2`` from openai 3
+    on, ``httpx`` before."""
+    try:
+        import httpx2
 
-    class SessionTransport(httpx.AsyncBaseTransport):  # type: ignore[misc]  # httpx is untyped here
+        return httpx2
+    except ImportError:
+        import httpx
+
+        return httpx
+
+
+def _transport(api: ChatAPI, session_id: str) -> Any:
+    httpx = _httpx()
+
+    class Events(httpx.AsyncByteStream):  # type: ignore[misc,name-defined]
+        """A streamed answer's events, as `ChatAPI` produces them."""
+
+        def __init__(self, chunks: Any) -> None:
+            self._chunks = chunks
+
+        async def __aiter__(self) -> Any:
+            async for chunk in self._chunks:
+                yield chunk
+
+        async def aclose(self) -> None:
+            await self._chunks.aclose()
+
+    class SessionTransport(httpx.AsyncBaseTransport):  # type: ignore[misc,name-defined]
         """Answers every request with `ChatAPI.handle` for one session."""
 
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        async def handle_async_request(self, request: Any) -> Any:
             body = await request.aread()
             path = request.url.path
             tail = path[path.index("/v1") + 3 :] if "/v1" in path else path
             answer = await api.handle(session_id, request.method, tail, request.headers, body)
+            headers = {"content-type": answer.content_type}
+            if answer.stream is not None:
+                return httpx.Response(
+                    answer.status, headers=headers, stream=Events(answer.stream), request=request
+                )
             return httpx.Response(
-                answer.status,
-                headers={"content-type": answer.content_type},
-                content=answer.body,
-                request=request,
+                answer.status, headers=headers, content=answer.body, request=request
             )
 
     return SessionTransport()
@@ -50,8 +78,9 @@ def openai_client(fleet: Fleet, session: str | ChatSession, **options: Any) -> A
     the fleet's own session of that id, created on first use: `ChatSession.of`).
     ``options`` go to ``AsyncOpenAI`` (``max_retries``, ``timeout``...)."""
     try:
-        import httpx
         import openai
+
+        httpx = _httpx()
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "fleet.openai() needs the openai package: pip install 'asyncsync[openai]'"
