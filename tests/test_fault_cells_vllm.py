@@ -41,7 +41,7 @@ from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
 from asyncsync.testing import LocalVLLMServer, check_greedy, free_port
-from tests.calls import CallLog, recording
+from tests.calls import PROBES, CallLog, recording
 from tests.conftest import SERVER_STARTUP_TIMEOUT, VLLMFleet, _core, model_under
 from tests.test_cancel_vllm import _no_active_update
 from tests.test_faults_vllm import (
@@ -64,9 +64,6 @@ FAULTED_CALL = {
     "update": "update_weights",
     "finish": "finish_weight_update",
 }
-#: The fleet's own health probes (``/health``, then the identity).
-PROBES = ("health", "identity")
-
 #: (fault, where): SIGKILL or SIGSTOP of the victim's process group, placed before the
 #: round, at the second chunk, or as the finish fan-out starts.
 CELLS = [
@@ -222,7 +219,8 @@ async def _cell(
         timed_out = [(s.url, s.op) for s in log.timed_out(mark) if s.op not in PROBES]
         if fault == "freeze":
             assert timed_out == [(victim.url, FAULTED_CALL[where])], timed_out
-            assert log.to(victim.url, mark)[-1].timed_out, log.to(victim.url, mark)
+            sent = log.round_calls(victim.url, mark)
+            assert sent[-1].timed_out, sent
         else:
             assert timed_out == [], timed_out
         version = f"faulted at {where}"

@@ -34,7 +34,7 @@ import torch
 
 import asyncsync as az
 from asyncsync.testing import FakeVLLMServer, Fault
-from tests.calls import CallLog, recording
+from tests.calls import PROBES, CallLog, recording
 from tests.publish_fakes import shm_fakes
 from tests.waiting import HANG
 
@@ -50,8 +50,7 @@ ROUTES = {
     "resume": "/resume",
 }
 SLOW = "slow (past the deadline)"
-#: The fleet's health probe of a server: ``/health``, then its identity.
-PROBES = ("health", "identity")
+
 FAULTS = {
     "5xx": lambda: Fault.error(500),
     "malformed 200": Fault.malformed,
@@ -111,8 +110,7 @@ def _one_deadline_at_most(log: CallLog, faulty: FakeVLLMServer, fault: str, phas
         assert timed_out == []
         return
     assert timed_out == [(faulty.url, CALLS[phase])]
-    sent = [s for s in log.to(faulty.url) if s.op not in PROBES]
-    assert sent[-1].timed_out, sent
+    assert log.round_calls(faulty.url)[-1].timed_out, log.to(faulty.url)
 
 
 def _no_active_update_but(fakes: list[FakeVLLMServer], fault: str) -> None:

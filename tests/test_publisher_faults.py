@@ -55,7 +55,7 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
             await publisher.publish(WEIGHTS, version="v1", pause="wait", min_servers="all")
         # One deadline ended the round: the hung update's, the last call sent to it.
         assert [(s.url, s.op) for s in log.timed_out()] == [(hung.url, "update_weights")]
-        assert log.to(hung.url)[-1].timed_out
+        assert log.round_calls(hung.url)[-1].timed_out
         err = info.value
         assert isinstance(err.outcomes[hung.url].error, az.ServerTimeout)
         assert err.outcomes[hung.url].phase == "update"
@@ -118,7 +118,7 @@ async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more
             await publisher.publish(WEIGHTS, version="v2", pause="keep", min_servers="all")
         # One deadline: the frozen server's start, the last call sent to it.
         assert [(s.url, s.op) for s in log.timed_out()] == [(frozen.url, "start_weight_update")]
-        assert log.to(frozen.url)[-1].timed_out
+        assert log.round_calls(frozen.url)[-1].timed_out
         outcome = info.value.outcomes[frozen.url]
         assert (outcome.phase, type(outcome.error)) == ("start", az.ServerTimeout)
         assert publisher.version == "v1"
