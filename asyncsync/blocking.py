@@ -45,6 +45,7 @@ from asyncsync._core.types import Require
 from asyncsync._fleet.hosts import members_of
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._http.retry import RetryPolicy
+from asyncsync._publish.catchup import CatchUpLike
 from asyncsync._wire.generation import Tokenizer
 from asyncsync.backends import BackendOptions, TrainerApi
 from asyncsync.client import DEFAULT_RETRY
@@ -272,15 +273,20 @@ class Fleet(_Closing[az.Fleet]):
         return cls(urls, hosts=hosts, **options)
 
     # ------------------------------------------------------------------ servers
-    def add_server(self, server: str | VLLMClient, *, check: bool = False) -> ServerState:
+    def add_server(
+        self, server: str | VLLMClient, *, check: bool = False, host: str | None = None
+    ) -> ServerState:
         """Add a server at runtime (see `asyncsync.Fleet.add_server`)."""
-        return self._call(functools.partial(self._async.add_server, _unwrap(server), check=check))
+        add = self._async.add_server
+        return self._call(functools.partial(add, _unwrap(server), check=check, host=host))
 
     def client(self, url: str) -> VLLMClient:
         """The client of server ``url`` (sharing the fleet's session)."""
         return VLLMClient._adopt(self._call(self._async.client, url))
 
     remove_server = blocking_method(az.Fleet.remove_server)
+    ready = blocking_method(az.Fleet.ready)
+    watch = loop_method(az.Fleet.watch)
     state = loop_method(az.Fleet.state)
     where = loop_method(az.Fleet.where)
     mark_dirty = loop_method(az.Fleet.mark_dirty)
@@ -417,6 +423,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
         rank: int = 0,
         world_size: int = 1,
         if_busy: Literal["wait", "raise"] = "wait",
+        catch_up: CatchUpLike = "auto",
         _api: TrainerApi = "engine",
         **deprecated_options: Any,
     ) -> None:
@@ -427,7 +434,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
             functools.partial(
                 az.AsyncWeightPublisher, None if fleet is None else fleet._async,
                 backend=backend, executor=executor, rank=rank, world_size=world_size,
-                if_busy=if_busy, _api=_api, **deprecated_options,
+                if_busy=if_busy, catch_up=catch_up, _api=_api, **deprecated_options,
             )
         )  # fmt: skip
         self._track()

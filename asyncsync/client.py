@@ -18,6 +18,7 @@ import aiohttp
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion, PromptScores
 from asyncsync._core.deprecation import warn_deprecated
+from asyncsync._core.ledger import Ledger
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
 from asyncsync._core.types import PauseMode, ProtocolGeneration, pause_mode
@@ -93,16 +94,18 @@ class AsyncVLLMClient:
     ) -> None:
         url = normalize_url(base_url)
         timeouts = check_timeouts(timeouts, "AsyncVLLMClient")
-        self.server_state = ServerState(url)
-        """What is known about the server (shared with a fleet holding this client)."""
+        # What is known about the server: a ledger of its own, until a fleet that takes
+        # this client adopts the record into the fleet's.
+        ledger = Ledger()
+        record = ledger.join(url)
         if vllm_version is not None:
-            self.server_state.protocol = protocol_for_version(vllm_version, server=url)
-            self.server_state.vllm_version = vllm_version
+            ledger.learned(record, vllm_version, protocol_for_version(vllm_version, server=url))
         self._transport = Transport(session=session, owner=_owner)
         self.endpoint = Endpoint(
             url,
             self._transport,
-            state=self.server_state,
+            ledger=ledger,
+            record=record,
             api_key=api_key,
             timeouts=timeouts,
             retry=retry if retry is not None else NO_RETRY,
@@ -154,14 +157,20 @@ class AsyncVLLMClient:
         return self.endpoint.retry
 
     @property
+    def server_state(self) -> ServerState:
+        """What is known about the server: a snapshot (a fleet holding this client
+        keeps its record in the fleet's ledger; read it again for news)."""
+        return self.endpoint.ledger.snapshot_of(self.endpoint.record)
+
+    @property
     def weight_version(self) -> str | None:
         """The last weight version finished or set on the server through asyncsync
         (vLLM 0.23 servers do not store versions: this is their only record)."""
-        return self.server_state.weight_version
+        return self.endpoint.record.weight_version
 
     @weight_version.setter
     def weight_version(self, version: str | None) -> None:
-        self.server_state.record_version(version)
+        self.endpoint.ledger.version_recorded(self.endpoint.record, version)
 
     def __repr__(self) -> str:
         return f"AsyncVLLMClient({self.base_url!r}, state={self.state})"
@@ -201,10 +210,11 @@ class AsyncVLLMClient:
 
     async def protocol(self) -> ProtocolGeneration:
         """The RL protocol generation the server speaks (``"0.23"`` or ``"0.32"``)."""
-        if self.server_state.protocol is None:
+        record = self.endpoint.record
+        if record.protocol is None:
             await self.endpoint.server_version()
-        assert self.server_state.protocol is not None
-        return self.server_state.protocol
+        assert record.protocol is not None
+        return record.protocol
 
     # ------------------------------------------------------------------ routes
     async def health(self) -> None:
@@ -248,6 +258,7 @@ class AsyncVLLMClient:
         (vLLM >= 0.32)."""
         protocol = await self.protocol()
         await self._run(wire.plan_update_weight_version(protocol, new_version, self.base_url))
+        self.endpoint.ledger.version_recorded(self.endpoint.record, new_version)
 
     async def weight_checksums(self) -> dict[str, str]:
         """``POST /weight_checker {"action": "checksum"}``: a checksum per
@@ -314,6 +325,8 @@ class AsyncVLLMClient:
         """``POST /finish_weight_update``. On vLLM >= 0.32 ``weight_version`` is sent and
         stored by the server; on 0.23 the client records it (`weight_version`)."""
         await self._run(wire.plan_finish_weight_update(await self.protocol(), weight_version))
+        if weight_version is not None:
+            self.endpoint.ledger.version_recorded(self.endpoint.record, weight_version)
 
     async def shutdown_weight_transfer_engine(self) -> None:
         """``POST /shutdown_weight_transfer_engine`` (vLLM >= 0.32; 500 during an update)."""

@@ -1,37 +1,57 @@
 """``Fleet``: many vLLM servers driven as one, concurrently, with per-server outcomes.
 
-A facade over small parts: `asyncsync._fleet.members` (the servers and their states),
-`asyncsync._fleet.fanout` (control calls to many servers at once),
-`asyncsync._fleet.dispatch` (routing and admission of generations) and
-`asyncsync._fleet.routing` (the pure routing decisions and version history).
+A facade composed of small parts: the fleet's ledger (`asyncsync._core.ledger`: what
+the fleet knows, and the one writer of it), `asyncsync._fleet.members` (the servers'
+clients), `asyncsync._fleet.control` (control calls to many servers at once),
+`asyncsync._fleet.dispatch` (the admission of every request, routing, failover),
+`asyncsync._fleet.monitor` (the health probe and the background probes of suspect
+servers) and `asyncsync._fleet.watch` (membership kept in step with a source).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
 import aiohttp
 
 from asyncsync._core.completion import Completion, PromptScores
-from asyncsync._core.errors import ClosedError, ServerUnavailableError
-from asyncsync._core.state import ServerState
+from asyncsync._core.deprecation import warn_deprecated
+from asyncsync._core.errors import ClosedError, GenerationError, ServerUnavailableError
+from asyncsync._core.ledger import Ledger
+from asyncsync._core.state import Reason, ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
-from asyncsync._core.types import Require, Route, check_require
-from asyncsync._fleet.adapters import AdapterTable
+from asyncsync._core.types import (
+    FleetResult,
+    PauseMode,
+    Require,
+    Route,
+    check_require,
+    pause_mode,
+)
+from asyncsync._fleet import adapters as _adapters
+from asyncsync._fleet import watch as _watch
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
-from asyncsync._fleet.hosts import FleetHosts, given_hosts, members_of
+from asyncsync._fleet.fanout import Plan
+from asyncsync._fleet.hosts import given_hosts, members_of, resolve_hosts
 from asyncsync._fleet.members import Members
+from asyncsync._fleet.monitor import Monitor
 from asyncsync._fleet.router import RouterDispatcher
-from asyncsync._fleet.routing import StalenessStats, VersionHistory
-from asyncsync._fleet.versions import FleetVersions, check_limit
+from asyncsync._fleet.routing import StalenessStats, choose
+from asyncsync._fleet.versions import check_limit, wait_for_version
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, run_all
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._http.transport import Transport
-from asyncsync._wire.control import normalize_url
+from asyncsync._wire import control as wire
+from asyncsync._wire import draft as draft_wire
+from asyncsync._wire import lora as lora_wire
+from asyncsync._wire.control import WeightComparison, normalize_url
+from asyncsync._wire.draft import DraftModel
 from asyncsync._wire.generation import (
     GenerationRequest,
     RoutedGenerateOptions,
@@ -44,9 +64,14 @@ from asyncsync._wire.generation import (
     deprecated_n,
     split_options,
 )
+from asyncsync._wire.lora import LoraLimits
 from asyncsync.client import DEFAULT_RETRY, AsyncVLLMClient
 
 __all__ = ["Fleet"]
+
+#: What a layer above calls when the fleet closes (`Fleet._on_close`); an awaitable it
+#: returns is awaited before the servers' clients close.
+_CloseHook = Callable[[], Awaitable[None] | None]
 
 T = TypeVar("T")
 _Targets = Iterable[str] | None
@@ -61,21 +86,7 @@ def register_chat_client(factory: Callable[..., Any]) -> None:
     _CHAT_CLIENT[:] = [factory]
 
 
-class _ChatClients:
-    """`Fleet.openai`, mixed into `Fleet` (the reference shows it on `Fleet`)."""
-
-    def openai(self, session: Any, **options: Any) -> Any:
-        """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
-        in-process (an httpx transport, no socket): for agent code that takes a client
-        object. ``session``: a `ChatSession`, or a session id (the fleet's own session
-        of that id, `ChatSession.of`). ``options`` go to ``AsyncOpenAI``. Needs the
-        ``asyncsync[openai]`` extra; docs/agents.md."""
-        if not _CHAT_CLIENT:  # pragma: no cover - registered by `import asyncsync`
-            raise RuntimeError("fleet.openai() is registered by `import asyncsync`")
-        return _CHAT_CLIENT[0](self, session, **options)
-
-
-class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
+class Fleet:
     """Many vLLM servers driven concurrently; an async context manager.
 
     Every control method fans out to the targeted servers at once, waits until each
@@ -84,6 +95,13 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
     ``require`` (per fleet, overridable per call): ``"all"`` (default) raises
     `FleetError` when any server failed, ``"any"`` only when all did,
     ``"none"`` never. Either way every outcome is kept, and `servers` is updated.
+
+    What the fleet knows of its servers is its `ledger` (snapshots: `state`,
+    `servers`). Every request to a server is admitted by one rule (docs/concepts.md):
+    the server answers, is the process that loaded the version it holds, and that
+    version is the current one or at most `max_staleness` behind. Servers are
+    probed in the background while they are suspect; a restarted, joining or dirty one
+    is ``stale`` until a round (or the publisher's catch-up) reaches it.
 
     One aiohttp session, created inside the running loop, is shared by the clients the
     fleet builds from URLs; each payload is JSON-encoded once per call (once per vLLM
@@ -139,8 +157,7 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         hosts: Mapping[str, str] | Sequence[str | None] | None = None,
         router_url: str | None = None,
     ) -> None:
-        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+        _check_staleness(max_staleness)
         check_limit(max_concurrency_per_server)
         if admission_timeout is not None and admission_timeout <= 0:
             raise ValueError(f"admission_timeout must be > 0 or None, got {admission_timeout!r}")
@@ -168,18 +185,25 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         }  # fmt: skip
         self._default_limit = max_concurrency_per_server
         self._transport = Transport(connection_limit=connection_limit, owner="this Fleet")
-        self._members = Members()
-        self._history = VersionHistory()
-        self._policy = RoutingPolicy(max_staleness, admission_timeout)
-        self._adapters = AdapterTable()  # LoRA adapters published here, who holds them
+        self.ledger = Ledger(max_staleness=max_staleness)
+        """What the fleet knows of its servers, and the one writer of it (advanced:
+        read `state` and `servers`; asyncsync's own layers call its transitions)."""
+        self._members = Members(self.ledger)
+        self._control = FleetControl(self._members, self._transport, lambda: self.require)
+        self._policy = RoutingPolicy(admission_timeout)
         self._dispatch = self._dispatcher(router_url)
+        self._monitor = Monitor(self.ledger, self._probe)
+        self._watches: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
+        #: removed servers' clients, closed once their requests in flight are done
+        self._retiring: set[AsyncVLLMClient] = set()
         self.staleness: StalenessStats = self._dispatch.staleness
         """Fleet-wide staleness of completions (see `StalenessStats`)."""
-        self._close_hooks: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._close_hooks: list[weakref.WeakMethod[_CloseHook]] = []
         for server in servers:
             self._add(server)
         for url, host in given_hosts(self.urls, hosts).items():
-            self.state(url).host = host
+            self.ledger.host_known(url, host)
 
     @classmethod
     async def from_ray(
@@ -198,13 +222,12 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
 
     def _dispatcher(self, router_url: str | None) -> Dispatcher:
         """Routing by the fleet itself, or through a router (`router_url`)."""
-        parts = (self._members, self._history, self._policy, self._probe, self._adapters)
         if router_url is None:
-            return Dispatcher(*parts)
+            return Dispatcher(self._members, self._policy)
         router = AsyncVLLMClient(
             router_url, session=self._shared_session, _owner="this Fleet", **self._client_settings
         )
-        return RouterDispatcher(*parts, router)
+        return RouterDispatcher(self._members, self._policy, router)
 
     @property
     def router_url(self) -> str | None:
@@ -213,7 +236,7 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         return router.base_url if isinstance(router, AsyncVLLMClient) else None
 
     # ------------------------------------------------------------------ lifecycle
-    def _on_close(self, hook: Callable[[], None]) -> None:
+    def _on_close(self, hook: _CloseHook) -> None:
         """Call the bound method ``hook`` (held weakly) when the fleet closes (for a
         publisher bound to this fleet: its buffers go with the fleet)."""
         self._close_hooks.append(weakref.WeakMethod(hook))
@@ -222,6 +245,7 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         if self._transport.state != "unopened":
             raise RuntimeError(f"cannot enter a Fleet that is {self._transport.state}")
         self._transport.open()
+        self._monitor.start()
         return self
 
     async def __aexit__(
@@ -236,10 +260,14 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         """Close the fleet's clients and its shared session. Idempotent."""
         if self._transport.state == "closed":
             return
-        self._dispatch.probes.cancel()
-        _call_hooks(self._close_hooks)
-        for client in self._members.owned():
+        for task in [*self._watches, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._watches, *self._background, return_exceptions=True)
+        await self._monitor.aclose()
+        await _call_hooks(self._close_hooks)
+        for client in [*self._members.owned(), *self._retiring]:
             await client.aclose()
+        self._retiring.clear()
         if isinstance(self._dispatch, RouterDispatcher):
             await self._dispatch.router.aclose()
         await self._transport.aclose()
@@ -258,9 +286,10 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         return self._transport.open()
 
     # ------------------------------------------------------------------ servers
-    def _add(self, server: str | AsyncVLLMClient) -> ServerState:
+    def _add(self, server: str | AsyncVLLMClient, *, verify: bool = False) -> AsyncVLLMClient:
         if isinstance(server, AsyncVLLMClient):
-            client, owned = server, False
+            client = server
+            owned = False
         else:
             settings = self._client_settings
             client = AsyncVLLMClient(
@@ -269,45 +298,139 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
             owned = True
         if client.base_url in self._members:
             raise ValueError(f"server {client.base_url} is already in the fleet")
-        client.server_state.max_concurrency = self._default_limit
-        return self._members.add(client, owned=owned)
+        self._members.add(client, owned=owned, verify=verify)
+        if self._default_limit is not None:
+            self.ledger.concurrency_limited([client.base_url], self._default_limit)
+        return client
 
     async def add_server(
-        self, server: str | AsyncVLLMClient, *, check: bool = False
+        self, server: str | AsyncVLLMClient, *, check: bool = False, host: str | None = None
     ) -> ServerState:
-        """Add a server at runtime. With ``check``, probe ``/version`` and ``/health``
-        first; on failure the server is not added and the error is raised."""
+        """Add a server at runtime; returns at once with its state. The server is out
+        of routing until a probe has read its health and identity (in the background,
+        at once) and, once anything was published, until it holds the fleet's version:
+        the publisher catches it up from its last round (`AsyncWeightPublisher`,
+        ``catch_up``), or the next round reaches it. ``await fleet.ready(url)`` waits
+        for that. With ``check``, the probe runs first: on failure the server is not
+        added and the error is raised. ``host``: its host identity (see ``hosts``)."""
         if self._transport.state == "closed":
             raise ClosedError("this Fleet is closed; create a new one")
-        state = self._add(server)
+        client = self._add(server, verify=True)
+        url = client.base_url
+        if host is not None:
+            self.ledger.host_known(url, host)
         if check:
             try:
-                await self.health(targets=[state.url], require="all")
+                await self.health(targets=[url], require="all")
             except BaseException:
-                await self.remove_server(state.url)
+                await self.remove_server(url)
                 raise
-        return state
+        return self.ledger.snapshot(url)
 
     async def remove_server(self, url: str) -> ServerState:
-        """Remove a server; its client is closed if the fleet built it. Calls already
-        in flight to it finish normally. Returns its last state."""
+        """Remove a server (``retired``): new requests go elsewhere; those admitted
+        there already finish normally, after which its client is closed if the fleet
+        built it. Returns its last state."""
         url = normalize_url(url)
         if url not in self._members:
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
-        self._dispatch.sessions.drop_server(url)
-        self._adapters.forget(url)
-        if owned:
+        record = client.endpoint.record
+        if owned and record.outstanding > 0:
+            self._retiring.add(client)
+            task = asyncio.get_running_loop().create_task(
+                self._close_when_idle(client), name=f"asyncsync:retire:{url}"
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        elif owned:
             await client.aclose()
-        return client.server_state
+        return client.endpoint.ledger.snapshot_of(record)
+
+    async def _close_when_idle(self, client: AsyncVLLMClient) -> None:
+        """Close a removed server's client once the requests admitted there are done."""
+        record = client.endpoint.record
+        while record.outstanding > 0:
+            await self.ledger.changed()
+        self._retiring.discard(client)
+        await client.aclose()
+
+    async def ready(
+        self,
+        url: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - a gate with a deadline
+    ) -> ServerState:
+        """Wait until server ``url`` is admitted (`ServerState.health` ``"healthy"``:
+        answering, its identity read, holding an accepted version loaded by the process
+        it is now) and return its state. Raises `GenerationError` after ``timeout``
+        seconds (naming its health and why), KeyError if it is not (or no longer) in
+        the fleet. For a server just added, restarted or left dirty by a failed round,
+        it returns once the publisher caught it up."""
+        url = normalize_url(url)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            if url not in self.ledger:
+                raise KeyError(f"server {url} is not in the fleet")
+            record = self.ledger.record(url)
+            if record.health == "healthy":
+                return self.ledger.snapshot(url)
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                state = self.ledger.snapshot(url)
+                raise GenerationError(
+                    f"server {url} was not admitted within {timeout:g} s: it is "
+                    f"{state.health} ({record.unfit() or _not_held(self, url)})",
+                    server=url,
+                )
+            await self.ledger.changed(remaining)
+
+    def watch(self, source: object, *, every: float = 5.0) -> asyncio.Task[None]:
+        """Keep the fleet's servers in step with ``source``, every ``every`` seconds,
+        until the returned task is cancelled or the fleet closes: an
+        `asyncsync.ray.ServerGroup` (servers of actors that Ray restarts come back under
+        their new URL), a vllm-router's URL (its worker list), or any async callable
+        returning URLs (a DNS name behind a Kubernetes headless service...). Servers it
+        lists are added (caught up before they serve), servers it no longer lists are
+        removed (their requests in flight finish), and every member is probed (health
+        and identity: a restart is seen). A source that fails or lists nothing changes
+        nothing (logged)."""
+        if not isinstance(every, int | float) or isinstance(every, bool) or every <= 0:
+            raise ValueError(f"every must be seconds > 0, got {every!r}")
+        if self._transport.state != "open":
+            raise ClosedError("watch needs an open Fleet (async with Fleet(...))")
+        lister = _watch.lister(source, self._router_client)
+        deadline = self._client_settings["timeouts"].control
+        task = asyncio.get_running_loop().create_task(
+            _watch.watch(self, lister, float(every), deadline), name="asyncsync:fleet-watch"
+        )
+        self._watches.add(task)
+        task.add_done_callback(self._watches.discard)
+        return task
+
+    def _router_client(self, url: str) -> AsyncVLLMClient:
+        return AsyncVLLMClient(
+            url, session=self._shared_session, _owner="this Fleet", **self._client_settings
+        )
 
     def state(self, url: str) -> ServerState:
-        """The state of server ``url``."""
-        return self._members.state(url)
+        """The state of server ``url``: a snapshot (read it again for news)."""
+        return self.ledger.snapshot_of(self._members.record(url))
 
     def client(self, url: str) -> AsyncVLLMClient:
         """The client of server ``url`` (sharing the fleet's session)."""
         return self._members.client(url)
+
+    @property
+    def servers(self) -> tuple[ServerState, ...]:
+        """Every server's state (snapshots), in fleet order."""
+        return self.ledger.snapshots()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The servers' URLs, in the order they were added."""
+        return self._members.urls
 
     def __len__(self) -> int:
         return len(self._members)
@@ -320,14 +443,12 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
 
     def where(self, predicate: Callable[[ServerState], bool]) -> list[str]:
         """URLs of the servers whose state satisfies ``predicate``, e.g.
-        ``fleet.where(lambda s: s.healthy and not s.dirty)``."""
-        return [s.url for s in self._members.states() if predicate(s)]
+        ``fleet.where(lambda s: s.health == "healthy")``."""
+        return [s.url for s in self.ledger.snapshots() if predicate(s)]
 
     def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
         """Mark servers (all when None) dirty, or clean with ``dirty=False`` (drafts too)."""
-        for url in self._members.resolve(urls):
-            self._members.state(url).mark_by_hand(dirty=dirty)
-        self._members.notify()
+        self.ledger.marked(self._members.resolve(urls), dirty=dirty)
 
     def mark_clean(self, urls: _Targets = None) -> None:
         """Mark servers (all when None) clean: in sync again, not mid-update."""
@@ -343,26 +464,373 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
     def set_weight_version(self, version: str | None, urls: _Targets = None) -> None:
         """Record ``version`` as the weight version of servers (all when None); a new
         version becomes the fleet's newest (see `current_version`)."""
-        targets = self._members.resolve(urls)
-        if version is None:
-            for url in targets:
-                self._members.state(url).record_version(None)
-            self._members.notify()
-            return
-        self._published(version, targets)
-
-    def _published(self, version: str, urls: Iterable[str]) -> None:
-        """``version`` is published on ``urls``: they hold it, and it becomes the fleet's
-        newest (`current_version`). The one writer of a published version: a round's
-        commit, a finish or version update every target answered, and the two methods
-        above all come here."""
-        for url in urls:
-            self._members.state(url).record_version(version)
-        self._history.record(version)
-        self._members.notify()
+        self.ledger.versions_set(self._members.resolve(urls), version)
 
     async def _probe(self, urls: list[str]) -> object:
-        return await self.health(targets=urls, require="none")
+        return await self.health(targets=[u for u in urls if u in self._members], require="none")
+
+    # ------------------------------------------------------------------ versions
+    @property
+    def current_version(self) -> str | None:
+        """The newest weight version published through this fleet (every targeted
+        server finished it), or None before any."""
+        return self.ledger.current()
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        """Weight versions published through this fleet, oldest first."""
+        return self.ledger.history().versions
+
+    def versions_behind(self, version: str | None) -> int | None:
+        """How many published versions ``version`` is behind `current_version`
+        (None when unknown)."""
+        return self.ledger.history().behind(version)
+
+    @property
+    def max_staleness(self) -> int | None:
+        """Generations go only to servers at most this many published versions behind
+        the newest (0: current only; None: any published version)."""
+        return self.ledger.max_staleness
+
+    @max_staleness.setter
+    def max_staleness(self, value: int | None) -> None:
+        _check_staleness(value)
+        self.ledger.staleness_bound(value)
+
+    @property
+    def admission_timeout(self) -> float | None:
+        """How long a generation waits for an eligible server before failing."""
+        return self._policy.admission_timeout
+
+    @admission_timeout.setter
+    def admission_timeout(self, value: float | None) -> None:
+        self._policy.admission_timeout = value
+
+    def set_concurrency_limit(self, limit: int | None, urls: _Targets = None) -> None:
+        """At most ``limit`` generations in flight at once on each of ``urls`` (all
+        when None; ``limit=None`` removes the limit). Requests beyond it wait."""
+        check_limit(limit)
+        self.ledger.concurrency_limited(self._members.resolve(urls), limit)
+
+    def session_server(self, session_id: str) -> str | None:
+        """The server a session is pinned to, if any."""
+        return self.ledger.session_server(session_id)
+
+    def end_session(self, session_id: str) -> None:
+        """Forget a session's server (a new turn may then go anywhere)."""
+        self.ledger.session_ended(session_id)
+
+    def routing_reasons(
+        self, *, min_version: str | None = None, lora: str | None = None
+    ) -> dict[str, Reason | None]:
+        """Why each server would be skipped by a generation now (None: eligible);
+        ``lora=name``: by a generation with that adapter (``no_adapter``,
+        ``stale_adapter`` before the base reasons, as routing decides)."""
+        ledger = self.ledger
+        records = ledger.records()
+        _, skipped = choose(
+            records, ledger.history(), max_staleness=ledger.max_staleness, min_version=min_version
+        )
+        if lora is not None:
+            skipped.update(_adapters.skipped(ledger, lora, records, ledger.max_staleness))
+        return {url: skipped.get(url) for url in self.urls}
+
+    async def wait_for_version(
+        self,
+        version: str,
+        *,
+        targets: _Targets = None,
+        count: int | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a gate with a deadline
+    ) -> list[str]:
+        """Wait until ``count`` of ``targets`` (default: all of them) hold ``version``
+        or a newer published one, and are fit to serve (healthy, clean, not mid-update,
+        not paused). Returns those servers' URLs. Raises
+        `GenerationError` after ``timeout`` seconds. A version gate
+        for async RL: e.g. generate the next batch only once the servers run weights at
+        most k steps old."""
+        urls = self._members.resolve(targets)
+        return await wait_for_version(self.ledger, urls, version, count, timeout)
+
+    async def resolve_hosts(self, urls: Iterable[str] | None = None) -> dict[str, str]:
+        """Each server's host identity (all when None): as given, else probed from its
+        URL's address (one of this machine's: this host; any other: a host of its own)
+        and recorded in its state (`ServerState.host`)."""
+        return await resolve_hosts(self._members, urls)
+
+    # ------------------------------------------------------------------ chat
+    def openai(self, session: Any, **options: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
+        in-process (an httpx transport, no socket): for agent code that takes a client
+        object. ``session``: a `ChatSession`, or a session id (the fleet's own session
+        of that id, `ChatSession.of`). ``options`` go to ``AsyncOpenAI``. Needs the
+        ``asyncsync[openai]`` extra; docs/agents.md."""
+        if not _CHAT_CLIENT:  # pragma: no cover - registered by `import asyncsync`
+            raise RuntimeError("fleet.openai() is registered by `import asyncsync`")
+        return _CHAT_CLIENT[0](self, session, **options)
+
+    @contextlib.asynccontextmanager
+    async def admitted(
+        self, *, session_id: str | None = None, admission_timeout: float | None = None
+    ) -> AsyncIterator[AsyncVLLMClient]:
+        """The client of a server admitted like a generation (`generate`'s rule and
+        session affinity), counted in flight until the block ends: for requests the
+        fleet has no method for (a chat render, a derender), which must reach only a
+        server fit to serve. ``async with fleet.admitted(session_id="e1") as client:``"""
+        _, send = split_options(
+            {"session_id": session_id, "admission_timeout": admission_timeout}, routed=True
+        )
+        async with self._dispatch.lease(send) as record:
+            yield self._members.client(record.url)
+
+    # ------------------------------------------------------------------ control
+    async def health(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``GET /health`` on every target, then ``GET /server_info`` (dev mode) on
+        those that answered, for the server process's identity: the fleet's health
+        probe. Records each server's health; a new identity is a restart (its recorded
+        version is cleared: `ServerState.health` ``"stale"`` until caught up). A server
+        that answered ``/health`` but not ``/server_info`` failed the probe (one that does
+        not serve ``/server_info`` has no identity to compare)."""
+        return await self._control.health(targets, require)
+
+    async def vllm_version(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[str]:
+        """``GET /version`` on every target: each server's vLLM version, read now."""
+        return await self._control.fan(
+            "vllm_version", lambda _p, _u: wire.plan_version(), targets, require
+        )
+
+    async def version(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[str]:
+        """Deprecated: `vllm_version`."""
+        warn_deprecated("Fleet.version()", "Fleet.vllm_version()")
+        return await self.vllm_version(targets=targets, require=require)
+
+    async def pause(
+        self, mode: PauseMode | None = None, *, clear_cache: bool | None = None,
+        targets: _Targets = None, require: Require | None = None,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /pause?mode=...`` on every target; marks them paused. ``mode`` (required):
+        ``"abort"``, ``"wait"`` or ``"keep"`` (see `AsyncVLLMClient.pause`)."""
+        plan = wire.plan_pause(pause_mode(mode, "Fleet"), clear_cache)
+        return await self._control.fan("pause", lambda _p, _u: plan, targets, require)
+
+    async def resume(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /resume`` on every target; marks them not paused."""
+        return await self._control.fan(
+            "resume", lambda _p, _u: wire.plan_resume(), targets, require
+        )
+
+    async def is_paused(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[bool]:
+        """``GET /is_paused`` on every target; records the answers."""
+        return await self._control.fan(
+            "is_paused", lambda _p, _u: wire.plan_is_paused(), targets, require
+        )
+
+    async def abort_requests(
+        self, request_ids: Sequence[str] | None = None, *, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[int]:  # fmt: skip
+        """``POST /abort_requests`` on every target (all requests when ids is None)."""
+        plan = wire.plan_abort_requests(request_ids)
+        return await self._control.fan("abort_requests", lambda _p, _u: plan, targets, require)
+
+    async def weight_info(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[str]:
+        """``GET /weight_info`` on every target (vLLM >= 0.32): each server's version, as
+        it reports it. Taken as the recorded version while nothing is recorded and
+        nothing was published; a version that contradicts the record makes the server
+        suspect (a restart, a server loaded by someone else), then stale unless a probe
+        finds it is the same process holding the recorded version."""
+        return await self._control.fan("weight_info", wire.plan_weight_info, targets, require)
+
+    async def update_weight_version(
+        self, new_version: str, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /update_weight_version`` on every target (vLLM >= 0.32)."""
+        result: FleetResult[None] = await self._control.fan(
+            "update_weight_version",
+            lambda p, u: wire.plan_update_weight_version(p, new_version, u),
+            targets,
+            require,
+        )
+        self._control.record_if_all(result, new_version)
+        return result
+
+    async def weight_checksums(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[dict[str, str]]:
+        """``POST /weight_checker {"action": "checksum"}`` on every target."""
+        return await self._control.fan(
+            "weight_checksums", wire.plan_weight_checksums, targets, require
+        )
+
+    async def compare_weights(
+        self, baseline: Mapping[str, str], *, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[WeightComparison]:  # fmt: skip
+        """``POST /weight_checker {"action": "compare"}`` on every target."""
+        plan: Plan[WeightComparison] = lambda p, u: wire.plan_compare_weights(p, baseline, u)  # noqa: E731
+        return await self._control.fan("compare_weights", plan, targets, require)
+
+    async def get_world_size(
+        self, *, include_dp: bool = True, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[int]:  # fmt: skip
+        """``GET /get_world_size`` on every target."""
+        plan = wire.plan_get_world_size(include_dp)
+        return await self._control.fan("get_world_size", lambda _p, _u: plan, targets, require)
+
+    async def reset_prefix_cache(
+        self, *, reset_running_requests: bool = False, reset_external: bool = False,
+        targets: _Targets = None, require: Require | None = None,
+    ) -> FleetResult[bool]:  # fmt: skip
+        """``POST /reset_prefix_cache`` on every target. A ``False`` value means that
+        server could not reset now (blocks still held); it is not a failure."""
+        return await self._control.fan(
+            "reset_prefix_cache",
+            lambda p, _u: wire.plan_reset_prefix_cache(p, reset_running_requests, reset_external),
+            targets,
+            require,
+        )
+
+    async def init_weight_transfer_engine(
+        self, init_info: Mapping[str, Any] | Callable[[str], Mapping[str, Any]], *,
+        targets: _Targets = None, require: Require | None = None,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /init_weight_transfer_engine`` on every target. ``init_info`` is one
+        mapping for all, or a function of the server URL (NCCL: per-server rank offset)."""
+        per_server = init_info if callable(init_info) else (lambda _u: init_info)
+        return await self._control.fan(
+            "init_weight_transfer_engine",
+            lambda _p, u: wire.plan_init_weight_transfer_engine(per_server(u)),
+            targets,
+            require,
+            per_server=callable(init_info),
+        )
+
+    async def start_weight_update(
+        self, *, is_checkpoint_format: bool | None = None, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /start_weight_update`` on every target (version-aware body); marks
+        the started servers ``updating``."""
+        return await self._control.fan(
+            "start_weight_update",
+            lambda p, u: wire.plan_start_weight_update(p, is_checkpoint_format, u),
+            targets,
+            require,
+        )
+
+    async def start_draft_weight_update(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /start_draft_weight_update`` on every target (vLLM >= 0.32, a server
+        running a speculative draft model): an update whose chunks load into the draft
+        model; marks the started servers ``updating``. Low level: a round of
+        ``publish(..., target="draft")`` runs it."""
+        return await self._control.fan(
+            "start_draft_weight_update",
+            draft_wire.plan_start_draft_weight_update,
+            targets,
+            require,
+        )
+
+    async def draft_models(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[DraftModel]:
+        """Each target's speculative decoding configuration (``GET /server_info``, dev
+        mode): its method, draft model and tokens proposed per step."""
+        plan = draft_wire.plan_server_draft()
+        return await self._control.fan("server_info", lambda _p, _u: plan, targets, require)
+
+    async def update_weights(
+        self, update_info: Mapping[str, Any] | Sequence[Mapping[str, Any]], *,
+        packed: bool | None = None, targets: _Targets = None, require: Require | None = None,
+        expect_failure: bool = False,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /update_weights`` on every target, the payload encoded once. A server
+        that fails here after a start is marked ``dirty`` (vLLM drops its active update).
+
+        ``expect_failure=True`` sends an update the servers are meant to reject, to make
+        vLLM clear an active update (a cancelled round): an HTTP error answer is then the
+        successful outcome (the server is no longer ``updating``), while a 2xx answer or
+        a transport failure is a failed one.
+        """
+        plan: Plan[None] = lambda p, u: wire.plan_update_weights(p, update_info, packed, u)  # noqa: E731
+        if not expect_failure:
+            return await self._control.fan("update_weights", plan, targets, require)
+        return await self._control.rejected_update(plan, targets, require)
+
+    async def finish_weight_update(
+        self, weight_version: str | None = None, *, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /finish_weight_update`` on every target. On success the server is
+        clean; on failure it is marked ``dirty``. When every target finished,
+        ``weight_version`` is published (`Fleet.current_version`) and recorded on them,
+        unless a publish round holds them (the round records its version itself, once
+        it has decided)."""
+        result: FleetResult[None] = await self._control.fan(
+            "finish_weight_update",
+            lambda p, _u: wire.plan_finish_weight_update(p, weight_version),
+            targets,
+            require,
+        )
+        self._control.record_if_all(result, weight_version)
+        return result
+
+    async def shutdown_weight_transfer_engine(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /shutdown_weight_transfer_engine`` on every target (vLLM >= 0.32)."""
+        return await self._control.fan(
+            "shutdown_weight_transfer_engine",
+            wire.plan_shutdown_weight_transfer_engine,
+            targets,
+            require,
+        )
+
+    async def load_lora_adapter(
+        self, name: str, path: str, *, load_inplace: bool = False, targets: _Targets = None,
+        require: Require | None = None,
+    ) -> FleetResult[None]:  # fmt: skip
+        """``POST /v1/load_lora_adapter`` on every target: load the peft adapter in
+        directory ``path`` (readable by the servers) under ``name``. Low level:
+        `AsyncWeightPublisher.publish_lora` writes, versions and collects adapters."""
+        plan = lora_wire.plan_load_lora_adapter(name, path, load_inplace=load_inplace)
+        return await self._control.fan("load_lora_adapter", lambda _p, _u: plan, targets, require)
+
+    async def unload_lora_adapter(
+        self, name: str, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[None]:
+        """``POST /v1/unload_lora_adapter`` on every target."""
+        plan = lora_wire.plan_unload_lora_adapter(name)
+        return await self._control.fan("unload_lora_adapter", lambda _p, _u: plan, targets, require)
+
+    async def models(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[list[str]]:
+        """``GET /v1/models`` on every target: the served model and loaded adapters."""
+        return await self._control.fan(
+            "models", lambda _p, _u: lora_wire.plan_models(), targets, require
+        )
+
+    async def lora_limits(
+        self, *, targets: _Targets = None, require: Require | None = None
+    ) -> FleetResult[LoraLimits]:
+        """Each target's LoRA configuration (``GET /server_info``, dev mode)."""
+        plan = lora_wire.plan_server_lora_limits()
+        return await self._control.fan("server_info", lambda _p, _u: plan, targets, require)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -475,10 +943,23 @@ class Fleet(FleetControl, FleetVersions, FleetHosts, _ChatClients):
         return req, send
 
 
-def _call_hooks(hooks: list[weakref.WeakMethod[Callable[[], None]]]) -> None:
+def _check_staleness(value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"max_staleness must be an int >= 0 or None, got {value!r}")
+
+
+def _not_held(fleet: Fleet, url: str) -> str:
+    """Why a server that is fit to serve is not admitted: its version."""
+    record = fleet.ledger.record(url)
+    return f"holds {record.weight_version!r}, the fleet publishes {fleet.current_version!r}"
+
+
+async def _call_hooks(hooks: list[weakref.WeakMethod[_CloseHook]]) -> None:
     """Call (once) the close hooks whose objects are still alive (a publisher releases
-    its shared memory with its fleet, and is not kept alive by it)."""
+    its shared memory with its fleet, and is not kept alive by it), and await what they
+    return (a publisher's catch-up, ended while the servers still answer)."""
     live = [hook for hook in (ref() for ref in hooks) if hook is not None]
     hooks.clear()
-    for hook in live:
-        hook()
+    pending = [found for found in (hook() for hook in live) if found is not None]
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)

@@ -7,10 +7,11 @@
     metrics.add_hook(metrics.PrometheusMetrics())      # prometheus_client, if installed
     metrics.add_hook(metrics.OpenTelemetryMetrics())   # opentelemetry-api, if installed
 
-A hook is any object with the three methods of `MetricsHook` (subclass it to
-override only some). Hooks are called on the event loop's thread, right after the event;
-they must be quick and must not block. A hook that raises is logged (logger
-``asyncsync.metrics``) and does not disturb the round or the generation.
+A hook is any object with the methods of `MetricsHook` (subclass it to override only
+some; a hook without one of them is not called for that event). Hooks are called on the
+event loop's thread, right after the event; they must be quick and must not block. A
+hook that raises is logged (logger ``asyncsync.metrics``) and does not disturb the round
+or the generation.
 
 What is reported:
 
@@ -21,6 +22,8 @@ What is reported:
   `PublishError` of a failed round.
 - `MetricsHook.on_generation`: each `Completion` (server, latency,
   tokens, weight versions; ``staleness`` when it came through a `Fleet`).
+- `MetricsHook.on_server_health`: a server's move in a fleet's state machine
+  (``healthy``, ``suspect``, ``stale``, ``dead``, ``retired``; docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, Protocol
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import PublishError
+from asyncsync._core.state import HEALTH
 from asyncsync._publish.round import PublishReport
 
 __all__ = [
@@ -56,6 +60,11 @@ class MetricsHook(Protocol):
 
     def on_generation(self, completion: Completion) -> None:
         """A completion arrived (one per sample; streamed ones when the stream ends)."""
+        return
+
+    def on_server_health(self, server: str, old: str, new: str) -> None:
+        """A fleet's server moved from health ``old`` to ``new`` (``"healthy"``,
+        ``"suspect"``, ``"stale"``, ``"dead"``, ``"retired"``)."""
         return
 
 
@@ -88,7 +97,10 @@ class PrometheusMetrics(MetricsHook):
       ``publish_efficiency`` and ``publish_ceiling_gigabytes_per_second`` (gauges: the
       last round's GB/s over the transport's ceiling, and that ceiling);
     - ``generation_seconds{server}`` (histogram), ``generated_tokens_total{server}``,
-      ``generation_staleness`` (histogram, fleet generations only).
+      ``generation_staleness`` (histogram, fleet generations only);
+    - ``server_health_transitions_total{server, old, new}`` (each move of a server in
+      a fleet's state machine) and ``server_health{server, health}`` (1 for the
+      server's current health, 0 for the others).
 
     Args:
         registry: the ``CollectorRegistry`` to register in (default: the global one).
@@ -123,6 +135,15 @@ class PrometheusMetrics(MetricsHook):
             buckets=STALENESS_BUCKETS,
             **kw,
         )
+        self.health_transitions = prom.Counter(
+            "server_health_transitions",
+            "Moves of a server's health",
+            ["server", "old", "new"],
+            **kw,
+        )
+        self.health = prom.Gauge(
+            "server_health", "1 for a server's current health", ["server", "health"], **kw
+        )
 
     def on_publish(self, report: PublishReport) -> None:
         for phase, seconds in report.seconds.items():
@@ -143,6 +164,11 @@ class PrometheusMetrics(MetricsHook):
         if completion.staleness is not None:
             self.staleness.observe(completion.staleness)
 
+    def on_server_health(self, server: str, old: str, new: str) -> None:
+        self.health_transitions.labels(server, old, new).inc()
+        for health in HEALTH:
+            self.health.labels(server, health).set(1 if health == new else 0)
+
 
 class OpenTelemetryMetrics(MetricsHook):
     """A hook that records into OpenTelemetry instruments (``pip install
@@ -155,7 +181,9 @@ class OpenTelemetryMetrics(MetricsHook):
       GBy/s);
     - ``asyncsync.generation.duration`` (histogram, s, attribute ``server``),
       ``asyncsync.generation.tokens`` (counter), ``asyncsync.generation.staleness``
-      (histogram, fleet generations only).
+      (histogram, fleet generations only);
+    - ``asyncsync.server.health_transitions`` (counter, attributes ``server``, ``old``,
+      ``new``).
 
     Args:
         meter: the meter to create the instruments on (default: the global provider's
@@ -192,6 +220,9 @@ class OpenTelemetryMetrics(MetricsHook):
             "asyncsync.generation.staleness",
             description="Published versions behind the newest, per completion",
         )
+        self.health_transitions = meter.create_counter(
+            "asyncsync.server.health_transitions", description="Moves of a server's health"
+        )
 
     def on_publish(self, report: PublishReport) -> None:
         for phase, seconds in report.seconds.items():
@@ -211,3 +242,6 @@ class OpenTelemetryMetrics(MetricsHook):
         self.tokens.add(len(completion.token_ids), server)
         if completion.staleness is not None:
             self.staleness.record(completion.staleness)
+
+    def on_server_health(self, server: str, old: str, new: str) -> None:
+        self.health_transitions.add(1, {"server": server, "old": old, "new": new})

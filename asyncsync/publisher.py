@@ -7,12 +7,13 @@ The backend (`asyncsync.backends`, looked up by name) sends in a bounded worker
 thread; every payload it produces is fanned out to all targeted servers concurrently on
 the event loop (see `asyncsync._publish.bridge`).
 
-``publisher.version`` advances only when every targeted server finished the round.
-Otherwise `PublishError` carries each server's outcome, and servers
-left mid-update are marked dirty in the fleet (generation avoids them) until a later
-round succeeds on them. A cancelled round stops at the next chunk boundary and leaves no
-server that answers with an active update (one whose call got no answer is sent nothing
-more: it stays dirty, and the next round ends what it still holds).
+``publisher.version`` (the fleet's published version, read from its ledger) advances
+when at least ``min_servers`` finished the round. Otherwise `PublishError` carries each
+server's outcome, and servers left mid-update are marked dirty in the fleet (generation
+avoids them) until a later round, or a catch-up (`asyncsync._publish.catchup`), succeeds
+on them. A cancelled round stops at the next chunk boundary and leaves no server that
+answers with an active update (one whose call got no answer is sent nothing more: it
+stays dirty, and the next round, or the catch-up, ends what it still holds).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,9 +33,10 @@ from asyncsync._core.collector import collections_paused
 from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, PublishError
 from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.catchup import CatchUp, CatchUpLike, KeptRound, check_catch_up
 from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
-from asyncsync._publish.draft import DraftRound, DraftRounds, Target
+from asyncsync._publish.draft import DraftRound, DraftRounds, Target, check_target
 from asyncsync._publish.lora import LoraRounds
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
@@ -109,6 +111,14 @@ class AsyncWeightPublisher:
             iterates the weights (so collectives such as FSDP all-gathers stay aligned).
         world_size: the number of trainer processes that call ``publish`` together.
         if_busy: a second ``publish`` while one runs ``"wait"``s or ``"raise"``s.
+        catch_up: what the publisher keeps to catch up, without the trainer's next
+            step, servers that lack the fleet's version (restarted, added, left dirty by
+            a failed round): ``"auto"`` (default: a host copy of the last round for the
+            host transports, ``shm``, ``gloo`` and ``auto``; nothing for ``nccl`` and
+            ``ipc``), ``"host"`` (a host copy whatever the transport), a callable that
+            returns the published weights again (called in the worker thread), or
+            ``"off"``. A host copy costs up to two model's bytes of trainer memory
+            (docs/publishing.md#catch-up).
         deprecated_options: 0.1's ``buffer_bytes=...``, ``zero_copy=...`` and the other
             backend options as keywords (use the typed options), and ``api=`` (which
             trainer-engine style drives a round: internal since 0.2). Each warns.
@@ -128,6 +138,7 @@ class AsyncWeightPublisher:
         rank: int = 0,
         world_size: int = 1,
         if_busy: Literal["wait", "raise"] = "wait",
+        catch_up: CatchUpLike = "auto",
         _api: TrainerApi = "engine",
         **deprecated_options: Any,
     ) -> None:
@@ -135,6 +146,7 @@ class AsyncWeightPublisher:
         if deprecated_options:
             options, _api = _from_keywords(name, options, _api, deprecated_options)
         _check_arguments(fleet, rank, world_size, _api, if_busy)
+        check_catch_up(catch_up)
         self._backend: TrainerBackend = create_backend(
             name, options, rank=rank, world_size=world_size, api=_api
         )
@@ -152,7 +164,8 @@ class AsyncWeightPublisher:
         self._said_unchecked = False
         self._initialized = False
         self._closed = False
-        self.version: str | None = None
+        #: a rank without the fleet keeps the version it last published itself
+        self._version: str | None = None
         self.last_report: PublishReport | None = None
         #: the LoRA adapters this publisher published (`publish_lora`), made on first use
         self._lora: LoraRounds | None = None
@@ -160,11 +173,30 @@ class AsyncWeightPublisher:
         self._chain: DeltaChain | None = None
         #: the rounds into the servers' draft model (``target="draft"``): own version, chain
         self._draft = DraftRounds()
+        #: the process identity each server had when this publisher last reached it
+        self._identities: dict[str, str | None] = {}
+        #: what is kept to catch servers up (`asyncsync._publish.catchup`)
+        self._kept: KeptRound | None = None
+        self._refill = catch_up if callable(catch_up) else None
+        if catch_up == "host" or (catch_up == "auto" and self._backend.keeps_last_round):
+            self._kept = KeptRound(shared=bool(getattr(options, "zero_copy", False)))
+        self._catch_up: CatchUp | None = None
         #: the transport's ceiling (`PublishReport.ceiling_gb_per_s`), asked once
         self._ceiling: Ceiling | None = None
         self._ceiling_asked = False
         if fleet is not None:
             fleet._on_close(self._release)
+            if self.is_sender and (self._kept is not None or self._refill is not None):
+                self._catch_up = CatchUp(fleet.ledger, self._can_resend, self._catch_up_round)
+
+    @property
+    def version(self) -> str | None:
+        """The last published version: the fleet's (at least ``min_servers`` finished
+        it), read from its ledger; on a rank without the fleet, the last one this rank
+        published."""
+        if self.fleet is None or not self.is_sender:
+            return self._version
+        return self.fleet.ledger.current()
 
     @property
     def rank(self) -> int:
@@ -196,17 +228,37 @@ class AsyncWeightPublisher:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _release(self) -> None:
-        """The fleet closed: release the backend's buffers now (they would be created
-        again by a later round, which a closed fleet cannot run)."""
+    def _release(self) -> Awaitable[None] | None:
+        """The fleet is closing: release the backend's buffers now (they would be
+        created again by a later round, which a closed fleet cannot run) and the kept
+        round; a catch-up under way is ended (the fleet awaits it)."""
+        catch_up = self._catch_up
+        if catch_up is None:
+            self._drop_buffers()
+            return None
+        catch_up.close()
+
+        async def ended() -> None:
+            await catch_up.aclose()
+            self._drop_buffers()
+
+        return ended()
+
+    def _drop_buffers(self) -> None:
+        if self._kept is not None:
+            self._kept.clear()
         self._backend.close()
 
     async def aclose(self) -> None:
         """Release the backend's resources (shared-memory buffers) and the private
         executor. Closing the fleet, garbage collection and interpreter exit release the
         buffers too."""
+        if self._catch_up is not None:
+            await self._catch_up.aclose()
         async with self._lock:
             self._closed = True
+            if self._kept is not None:
+                self._kept.clear()
             if (
                 self._lora is not None
                 and self.fleet is not None
@@ -289,10 +341,13 @@ class AsyncWeightPublisher:
         Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
         version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        _check_round(version, self._draft.published(target, verify, self.version), pause)
+        _check_round(version, self._published(target, verify), pause)
         checks = as_verify(verify, weights)
-        if self._lock.locked() and self.if_busy == "raise":
+        catching_up = self._catch_up is not None and self._catch_up.running
+        if self._lock.locked() and self.if_busy == "raise" and not catching_up:
             raise RuntimeError("a publish is already running (if_busy='raise')")
+        if self._catch_up is not None:
+            await self._catch_up.supersede()  # a trainer's round takes precedence
         # No garbage collection stops every thread mid-round (asyncsync._core.collector).
         async with self._lock:
             with collections_paused():
@@ -311,7 +366,17 @@ class AsyncWeightPublisher:
     def draft_version(self) -> str | None:
         """The last version published into the servers' draft model
         (``publish(..., target="draft")``), None before the first."""
-        return self._draft.version
+        if self.fleet is None or not self.is_sender:
+            return None
+        return self.fleet.ledger.current("draft")
+
+    def _published(self, target: object, verify: object) -> tuple[str, ...]:
+        """The versions a round into ``target`` must differ from (``target`` and
+        ``verify`` checked first)."""
+        check_target(target, verify=verify)
+        if self.fleet is None or not self.is_sender:
+            return () if self._version is None else (self._version,)
+        return self.fleet.ledger.history("draft" if target == "draft" else "main").versions
 
     async def verify(
         self,
@@ -348,13 +413,19 @@ class AsyncWeightPublisher:
         need: int,
         delta: bool = False,
         target: Target = "main",
+        catch_up: bool = False,
     ) -> PublishReport:
         assert self.fleet is not None  # rank 0's
         if verify is not None and verify.checksum:
             await check_checksum_route(self.fleet, targets)
         await self._backend.prepare(self.fleet, targets)
         draft = target == "draft"
-        chain, source, checkpoints = await self._prepared(weights, targets, version, delta, draft)
+        if catch_up:  # the published weights again, outside any delta chain
+            chain, source, checkpoints = None, *await self._checked(weights, targets)
+        else:
+            chain, source, checkpoints = await self._prepared(
+                weights, targets, version, delta, draft
+            )
         await self._ask_ceiling(targets)
         reporter, bar = progress_reporter(
             progress, source.total_bytes if source is not None else None, version
@@ -370,29 +441,39 @@ class AsyncWeightPublisher:
             reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
             published_version=self.draft_version if draft else self.version,
             collective=self._backend.collective_servers(targets),
-            resendable=resendable, verify=verify, digests=digests,
+            resendable=resendable, verify=verify, digests=digests, catch_up=catch_up,
+            identities=self._identities, on_probed=self._restarted,
         )  # fmt: skip
         init = None if self._initialized else lambda: self._init_servers(round_)
+        kept = self._kept if not (draft or catch_up) else None
+        job = _SendJob(self._backend, weights, source, reporter, digests, chain, checkpoints, kept)
         try:
-            report = await round_.run(
-                _SendJob(self._backend, weights, source, reporter, digests, chain, checkpoints),
-                self._executor,
-                init,
-            )
+            report = await round_.run(job, self._executor, init)
         except BaseException as exc:
             if chain is not None:
                 chain.failed()  # the next round of the chain is a full one
-            if isinstance(exc, PublishError):
+            if kept is not None:
+                kept.failed()
+            if isinstance(exc, PublishError) and not catch_up:
                 _hooks.publish_failed(version, exc)
             raise
         finally:
-            if draft:
-                self._draft.version = round_.published_version
-            else:
-                self.version = round_.published_version
             if bar is not None:
                 bar.close()
-        return await self._published(report, chain)
+        ledger = self.fleet.ledger
+        self._identities.update(
+            {url: ledger.record(url).identity for url in report.servers if url in ledger}
+        )
+        if kept is not None:
+            kept.committed(version)
+        if catch_up:
+            if self._chain is not None:  # their mirrors went with a round off the chain
+                for url in report.servers:
+                    self._chain.acked.pop(url, None)
+            if self._lora is not None:
+                await self._lora.after_base_round(report.servers)
+            return report
+        return await self._published_report(report, chain)
 
     async def _prepared(
         self, weights: WeightsLike, targets: list[str], version: str, delta: bool, draft: bool
@@ -424,7 +505,9 @@ class AsyncWeightPublisher:
         except Exception as exc:
             logger.warning("backend %r: its ceiling could not be measured (%s)", self.backend, exc)
 
-    async def _published(self, report: PublishReport, chain: ChainRound | None) -> PublishReport:
+    async def _published_report(
+        self, report: PublishReport, chain: ChainRound | None
+    ) -> PublishReport:
         if self._ceiling is not None:
             report.ceiling_gb_per_s = self._ceiling.gb_per_s
             report.ceiling_basis = self._ceiling.basis
@@ -438,7 +521,7 @@ class AsyncWeightPublisher:
         return report
 
     async def _non_sender(self, weights: WeightsLike, version: str) -> PublishReport:
-        self.version = version
+        self._version = version
         return await _non_sender_round(self._backend, self._executor, weights, version)
 
     async def publish_lora(
@@ -503,6 +586,47 @@ class AsyncWeightPublisher:
             )  # fmt: skip
         return found
 
+    # ------------------------------------------------------------------ catch-up
+    def _can_resend(self) -> str | None:
+        """The version this publisher can send again now (None: nothing kept)."""
+        if self._closed or self.fleet is None:
+            return None
+        if self._refill is not None:
+            return self.fleet.ledger.current()
+        return self._kept.version if self._kept is not None else None
+
+    async def _catch_up_round(self, version: str, urls: list[str]) -> PublishReport | None:
+        """A round of ``version`` (the fleet's current one, as last sent) to ``urls``
+        alone, from what was kept (`asyncsync._publish.catchup`)."""
+        assert self.fleet is not None
+        assert self._catch_up is not None
+        async with self._lock:
+            # a trainer's round may have reached them while this waited
+            urls = [u for u in self._catch_up.stale() if u in urls]
+            if self._closed or not urls or self._can_resend() != version:
+                return None
+            weights: WeightsLike
+            if self._refill is not None:
+                weights = self._refill
+            else:
+                assert self._kept is not None
+                weights = self._kept.weights()
+            logger.info("catching up %s to %r", ", ".join(urls), version)
+            # paused: a request sent to it directly (not admitted: it is stale) waits for
+            # the round, instead of meeting a model mid-update (vLLM-CPU's worker dies)
+            return await self._publish(
+                weights, version, "keep", True, None, urls, None, 1, catch_up=True
+            )
+
+    def _restarted(self, urls: list[str]) -> None:
+        """A round's probe found ``urls`` restarted since this publisher reached them:
+        the backend sets them up again, the delta chain forgets their mirrors."""
+        logger.info("publish: %s restarted since the last round", ", ".join(urls))
+        self._backend.servers_restarted(urls)
+        if self._chain is not None:
+            for url in urls:
+                self._chain.acked.pop(url, None)
+
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
         fails there drops out like in any phase)."""
@@ -519,7 +643,9 @@ class _SendJob:
     """What the worker thread runs for one round: resolve the weights (a factory is
     called here, off the loop), let the backend send them, meet the other ranks."""
 
-    __slots__ = ("backend", "chain", "checkpoints", "digests", "on_chunk", "source", "weights")
+    __slots__ = (
+        "backend", "chain", "checkpoints", "digests", "kept", "on_chunk", "source", "weights",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -530,8 +656,10 @@ class _SendJob:
         digests: TrainerDigests | None = None,
         chain: ChainRound | None = None,
         checkpoints: Checkpoints | None = None,
+        kept: KeptRound | None = None,
     ) -> None:
         self.backend = backend
+        self.kept = kept
         self.weights = weights
         self.source = source
         self.on_chunk = on_chunk
@@ -546,6 +674,8 @@ class _SendJob:
             check_weights(source)
             if self.checkpoints is not None:
                 source = self.checkpoints.checked(source)
+        if self.kept is not None and client is not None:
+            source = self.kept.tap(source)  # the round, kept to catch servers up
         if self.digests is not None:
             source = DigestTap(source, self.digests)
         if self.chain is not None and client is not None:
@@ -604,10 +734,10 @@ def _from_keywords(
     return dataclasses.replace(options, **keywords), api
 
 
-def _check_round(version: object, published: str | None, pause: object) -> None:
+def _check_round(version: object, published: Sequence[str], pause: object) -> None:
     if not isinstance(version, str) or not version:
         raise ValueError(f"version must be a non-empty string, got {version!r}")
-    if version == published:
+    if version in published:
         raise ValueError(
             f"version {version!r} is already published; every round needs a new version"
         )

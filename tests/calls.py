@@ -16,7 +16,10 @@ from typing import Any
 
 import asyncsync as az
 
-__all__ = ["CallLog", "Sent", "recording"]
+__all__ = ["PROBES", "CallLog", "Sent", "recording"]
+
+#: The fleet's health probe of a server: ``GET /health``, then its identity.
+PROBES = ("health", "identity")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,12 @@ class CallLog:
     def to(self, url: str, since: int = 0) -> list[Sent]:
         """The sends to ``url`` (after ``since``)."""
         return [s for s in self.sent[since:] if s.url == url]
+
+    def round_calls(self, url: str, since: int = 0) -> list[Sent]:
+        """The sends to ``url`` (after ``since``) less the fleet's own health probes of
+        it (``/health`` and the identity read), which the ledger's monitor runs beside a
+        round once a server is suspect and which hold no round."""
+        return [s for s in self.to(url, since) if s.op not in PROBES]
 
     def slowest_answer(self, url: str, phase: str) -> float:
         """Seconds of the slowest answered send to ``url`` under ``phase``'s deadline

@@ -21,6 +21,9 @@ from tests.publish_fakes import shm_fakes
 
 WEIGHTS = {f"model.layers.{i}.w": torch.full((64,), float(i)) for i in range(4)}
 ROUND = ("/start_weight_update", "/update_weights", "/finish_weight_update", "/pause")
+#: The round's health probe (health, identity): read-only, before anything else is sent
+#: (a stream or a factory is checked as the send reads it, after the probe).
+PROBE = ("/health", "/server_info")
 
 
 class Published:
@@ -32,8 +35,9 @@ class Published:
         self.mark = len(fake.requests)
 
     def sent(self) -> list[str]:
-        """Routes the fake received since version "v1" was published."""
-        return [r.path for r in self.fake.requests[self.mark :]]
+        """Routes the fake received since version "v1" was published, but the round's
+        read-only health probe."""
+        return [r.path for r in self.fake.requests[self.mark :] if r.path not in PROBE]
 
     def round_calls(self) -> list[str]:
         return [path for path in self.sent() if path in ROUND]

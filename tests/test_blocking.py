@@ -300,6 +300,8 @@ NOT_MIRRORED = {
     "endpoint": "the client's transport, used on the loop only",
     "generator": "the client's generation engine, used on the loop only",
     "openai": "an openai.AsyncOpenAI: its requests run on the caller's own loop",
+    "admitted": "an async context manager of a client, used on the loop (the chat layer)",
+    "ledger": "the fleet's record, written on the loop only: read state() and servers",
 }
 #: Constructor parameters of an async class the facade does not take, and why.
 NOT_TAKEN = {

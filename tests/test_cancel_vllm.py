@@ -78,7 +78,9 @@ async def _publish_cancelled(
 
         return wrapper
 
-    name = {"finish": "_finish", "reset": "reset_prefix_cache"}.get(point)  # the round's fan-outs
+    name = {"finish": "finish_weight_update", "reset": "reset_prefix_cache"}.get(
+        point
+    )  # the round's fan-outs
     if name is not None:
         setattr(fleet, name, cancelling(getattr(fleet, name)))
     try:
@@ -103,7 +105,11 @@ async def test_publish_cancelled_on_real_servers(
 ) -> None:
     weights = _original(tiny_model_dir)
     async with az.Fleet(vllm_fleet.urls) as fleet:
-        publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER))
+        # No catch-up: what each cancel left is what this test reads (and starts an
+        # update of its own on), before the next publish repairs it.
+        publisher = az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(buffer_bytes=BUFFER), catch_up="off"
+        )
         watch = SendWatch(publisher)
         report = await publisher.publish(weights, version="before-cancel")
         assert report.chunks > 3

@@ -8,42 +8,49 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync._core.state import ServerState, observe
+from asyncsync._core.ledger import Ledger
 from asyncsync._publish.draft import check_target
 from asyncsync._wire.control import Malformed
 from asyncsync._wire.draft import DraftModel, _parse_draft
 
 
 def test_a_failed_draft_round_dirties_the_draft_only_and_a_draft_round_repairs_it() -> None:
-    state = ServerState("http://a")
-    state.record_version("v3")
-    observe(state, "start_draft_weight_update", "update", None)
+    ledger = Ledger()
+    state = ledger.join("http://a")
+    url = [state.url]
+    ledger.round_committed("v3", url, url)
+    ledger.observed(state, "start_draft_weight_update", "update", None)
     assert state.updating
     assert state.update_target == "draft"
-    observe(state, "update_weights", "update", az.ServerError("boom", status=500))
+    ledger.observed(state, "update_weights", "update", az.ServerError("boom", status=500))
     assert (state.dirty, state.dirty_draft, state.updating) == (False, True, False)
     assert state.unfit() == "dirty_draft"  # speculative decoding would run it
     assert state.weight_version == "v3"
+    assert ledger.snapshot(state.url).health == "stale"
 
     # A round of the served model does not repair the draft ...
-    observe(state, "start_weight_update", "update", None)
+    ledger.observed(state, "start_weight_update", "update", None)
     assert state.update_target == "main"
-    observe(state, "finish_weight_update", "update", None, version="v4")
+    ledger.observed(state, "finish_weight_update", "update", None)
+    ledger.round_committed("v4", url, url)
     assert (state.dirty, state.dirty_draft) == (False, True)
     assert state.weight_version == "v4"
     # ... a draft round does, and leaves the served version alone.
-    observe(state, "start_draft_weight_update", "update", None)
-    observe(state, "finish_weight_update", "update", None)
-    state.record_draft_version("d1")
+    ledger.observed(state, "start_draft_weight_update", "update", None)
+    ledger.observed(state, "finish_weight_update", "update", None)
+    ledger.round_committed("d1", url, url, target="draft")
     assert (state.dirty, state.dirty_draft, state.updating) == (False, False, False)
     assert (state.weight_version, state.draft_version) == ("v4", "d1")
-    assert state.available
+    assert ledger.snapshot(state.url).available
+    assert ledger.current() == "v4"
+    assert ledger.current("draft") == "d1"
 
 
 def test_a_failed_round_of_the_served_model_leaves_the_draft_clean() -> None:
-    state = ServerState("http://a")
-    observe(state, "start_weight_update", "update", None)
-    observe(state, "update_weights", "update", az.ServerError("boom", status=500))
+    ledger = Ledger()
+    state = ledger.join("http://a")
+    ledger.observed(state, "start_weight_update", "update", None)
+    ledger.observed(state, "update_weights", "update", az.ServerError("boom", status=500))
     assert (state.dirty, state.dirty_draft) == (True, False)
     assert state.unfit() == "dirty"
 

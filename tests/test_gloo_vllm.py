@@ -281,7 +281,7 @@ async def test_a_frozen_server_is_lost_and_the_round_goes_on_in_a_new_group(
             # new group of the survivor alone, which is exact.
             timed_out = log.timed_out()
             assert [(s.url, s.op) for s in timed_out] == [(frozen.url, "update_weights")]
-            assert log.to(frozen.url)[-1] is timed_out[0]
+            assert log.round_calls(frozen.url)[-1] is timed_out[0]
             assert "(update deadline)" in str(report.outcomes[frozen.url].error)
             await _assert_serves([live.url], model, "SIGSTOP")
         finally:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync._core.state import ServerState
-from asyncsync._fleet.adapters import AdapterTable, served_name
+from asyncsync._core.ledger import Ledger
+from asyncsync._fleet.adapters import served_name, skipped
 from asyncsync._publish.lora_adapter import check_adapter, resolve_adapter, write_adapter
 from asyncsync._wire.control import Malformed
 from asyncsync._wire.lora import _parse_limits, _parse_models
@@ -142,41 +142,37 @@ async def test_bad_adapters_and_remote_servers_touch_no_server() -> None:
         await publisher.aclose()
 
 
-def _state(url: str, **kw: Any) -> ServerState:
-    return ServerState(url, **kw)
-
-
 def test_routing_takes_the_newest_version_within_the_bound() -> None:
-    table = AdapterTable()
-    a, b, c = _state("http://a"), _state("http://b"), _state("http://c")
+    ledger = Ledger()
+    a, b, c = (ledger.join(url) for url in ("http://a", "http://b", "http://c"))
     for version in ("v1", "v2", "v3"):
-        table.published("p", version)
-    table.loaded(a.url, "p", "v3")
-    table.loaded(a.url, "p", "v2")
-    table.loaded(b.url, "p", "v2")
-    table.loaded(c.url, "p", "v1")
-    assert table.held(a.url, "p") == "v3"
-    assert table.skipped("p", [a, b, c], max_staleness=0) == {
+        ledger.adapter_published("p", version)
+    ledger.adapter_loaded(a.url, "p", "v3")
+    ledger.adapter_loaded(a.url, "p", "v2")
+    ledger.adapter_loaded(b.url, "p", "v2")
+    ledger.adapter_loaded(c.url, "p", "v1")
+    assert ledger.adapter_held(a.url, "p") == "v3"
+    assert skipped(ledger, "p", [a, b, c], max_staleness=0) == {
         b.url: "stale_adapter",
         c.url: "stale_adapter",
     }
-    assert table.skipped("p", [a, b, c], max_staleness=1) == {c.url: "stale_adapter"}
-    assert table.skipped("q", [a], max_staleness=None) == {a.url: "no_adapter"}
-    table.loaded(a.url, "p", "v4")  # loaded by a round that did not commit: not routed
-    assert table.held(a.url, "p") == "v3"
-    table.forget(a.url)
-    assert table.held(a.url, "p") is None
+    assert skipped(ledger, "p", [a, b, c], max_staleness=1) == {c.url: "stale_adapter"}
+    assert skipped(ledger, "q", [a], max_staleness=None) == {a.url: "no_adapter"}
+    ledger.adapter_loaded(a.url, "p", "v4")  # loaded by a round that did not commit: not routed
+    assert ledger.adapter_held(a.url, "p") == "v3"
+    ledger.adapter_forgotten(a.url)
+    assert ledger.adapter_held(a.url, "p") is None
     assert served_name("p", "v3") == "p@v3"
 
 
 def test_uses_in_flight_are_counted() -> None:
-    table = AdapterTable()
-    table.begin_use("http://a", "p", "v1")
-    table.begin_use("http://a", "p", "v1")
-    table.end_use("http://a", "p", "v1")
-    assert table.in_use("p", "v1")
-    table.end_use("http://a", "p", "v1")
-    assert not table.in_use("p", "v1")
+    ledger = Ledger()
+    ledger.adapter_use_began("http://a", "p", "v1")
+    ledger.adapter_use_began("http://a", "p", "v1")
+    ledger.adapter_use_ended("http://a", "p", "v1")
+    assert ledger.adapter_in_use("p", "v1")
+    ledger.adapter_use_ended("http://a", "p", "v1")
+    assert not ledger.adapter_in_use("p", "v1")
 
 
 def test_lora_route_parsers() -> None:
@@ -200,10 +196,9 @@ async def test_generate_with_an_adapter_no_server_holds_waits_then_names_why() -
             await fleet.generate([1, 2], max_tokens=2, lora="p", admission_timeout=0.2)
         assert fleet.routing_reasons(lora="p") == {fake.url: "no_adapter"}
         assert fleet.routing_reasons() == {fake.url: None}  # the base model serves
-        adapters = fleet._dispatch.adapters
         for version in ("v1", "v2"):
-            adapters.published("p", version)
-        adapters.loaded(fake.url, "p", "v1")
+            fleet.ledger.adapter_published("p", version)
+        fleet.ledger.adapter_loaded(fake.url, "p", "v1")
         fleet.max_staleness = 0
         assert fleet.routing_reasons(lora="p") == {fake.url: "stale_adapter"}
         fleet.max_staleness = 1

@@ -160,12 +160,12 @@ async def test_directories_are_collected_only_when_no_server_needs_them(
         assert dirs[1].exists()
         assert dirs[2].exists()
         # a version in use by a generation is never unloaded nor removed
-        table = fleet._adapters
-        table.begin_use(fleet.urls[0], "keep", "k2")
+        ledger = fleet.ledger
+        ledger.adapter_use_began(fleet.urls[0], "keep", "k2")
         await publisher.publish_lora("keep", _adapter(lora_model_dir, 20), version="k4")
         assert dirs[1].exists()
         assert "keep@k2" in (await fleet.models()).values_by_url[fleet.urls[0]]
-        table.end_use(fleet.urls[0], "keep", "k2")
+        ledger.adapter_use_ended(fleet.urls[0], "keep", "k2")
         await publisher._lora.collect("keep")
         assert not dirs[1].exists()
         c = await _greedy(fleet, PROMPT, lora="keep")
@@ -194,6 +194,6 @@ async def test_partial_lora_rounds(lora_server: LocalVLLMServer, lora_model_dir:
         assert c.server == lora_server.url
         with pytest.raises(az.PublishError, match=r"failed at load_lora.*stays .p1."):
             await publisher.publish_lora("part", adapter, version="p2", min_servers="all")
-        assert fleet._adapters.current("part") == "p1"
+        assert fleet.ledger.adapter_current("part") == "p1"
         models = (await fleet.models(targets=[lora_server.url])).values_by_url
         assert "part@p2" not in models[lora_server.url]

@@ -388,7 +388,7 @@ async def test_nccl_frozen_server_fails_the_round_at_the_update_deadline(
             ):
                 await publisher.publish(weights(seed=1), version="v1", min_servers="all")
             assert [(s.url, s.op) for s in log.timed_out()] == [(b.url, "update_weights")]
-            assert log.to(b.url)[-1].timed_out
+            assert log.round_calls(b.url)[-1].timed_out
             outcome = caught.value.outcomes[b.url]
             assert outcome.phase == "update"
             assert isinstance(outcome.error, az.ServerTimeout)

@@ -55,7 +55,7 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
             await publisher.publish(WEIGHTS, version="v1", pause="wait", min_servers="all")
         # One deadline ended the round: the hung update's, the last call sent to it.
         assert [(s.url, s.op) for s in log.timed_out()] == [(hung.url, "update_weights")]
-        assert log.to(hung.url)[-1].timed_out
+        assert log.round_calls(hung.url)[-1].timed_out
         err = info.value
         assert isinstance(err.outcomes[hung.url].error, az.ServerTimeout)
         assert err.outcomes[hung.url].phase == "update"
@@ -118,7 +118,7 @@ async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more
             await publisher.publish(WEIGHTS, version="v2", pause="keep", min_servers="all")
         # One deadline: the frozen server's start, the last call sent to it.
         assert [(s.url, s.op) for s in log.timed_out()] == [(frozen.url, "start_weight_update")]
-        assert log.to(frozen.url)[-1].timed_out
+        assert log.round_calls(frozen.url)[-1].timed_out
         outcome = info.value.outcomes[frozen.url]
         assert (outcome.phase, type(outcome.error)) == ("start", az.ServerTimeout)
         assert publisher.version == "v1"
@@ -191,8 +191,10 @@ async def test_finish_failing_on_one_server_keeps_the_others_outcome(
         assert err.outcomes[bad.url].phase == "finish"
         assert "disk on fire" in str(err)
         assert publisher.version is fleet.current_version is None  # not enough finished
-        # This one did: it holds the round's weights, of no published version (dirty).
-        assert fleet.state(good.url).weight_version == "v1"
+        # This one did: it holds the round's weights, of no published version (dirty);
+        # its recorded version is the last one committed on it (none), never the
+        # round's own.
+        assert fleet.state(good.url).weight_version is None
         assert fleet.state(good.url).dirty
         assert fleet.state(bad.url).dirty
         assert err.needs_resync == (good.url, bad.url)
@@ -271,10 +273,10 @@ async def test_a_failed_cache_reset_fails_the_round_after_the_finish(
         assert "cache locked" in str(err)
         # Every server finished v1 (no update is left open), but stale KV blocks may
         # remain on one of them: the round is not published, and both hold weights of
-        # no published version (dirty) until a later round.
+        # no published version (dirty) until a later round; neither records v1.
         assert publisher.version is fleet.current_version is None
         assert err.needs_resync == (good.url, bad.url)
-        assert [s.weight_version for s in fleet.servers] == ["v1", "v1"]
+        assert [(s.weight_version, s.dirty) for s in fleet.servers] == [(None, True)] * 2
     assert aborts_received(good) == aborts_received(bad) == []
     assert good.finished == bad.finished == 1
 

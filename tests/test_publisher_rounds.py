@@ -58,6 +58,7 @@ async def test_both_trainer_engine_styles_drive_the_same_round(
     assert report.params == len(LAYERS)
     assert list(report.seconds) == [
         "init",
+        "probe",
         "pause",
         "start",
         "pack",
@@ -130,7 +131,7 @@ async def test_the_ceiling_is_measured_once_per_publisher_in_its_worker_thread(
     round, off the event loop; every report states it and the efficiency against it."""
     measured: list[str] = []
     async with az.Fleet([f.url for f in fakes]) as fleet:
-        for _ in range(2):  # a second publisher measures again
+        for n in range(2):  # a second publisher measures again
             async with az.AsyncWeightPublisher(
                 fleet, backend=az.backends.Shm(buffer_bytes=8192)
             ) as publisher:
@@ -142,7 +143,8 @@ async def test_the_ceiling_is_measured_once_per_publisher_in_its_worker_thread(
                     return measure(urls)
 
                 backend.ceiling = spy  # type: ignore[method-assign]
-                reports = [await publisher.publish(LAYERS, version=f"v{i}") for i in range(3)]
+                # (the fleet's versions: every round a new one, whichever publisher)
+                reports = [await publisher.publish(LAYERS, version=f"p{n}-v{i}") for i in range(3)]
             assert {r.ceiling_gb_per_s for r in reports} == {reports[0].ceiling_gb_per_s}
             for report in reports:
                 assert report.ceiling_basis == "this host's memcpy, 1 thread"

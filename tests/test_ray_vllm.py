@@ -6,7 +6,8 @@ network goes, like tests/test_gloo_netns_vllm.py).
 
 One cluster and one set of servers for the whole module: launching, host identity,
 ``backend="auto"`` (shm for both Ray servers, gloo for the namespaced one, in one round),
-a router for generations, bad input, an actor killed mid-round, and ``aclose``.
+a router for generations, an actor restarted by Ray (``max_restarts=1``) caught up
+through ``fleet.watch(group)``, bad input, an actor killed mid-round, and ``aclose``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ray = pytest.importorskip("ray")
 import asyncsync.ray as azray  # noqa: E402 - after the importorskip
 from asyncsync._fleet.hosts import this_host  # noqa: E402
 from tests.test_gloo_netns_vllm import SERVER_IP, NamespacedServer, namespace  # noqa: E402, F401
+from tests.waiting import wait_until  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio]
 
@@ -92,7 +94,7 @@ def servers(
     async def start() -> azray.ServerGroup:
         launch = azray.launch_servers(
             tiny_model_dir, num_servers=2, placement="STRICT_SPREAD", num_cpus=0.5,
-            tokenizer=False, startup_timeout=STARTUP,
+            tokenizer=False, startup_timeout=STARTUP, max_restarts=1,
         )  # fmt: skip
         if remote is None:
             return await launch
@@ -239,6 +241,38 @@ async def test_generations_go_through_a_router_and_rounds_to_every_server(
         assert {s.version for s in c.weight_versions} == {"routed-1"}  # from the servers
         assert c.staleness == 0
         check_greedy(model, PROMPT, c.token_ids, max_new_tokens=8)
+
+
+async def test_an_actor_restarted_by_ray_is_caught_up(
+    servers: Servers, tiny_model_dir: Path
+) -> None:
+    """Ray restarts a killed actor (``max_restarts=1``); ``fleet.watch(group)`` sees its
+    server gone, starts the server of the restarted actor again, adds it under its new
+    URL, and the publisher catches it up from its last round: exact, without a publish."""
+    group = servers.group
+    model = perturbed(tiny_model_dir, 36)
+    survivor, victim = group.urls[0], group.infos[1]
+    async with (
+        group.fleet() as fleet,
+        az.AsyncWeightPublisher(fleet, backend="auto") as publisher,
+    ):
+        await publisher.publish(model, version="before-restart")
+        watch = fleet.watch(group, every=1.0)
+        ray.kill(group.actors[1], no_restart=False)  # Ray restarts it
+        assert await asyncio.to_thread(gone, int(victim["pgid"]))  # its server went along
+        deadline = STARTUP + 120.0  # a server start under load, then its catch-up
+        await wait_until(lambda: victim["url"] not in fleet, within=deadline)
+        await wait_until(lambda: len(fleet) == 2, within=deadline)
+        (joined,) = [u for u in fleet.urls if u not in (survivor, victim["url"])]
+        began = time.monotonic()
+        state = await fleet.ready(joined, timeout=deadline)
+        print(f"\nrestarted by Ray: caught up {time.monotonic() - began:.1f} s after it joined")
+        assert (state.weight_version, publisher.version) == ("before-restart",) * 2
+        assert fleet.state(joined).identity is not None
+        await greedy_everywhere(fleet, model)
+        watch.cancel()
+    assert group.urls[1] == joined
+    assert await asyncio.to_thread(left_over, victim["ring_buffers"]) == []
 
 
 async def test_bad_placements_are_refused_with_what_to_do(

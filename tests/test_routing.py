@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from dataclasses import replace
 
 import pytest
 import pytest_asyncio
@@ -42,39 +43,46 @@ def test_ineligibility_reasons_in_order() -> None:
     h = VersionHistory(["v1", "v2"])
     s = ServerState("http://a", weight_version="v2")
     assert ineligibility(s, h, max_staleness=0) is None
-    s.weight_version = "v1"
+    s = replace(s, weight_version="v1")
     assert ineligibility(s, h, max_staleness=0) == "stale"
     assert ineligibility(s, h, max_staleness=1) is None
     assert ineligibility(s, h, max_staleness=None) is None
     assert ineligibility(s, h, max_staleness=1, min_version="v2") == "below_min"
-    s.weight_version = None
+    s = replace(s, weight_version=None)
     assert ineligibility(s, h, max_staleness=3) == "unknown_version"
+    # no bound on staleness still means a published version
+    assert ineligibility(s, h, max_staleness=None) == "unknown_version"
     assert ineligibility(s, VersionHistory(), max_staleness=0) is None  # nothing published
-    s.max_concurrency, s.outstanding = 2, 2
+    s = replace(s, max_concurrency=2, outstanding=2)
     assert ineligibility(s, VersionHistory(), max_staleness=0) == "busy"
-    s.paused = True
+    s = replace(s, paused=True)
     assert ineligibility(s, h, max_staleness=0) == "paused"
-    s.updating = True
+    s = replace(s, updating=True)
     assert ineligibility(s, h, max_staleness=0) == "updating"
-    s.dirty = True
+    s = replace(s, dirty=True)
     assert ineligibility(s, h, max_staleness=0) == "dirty"
-    s.healthy = False
+    s = replace(s, health="suspect")
+    assert ineligibility(s, h, max_staleness=0) == "suspect"
+    s = replace(s, healthy=False)
     assert ineligibility(s, h, max_staleness=0) == "unhealthy"
+    for gone in ("dead", "retired"):
+        assert ineligibility(replace(s, health=gone), h, max_staleness=0) == gone
 
 
 def test_choose_least_outstanding_ties_by_routed_and_affinity() -> None:
     h = VersionHistory()
-    a, b, c = ServerState("a", outstanding=3), ServerState("b", outstanding=1), ServerState("c")
-    c.outstanding, c.routed, b.routed = 1, 5, 2
+    a = ServerState("a", outstanding=3)
+    b = ServerState("b", outstanding=1, routed=2)
+    c = ServerState("c", outstanding=1, routed=5)
     best, _ = choose([a, b, c], h, max_staleness=0)
     assert best is b
     best, _ = choose([a, b, c], h, max_staleness=0, pinned="a")
     assert best is a  # pinned and eligible wins over load
-    a.paused = True
+    a = replace(a, paused=True)
     best, skipped = choose([a, b, c], h, max_staleness=0, pinned="a")
     assert best is None  # transient: wait for the pinned server
     assert skipped == {"a": "paused"}
-    a.paused, a.dirty = False, True
+    a = replace(a, paused=False, dirty=True)
     best, _ = choose([a, b, c], h, max_staleness=0, pinned="a")
     assert best is b  # dirty: the session moves
     best, _ = choose([a, b, c], h, max_staleness=0, exclude={"b"})
@@ -188,9 +196,12 @@ async def test_dirty_paused_updating_and_stale_servers_are_avoided(
         out = await fleet.generate_batch([PROMPT] * 10, max_tokens=1)
         assert {c[0].server for c in out} <= set(urls[:2])
         assert all(c[0].version == "v1" and c[0].staleness == 0 for c in out)
+        # no bound on staleness: any published version, never one the fleet cannot
+        # place (urls[2] reports "default")
         fleet.max_staleness = None
+        assert fleet.routing_reasons()[urls[2]] == "unknown_version"
         out = await fleet.generate_batch([PROMPT] * 30, max_tokens=1)
-        assert urls[2] in {c[0].server for c in out}
+        assert urls[2] not in {c[0].server for c in out}
 
 
 @pytest.mark.asyncio
@@ -257,17 +268,14 @@ async def test_retried_elsewhere_only_when_the_request_never_arrived(
     fakes: list[FakeVLLMServer],
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    async with az.Fleet([dead, fakes[0].url]) as fleet:
-        fleet.state(fakes[0].url).outstanding = 0
-        fleet.state(dead).routed = -1  # make the dead one the first choice
+    async with az.Fleet([dead, fakes[0].url]) as fleet:  # the dead one: first on ties
         c = await fleet.generate(PROMPT, max_tokens=2)
         assert c.server == fakes[0].url
         assert not fleet.state(dead).healthy
         assert isinstance(fleet.state(dead).last_error, az.ServerUnavailableError)
     # a request that reached its server and failed there is not resent
     fakes[1].token_delay = 0.05
-    async with az.Fleet([fakes[1].url, fakes[2].url]) as fleet:
-        fleet.state(fakes[2].url).routed = 10
+    async with az.Fleet([fakes[1].url, fakes[2].url]) as fleet:  # fakes[1]: first on ties
         task = asyncio.create_task(fleet.generate(PROMPT, max_tokens=100))
         await wait_until(lambda: fakes[1].generation_requests > 0)  # it reached the server
         assert fakes[1].generation_requests == 1

@@ -69,7 +69,7 @@ from asyncsync._chat.stream import ChatStream, TurnSink, reconcile, stream_sampl
 from asyncsync._chat.trajectory import Lineage, Trajectory
 from asyncsync._core import encoding as _json
 from asyncsync._core.completion import Completion
-from asyncsync._core.errors import AsyncSyncError, GenerationError
+from asyncsync._core.errors import AsyncSyncError
 from asyncsync._wire import anthropic as _anthropic
 from asyncsync._wire import responses as _responses
 from asyncsync._wire.chat import (
@@ -403,7 +403,7 @@ class ChatSession:
         """The prompt tokens of an Anthropic Messages request, as the server's own
         render counts them (Anthropic's ``count_tokens``; nothing is recorded)."""
         turn = _anthropic.anthropic_turn(body, count_tokens=True)
-        url = self._render_server()
+        url = await self._render_server()
         model = await self.served_model(turn.model, url)
         body = await self._render_body(turn, model)
         rendering = self._renders.rendering(url)
@@ -434,7 +434,7 @@ class ChatSession:
         parent: ChatSession | None,
         reply_id: str,
     ) -> ChatReply:
-        url = self._render_server()
+        url = await self._render_server()
         model = await self.served_model(turn.model, url)
         state = self._chat.of(url)
         if state.render is not False:
@@ -450,23 +450,16 @@ class ChatSession:
                 return await self._generate(plan, turn, model, sink, reply_id)
         return await self._fallback_turn(url, turn, model, sink, reply_id)
 
-    def _render_server(self) -> str:
-        """The server a turn's renders go to: the session's, else one fit to serve."""
-        pinned = self.fleet.session_server(self.session_id) or self._server
-        if pinned is not None and pinned in self.fleet:
-            return pinned
-        fit = self.fleet.where(lambda s: s.healthy and not s.dirty)
-        if fit:
-            return min(fit, key=lambda u: self.fleet.state(u).outstanding)
-        urls = list(self.fleet.urls)
-        if not urls:
-            raise GenerationError("no server to chat with: the fleet is empty")
-        return urls[0]
+    async def _render_server(self) -> str:
+        """The server a turn's renders go to, admitted like a generation (the fleet's one
+        admission rule: a server fit to serve, the session's while it is)."""
+        async with self.fleet.admitted(session_id=self.session_id) as client:
+            return client.base_url
 
     async def served_model(self, requested: str | None = None, url: str | None = None) -> str:
         """The served model name a request's ``model`` maps to: itself when the server
         serves it; the one model when it serves only one (any name maps to it)."""
-        models = await self._models(url or self._render_server())
+        models = await self._models(url or await self._render_server())
         names = [m.id for m in models]
         if requested in names:
             return str(requested)
@@ -496,7 +489,7 @@ class ChatSession:
         server accepts (it refuses more than the context; the session asks generation
         for what fits its own prompt)."""
         body = {**turn.render_body, "model": model}
-        limit = await self._limit(self._render_server())
+        limit = await self._limit(await self._render_server())
         key = {"chat": None, "anthropic": "max_tokens", "responses": "max_output_tokens"}[turn.api]
         if turn.api == "chat":
             for name in ("max_tokens", "max_completion_tokens"):
@@ -802,7 +795,7 @@ class ChatSession:
 
     async def _context(self, prompt: list[int]) -> int | None:
         limit = await self._limit(
-            self.fleet.session_server(self.session_id) or self._render_server()
+            self.fleet.session_server(self.session_id) or await self._render_server()
         )
         if limit is not None and len(prompt) >= limit:
             raise ChatRequestError(
@@ -878,12 +871,14 @@ class ChatSession:
         if turn.max_tokens is not None:
             request["max_completion_tokens"] = turn.max_tokens
             request.pop("max_tokens", None)
-        client = self.fleet.client(url)
         top = request.get("top_logprobs") or 0
         body = chat_fallback_body(request, int(top))
-        admitted, started = client.server_state.weight_version, time.monotonic()
-        answer = await client.endpoint.request(plan_chat(), _json.dumps(body))
-        completed = client.server_state.weight_version
+        # admitted like a generation and counted in flight (the fleet's one rule)
+        async with self.fleet.admitted(session_id=self.session_id) as client:
+            url = client.base_url
+            admitted, started = client.weight_version, time.monotonic()
+            answer = await client.endpoint.request(plan_chat(), _json.dumps(body))
+            completed = client.weight_version
         choice = answer.response["choices"][0]
         completion = Completion(
             prompt_token_ids=answer.prompt_token_ids,
@@ -900,7 +895,7 @@ class ChatSession:
             completed_version=completed,
         )
         rendered = Rendered(answer.prompt_token_ids, {})
-        plan = self._fallback_plan(answer.prompt_token_ids, rendered, request, turn)
+        plan = self._fallback_plan(url, answer.prompt_token_ids, rendered, request, turn)
         reply = reply_from(answer.response, completion, plan.report, model, reply_id)
         if sink is not None:
             await sink.started(answer.prompt_token_ids)
@@ -908,11 +903,16 @@ class ChatSession:
         return self._record(plan, turn, completion, reply)
 
     def _fallback_plan(
-        self, prompt: list[int], rendered: Rendered, request: dict[str, Any], turn: TurnRequest
+        self,
+        url: str,
+        prompt: list[int],
+        rendered: Rendered,
+        request: dict[str, Any],
+        turn: TurnRequest,
     ) -> _Plan:
         """The server rendered this turn's prompt itself: it continues the branch it
         belongs to when that branch's ids are a prefix of it (checked)."""
-        server = ServerRendering(self.fleet, self._render_server())
+        server = ServerRendering(self.fleet, url)
         where = locate(self._branches, turn.messages)
         if where.kind == "extend" and where.node is not None:
             branch = self._branches[where.node.branch]

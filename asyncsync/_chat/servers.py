@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import warnings
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,15 +62,9 @@ class FleetChat:
         return found
 
 
-_FLEETS: weakref.WeakKeyDictionary[Any, FleetChat] = weakref.WeakKeyDictionary()
-
-
 def chat_servers(fleet: Fleet) -> FleetChat:
-    """The chat state of ``fleet`` (created on first use)."""
-    found = _FLEETS.get(fleet)
-    if found is None:
-        found = _FLEETS[fleet] = FleetChat()
-    return found
+    """The chat state of ``fleet``, kept in its ledger (created on first use)."""
+    return fleet.ledger.cache("chat", FleetChat)
 
 
 def chat_form(turn: TurnRequest, body: Mapping[str, Any]) -> dict[str, Any]:

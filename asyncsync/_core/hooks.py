@@ -13,7 +13,15 @@ from typing import Any
 
 from asyncsync._core.completion import Completion
 
-__all__ = ["add", "generated", "publish_failed", "published", "registered", "remove"]
+__all__ = [
+    "add",
+    "generated",
+    "health_changed",
+    "publish_failed",
+    "published",
+    "registered",
+    "remove",
+]
 
 logger = logging.getLogger("asyncsync.metrics")
 
@@ -36,8 +44,11 @@ def registered() -> tuple[Any, ...]:
 
 def _notify(event: str, *args: object) -> None:
     for hook in tuple(_hooks):
+        method = getattr(hook, event, None)
+        if method is None:  # a hook written before this event existed
+            continue
         try:
-            getattr(hook, event)(*args)
+            method(*args)
         except Exception:  # a broken hook must not break a round or a generation
             logger.exception("metrics hook %r failed in %s", hook, event)
 
@@ -59,3 +70,10 @@ def generated(completions: Iterable[Completion]) -> None:
     if _hooks:
         for completion in completions:
             _notify("on_generation", completion)
+
+
+def health_changed(url: str, old: str, new: str) -> None:
+    """Report a server's move in the fleet's state machine (``healthy``, ``suspect``,
+    ``stale``, ``dead``, ``retired``)."""
+    if _hooks:
+        _notify("on_server_health", url, old, new)

@@ -1,34 +1,33 @@
-"""Generations across a fleet: admission to an eligible server, failover, staleness.
+"""Requests across a fleet: admission to an eligible server, failover, staleness.
 
-`Dispatcher` waits for a server that `choose` accepts
-(probing unhealthy ones in the background while it waits), counts the request on it,
-runs the generation there, resends elsewhere only a request that never reached its
-server, and tags each completion with its staleness.
+`Dispatcher.admit` is the one admission function: every request a fleet sends to one of
+its servers passes through it (generate, score, stream, the chat layer's render,
+derender and fallback through `Dispatcher.lease`). It waits for a server that
+`choose` accepts (the change signal of the ledger wakes it), counts the request on it
+(`Ledger.admitted`), and the caller releases it when done. A request that never
+reached its server is sent to another one; an answer whose weight versions the fleet
+does not accept (a restarted server answering with its checkpoint's version, a server
+that lies) is never returned as current: its server becomes suspect and the request is
+sent again elsewhere (a stream, whose tokens were delivered, is returned with its true
+versions and a warning in the log). Each completion is tagged with its staleness.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable, Sequence, Set
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
+from dataclasses import dataclass
 from typing import Concatenate, ParamSpec, TypeVar
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import AsyncSyncError, GenerationAborted, GenerationError
-from asyncsync._core.state import ServerState
-from asyncsync._fleet.adapters import AdapterTable, served_name, tag
+from asyncsync._core.ledger import ServerRecord
+from asyncsync._fleet import adapters
 from asyncsync._fleet.members import Members
-from asyncsync._fleet.routing import (
-    SessionTable,
-    StalenessStats,
-    VersionHistory,
-    choose,
-    staleness_of,
-)
+from asyncsync._fleet.routing import StalenessStats, choose, contradicts, staleness_of
 from asyncsync._generation.engine import CompletionStream, GenerationEngine
 from asyncsync._http.transport import never_sent
 from asyncsync._wire.generation import GenerationRequest, SendOptions
@@ -40,129 +39,109 @@ P = ParamSpec("P")
 
 logger = logging.getLogger("asyncsync.generate")
 
-#: How often unhealthy servers are probed while generations wait (seconds).
-_PROBE_INTERVAL = 1.0
-#: The longest a waiting generation sleeps before it looks again (state changes wake it).
-_RECHECK = 0.5
-
 
 @dataclass(slots=True)
 class RoutingPolicy:
-    """The fleet-wide routing settings (the Fleet's public attributes read these)."""
+    """The fleet-wide admission settings (the ledger keeps ``max_staleness``)."""
 
-    max_staleness: int | None = 0
     admission_timeout: float | None = 60.0
 
 
-@dataclass(slots=True)
-class _Probes:
-    """Background health probes of unhealthy servers, at most one round a second."""
-
-    run: Callable[[list[str]], Awaitable[object]]
-    tasks: set[asyncio.Task[object]] = field(default_factory=set)
-    last: float = -math.inf
-
-    def maybe_start(self, states: Sequence[ServerState]) -> None:
-        unhealthy = [s.url for s in states if not s.healthy]
-        now = time.monotonic()
-        if not unhealthy or now - self.last < _PROBE_INTERVAL:
-            return
-        self.last = now
-        task: asyncio.Task[object] = asyncio.get_running_loop().create_task(
-            self._probe(unhealthy), name="asyncsync:probe-unhealthy"
-        )
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _probe(self, urls: list[str]) -> object:
-        return await self.run(urls)
-
-    def cancel(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-
-
 class Dispatcher:
-    """Routes generations over ``members`` (see the module docstring)."""
+    """Routes requests over ``members`` (see the module docstring)."""
 
-    def __init__(
-        self,
-        members: Members,
-        history: VersionHistory,
-        policy: RoutingPolicy,
-        probe: Callable[[list[str]], Awaitable[object]],
-        adapters: AdapterTable | None = None,
-    ) -> None:
+    def __init__(self, members: Members, policy: RoutingPolicy) -> None:
         self.members = members
-        #: LoRA adapters and who holds them (a generation with ``lora=name``)
-        self.adapters = adapters if adapters is not None else AdapterTable()
-        self.history = history
+        self.ledger = members.ledger
         self.policy = policy
-        self.sessions = SessionTable()
         self.staleness = StalenessStats()
-        self.probes = _Probes(probe)
 
-    async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerState:
-        """Wait for an eligible server and count a request on it."""
-        members, session_id = self.members, send.session_id
+    # ------------------------------------------------------------------ admission
+    async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerRecord:
+        """Wait for an eligible server (not in ``exclude``) and count a request on it:
+        the one admission function (see the module docstring)."""
+        ledger, session_id = self.ledger, send.session_id
         limit = self.policy.admission_timeout
         limit = limit if send.admission_timeout is None else send.admission_timeout
         # time.monotonic(), not the loop's clock: no loop lookup on this hot path.
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            pinned = self.sessions.get(session_id) if session_id is not None else None
-            states = members.states()
+            pinned = ledger.session_server(session_id) if session_id is not None else None
+            records = ledger.records()
             lacking = None
             if send.lora is not None:  # servers without a recent version of the adapter
-                lacking = self.adapters.skipped(send.lora, states, self.policy.max_staleness)
-            state, skipped = choose(
-                states, self.history, max_staleness=self.policy.max_staleness,
+                lacking = adapters.skipped(ledger, send.lora, records, ledger.max_staleness)
+            record, skipped = choose(
+                records, ledger.history(), max_staleness=ledger.max_staleness,
                 min_version=send.min_version, pinned=pinned,
                 exclude=exclude if not lacking else exclude | set(lacking),
             )  # fmt: skip
             if lacking:
                 skipped.update(lacking)
-            if state is not None:
-                state.outstanding += 1
-                state.routed += 1
-                if session_id is not None:
-                    self.sessions.pin(session_id, state.url)
-                return state
-            if not states or all(s.url in exclude for s in states):
-                why = "the fleet is empty" if not states else "every server failed"
+            if record is not None:
+                ledger.admitted(record, session_id)
+                return record
+            if not records or all(r.url in exclude for r in records):
+                why = "the fleet is empty" if not records else "every server failed"
                 raise GenerationError(f"no server to generate on: {why}")
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 detail = ", ".join(f"{u} ({r})" for u, r in skipped.items())
                 pin = f"; session {session_id!r} is pinned to {pinned}" if pinned else ""
                 raise GenerationError(f"no eligible server within {limit:g} s: {detail}{pin}")
-            self.probes.maybe_start(states)
-            await members.changed(_RECHECK if remaining is None else min(_RECHECK, remaining))
+            await ledger.changed(remaining)
 
-    def engine(self, state: ServerState) -> GenerationEngine:
-        """The generation engine that serves a request admitted on ``state``."""
-        return self.members.generator(state)
+    def engine(self, record: ServerRecord) -> GenerationEngine:
+        """The generation engine that serves a request admitted on ``record``."""
+        return self.members.generator(record)
 
-    def release(self, state: ServerState) -> None:
-        state.outstanding -= 1
-        self.members.notify()
+    def release(self, record: ServerRecord) -> None:
+        self.ledger.released(record)
 
+    @contextlib.asynccontextmanager
+    async def lease(self, send: SendOptions) -> AsyncIterator[ServerRecord]:
+        """An admitted server for the duration of the block (a chat layer's render,
+        derender or fallback turn): counted in flight, released at the end."""
+        record = await self.admit(send)
+        try:
+            yield record
+        finally:
+            self.release(record)
+
+    # ------------------------------------------------------------------ answers
     def tag(self, completions: Sequence[Completion]) -> None:
         """Set each completion's staleness and record it in `staleness`."""
-        history, record = self.history, self.staleness.record
+        history, record = self.ledger.history(), self.staleness.record
         for c in completions:
             c.staleness = staleness_of(history, c)
             record(c.server, c.staleness)
         _hooks.generated(completions)
 
-    def failed_over(self, send: SendOptions, state: ServerState, err: AsyncSyncError) -> bool:
-        """After a failure on ``state``'s server: whether the request never reached it
+    def contradicted(
+        self, record: ServerRecord, completions: Sequence[Completion], published: int
+    ) -> bool:
+        """Whether ``completions`` carry versions the fleet did not accept when their
+        request was admitted, with ``published`` versions in its history then (then their
+        server is suspect: `Ledger.contradicted`)."""
+        ledger = self.ledger
+        history, bound = ledger.history(), ledger.max_staleness
+        bad: list[str | None] = []
+        for c in completions:
+            found = contradicts(history, bound, c, published=published)
+            bad += [v for v in found if v not in bad]
+        if not bad:
+            return False
+        ledger.contradicted(record, bad)
+        return True
+
+    def failed_over(self, send: SendOptions, record: ServerRecord, err: AsyncSyncError) -> bool:
+        """After a failure on ``record``'s server: whether the request never reached it
         (then the session, if any, is unpinned and the caller may try another one)."""
         if not never_sent(err):
             return False
-        logger.info("generation never reached %s (%s): trying another server", state.url, err)
+        logger.info("generation never reached %s (%s): trying another server", record.url, err)
         if send.session_id is not None:
-            self.sessions.drop(send.session_id)
+            self.ledger.session_ended(send.session_id)
         return True
 
     async def routed(
@@ -175,32 +154,65 @@ class Dispatcher:
         """``call(engine, *args, **kwargs)`` on an admitted server's engine; a request
         that never reached its server (connection refused / not established) is sent to
         another one."""
-        tried: frozenset[str] = frozenset()
+        return await self._routed(send, frozenset(), call, *args, **kwargs)
+
+    async def _routed(
+        self,
+        send: SendOptions,
+        rejected: frozenset[str],
+        call: Callable[Concatenate[GenerationEngine, P], Awaitable[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        tried = rejected
         while True:
-            state = await self.admit(send, tried)
+            record = await self.admit(send, tried)
             try:
-                return await call(self.engine(state), *args, **kwargs)
+                return await call(self.engine(record), *args, **kwargs)
             except AsyncSyncError as err:
-                if not self.failed_over(send, state, err):
+                if not self.failed_over(send, record, err):
                     raise
-                tried = tried | {state.url}
+                tried = tried | {record.url}
                 if len(tried) >= len(self.members):
                     raise
             finally:
-                self.release(state)
+                self.release(record)
 
     async def generate(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> list[Completion]:
-        """One routed generation; its completions tagged with their staleness."""
-        call = GenerationEngine.generate if send.lora is None else self.adapters.bind(send.lora)
-        try:
-            out = await self.routed(send, call, prompt, req, send)
-        except GenerationAborted as err:
-            self.tag(err.completions)
-            raise
-        self.tag(out)
-        return out
+        """One routed generation; its completions tagged with their staleness. An
+        answer whose versions the fleet does not accept is sent again on another server
+        (its own is suspect now), at most once per server."""
+        ledger = self.ledger
+        call = GenerationEngine.generate if send.lora is None else adapters.bind(ledger, send.lora)
+        rejected: frozenset[str] = frozenset()
+        while True:
+            published = len(ledger.history())
+            try:
+                out = await self._routed(send, rejected, call, prompt, req, send)
+            except GenerationAborted as err:
+                self.tag(err.completions)
+                raise
+            server = out[0].server if out else ""
+            if server not in ledger or not self.contradicted(ledger.record(server), out, published):
+                self.tag(out)
+                return out
+            rejected = rejected | {server}
+            if send.session_id is not None:
+                ledger.session_ended(send.session_id)
+            versions = sorted({str(s.version) for c in out for s in c.weight_versions})
+            if len(rejected) >= len(self.members):
+                raise GenerationError(
+                    f"every server answered with weight versions the fleet does not accept "
+                    f"(last: {', '.join(versions)} from {server}); they are suspect until "
+                    "their identity is read, and stale ones are caught up",
+                    server=server,
+                )
+            logger.warning(
+                "generation on %s came back with version(s) %s, which the fleet does not "
+                "accept: sent again on another server", server, ", ".join(versions),
+            )  # fmt: skip
 
     def stream(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
@@ -214,7 +226,8 @@ class _FleetLease:
     def __init__(self, dispatcher: Dispatcher, send: SendOptions) -> None:
         self._dispatcher = dispatcher
         self._send = send
-        self._held: ServerState | None = None
+        self._held: ServerRecord | None = None
+        self._published = 0
         self._tried: set[str] = set()
         #: (server, adapter, version) a ``lora=name`` stream is sent with, in use until
         #: it ends (its directory is kept as long)
@@ -222,8 +235,9 @@ class _FleetLease:
 
     async def acquire(self) -> GenerationEngine:
         self._let_go()
-        state = self._held = await self._dispatcher.admit(self._send, self._tried)
-        return self._dispatcher.engine(state)
+        self._published = len(self._dispatcher.ledger.history())
+        record = self._held = await self._dispatcher.admit(self._send, self._tried)
+        return self._dispatcher.engine(record)
 
     def unreached(self, err: AsyncSyncError) -> bool:
         assert self._held is not None
@@ -236,24 +250,35 @@ class _FleetLease:
         if name is None:
             return req
         url = engine.endpoint.url
-        adapters = self._dispatcher.adapters
-        version = adapters.held(url, name)
+        ledger = self._dispatcher.ledger
+        version = ledger.adapter_held(url, name)
         if version is None:  # unloaded between admission and now: never silently
             raise GenerationError(f"adapter {name!r} is not loaded on {url}", server=url)
-        adapters.begin_use(url, name, version)
+        ledger.adapter_use_began(url, name, version)
         self._using = (url, name, version)
-        return req._replace(model=served_name(name, version))
+        return req._replace(model=adapters.served_name(name, version))
 
     def release(self, completions: list[Completion] | None) -> None:
         if completions:
             if self._using is not None:
-                tag(completions, self._using[1], self._using[2])
+                adapters.tag(completions, self._using[1], self._using[2])
+            held = self._held
+            if held is not None and self._dispatcher.contradicted(
+                held, completions, self._published
+            ):
+                logger.warning(
+                    "a stream from %s came back with versions the fleet does not accept "
+                    "(%s): returned with its true versions (Completion.weight_versions); the "
+                    "server is suspect until its identity is read",
+                    held.url,
+                    ", ".join(repr(s.version) for c in completions for s in c.weight_versions),
+                )
             self._dispatcher.tag(completions)
         self._let_go()
 
     def _let_go(self) -> None:
         if self._using is not None:
-            self._dispatcher.adapters.end_use(*self._using)
+            self._dispatcher.ledger.adapter_use_ended(*self._using)
             self._using = None
         if self._held is not None:
             self._dispatcher.release(self._held)

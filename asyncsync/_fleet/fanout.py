@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from asyncsync._core.errors import ProtocolError
-from asyncsync._core.state import observe_cancelled
-from asyncsync._core.types import FleetResult, Outcome, ProtocolGeneration
+from asyncsync._core.errors import AsyncSyncError, ProtocolError
+from asyncsync._core.timeouts import Timeouts
+from asyncsync._core.types import FleetResult, Outcome, Phase, ProtocolGeneration
 from asyncsync._fleet.members import Members
 from asyncsync._wire.control import Call
 
@@ -55,35 +56,57 @@ class _Plans(Generic[T]):
 
 
 async def fan_out(
-    members: Members, op: str, plan: Plan[T], urls: list[str], *, per_server: bool = False
+    members: Members,
+    op: str,
+    plan: Plan[T],
+    urls: list[str],
+    *,
+    per_server: bool = False,
+    at_least: float | None = None,
 ) -> FleetResult[T]:
     """Send ``op`` to every server in ``urls`` concurrently and wait for all of them.
 
     Each server's failure is its `Outcome`; nothing is raised for it
-    here. Each server's state is updated by its endpoint as its answer arrives; a call
-    cancelled in flight leaves a server that was mid-update dirty.
+    here. Each server's endpoint reports its answer to the ledger as it arrives; a call
+    cancelled in flight leaves a server that was mid-update dirty (`Ledger.cancelled`).
+    ``at_least``: the call's deadline is at least this many seconds (a call whose
+    first answer is slow by nature: the identity's).
     """
     plans: _Plans[T] = _Plans(plan, per_server=per_server)
     loop = asyncio.get_running_loop()
+    ledger = members.ledger
 
     async def one(url: str) -> Outcome[T]:
+        if url not in members:  # removed since the call was planned: nothing sent
+            gone = AsyncSyncError("removed from the fleet", server=url)
+            return Outcome(url, error=gone, seconds=0.0)
         client = members.client(url)
-        state = client.server_state
+        record = client.endpoint.record
         started = loop.time()
-        state.outstanding += 1
+        ledger.call_began(record)
         try:
             call, body = plans.get(await client.protocol(), url)
-            value = await client.endpoint.request(call, body)
+            timeouts = client.timeouts
+            if at_least is not None:
+                timeouts = _at_least(timeouts, call.phase, at_least)
+            value = await client.endpoint.request(call, body, timeouts=timeouts)
         except asyncio.CancelledError:
-            observe_cancelled(state, op)
+            ledger.cancelled(record, op)
             raise
         except Exception as exc:  # each server's failure is its outcome
             return Outcome(url, error=exc, seconds=loop.time() - started)
         finally:
-            state.outstanding -= 1
-            members.notify()
+            ledger.call_ended(record)
         return Outcome(url, value=value, seconds=loop.time() - started)
 
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(one(url), name=f"asyncsync:{op}:{url}") for url in urls]
     return FleetResult(op, {url: t.result() for url, t in zip(urls, tasks, strict=True)})
+
+
+def _at_least(timeouts: Timeouts, phase: Phase, seconds: float) -> Timeouts:
+    """``timeouts`` with ``phase``'s deadline raised to ``seconds`` (never lowered)."""
+    current = timeouts.for_phase(phase)
+    if current is None or current >= seconds:
+        return timeouts
+    return dataclasses.replace(timeouts, **{phase: seconds})

@@ -28,7 +28,14 @@ from urllib.parse import urlsplit
 
 from asyncsync._fleet.members import Members
 
-__all__ = ["FleetHosts", "given_hosts", "members_of", "probe_hosts", "same_host", "this_host"]
+__all__ = [
+    "given_hosts",
+    "members_of",
+    "probe_hosts",
+    "resolve_hosts",
+    "same_host",
+    "this_host",
+]
 
 #: The longest a probe waits for one name to resolve (seconds).
 _RESOLVE_DEADLINE = 5.0
@@ -163,17 +170,13 @@ async def members_of(servers: Any, deadline: float) -> tuple[list[str], list[str
     return [str(i["url"]) for i in infos], [str(i["host"]) for i in infos]
 
 
-class FleetHosts:
-    """Host identities of a fleet's servers (mixed into `asyncsync.Fleet`)."""
-
-    _members: Members
-
-    async def resolve_hosts(self, urls: Iterable[str] | None = None) -> dict[str, str]:
-        """Each server's host identity (all when None): as given, else probed from its
-        URL's address (one of this machine's: this host; any other: a host of its own)
-        and recorded in its state (`ServerState.host`)."""
-        states = [self._members.state(url) for url in self._members.resolve(urls)]
-        found = await probe_hosts(s.url for s in states if s.host is None)
-        for state in states:
-            state.host = state.host or found[state.url]
-        return {s.url: str(s.host) for s in states}
+async def resolve_hosts(members: Members, urls: Iterable[str] | None) -> dict[str, str]:
+    """Each server's host identity (all when None): as given, else probed from its
+    URL's address and recorded in the ledger (`asyncsync.Fleet.resolve_hosts`)."""
+    ledger = members.ledger
+    records = [members.record(url) for url in members.resolve(urls)]
+    found = await probe_hosts(r.url for r in records if r.host is None)
+    for record in records:
+        if record.host is None:
+            ledger.host_known(record.url, found[record.url])
+    return {r.url: str(r.host) for r in records}

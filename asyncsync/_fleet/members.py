@@ -1,11 +1,11 @@
-"""A fleet's servers: their clients and states in order, and a signal when any changes."""
+"""A fleet's servers: their clients in order, each client's record kept in the fleet's
+ledger (`asyncsync._core.ledger.Ledger`, which also carries the change signal)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 
-from asyncsync._core.state import ServerState
+from asyncsync._core.ledger import Ledger, ServerRecord
 from asyncsync._generation.engine import GenerationEngine
 from asyncsync._wire.control import normalize_url
 from asyncsync.client import AsyncVLLMClient
@@ -16,36 +16,36 @@ __all__ = ["Members"]
 class Members:
     """The servers of a fleet, in the order they were added.
 
-    Each server has one client (whose `ServerState` is the server's
-    one record) and is either owned (built and closed by the fleet) or borrowed.
-    `notify` wakes everything waiting in `changed` (routing waits for an
-    eligible server this way).
+    Each server has one client, whose record the fleet's `ledger` adopts (the client's
+    endpoint then reports to the fleet's ledger), and is either owned (built and closed
+    by the fleet) or borrowed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
         self._clients: dict[str, AsyncVLLMClient] = {}
-        self._states: tuple[ServerState, ...] = ()
         self._owned: set[str] = set()
-        self._waiters: set[asyncio.Future[None]] = set()
 
-    def add(self, client: AsyncVLLMClient, *, owned: bool) -> ServerState:
+    def add(self, client: AsyncVLLMClient, *, owned: bool, verify: bool = False) -> ServerRecord:
+        """Add ``client``'s server; ``verify``: out of routing until a probe has read
+        its identity (a server added at runtime)."""
         url = client.base_url
         if url in self._clients:
             raise ValueError(f"server {url} is already in the fleet")
+        record = self.ledger.join(client.endpoint.record, verify=verify)
+        client.endpoint.ledger = self.ledger
         self._clients[url] = client
-        self._states += (client.server_state,)
         if owned:
             self._owned.add(url)
-        self.notify()
-        return client.server_state
+        return record
 
     def remove(self, url: str) -> tuple[AsyncVLLMClient, bool]:
-        """Drop ``url``; returns its client and whether the fleet owned it."""
+        """Drop ``url`` (retired in the ledger); returns its client and whether the fleet
+        owned it. Its calls in flight finish and report to its retired record."""
         client = self._clients.pop(url)
-        self._states = tuple(c.server_state for c in self._clients.values())
+        self.ledger.retire(url)
         owned = url in self._owned
         self._owned.discard(url)
-        self.notify()
         return client, owned
 
     def owned(self) -> list[AsyncVLLMClient]:
@@ -56,19 +56,19 @@ class Members:
         client = self._clients.get(url)  # a member's own spelling needs no parsing
         return client if client is not None else self._clients[normalize_url(url)]
 
-    def generator(self, state: ServerState) -> GenerationEngine:
-        """The generation engine of the server ``state`` describes."""
-        return self._clients[state.url].generator
+    def generator(self, record: ServerRecord) -> GenerationEngine:
+        """The generation engine of the server ``record`` describes."""
+        return self._clients[record.url].generator
 
-    def state(self, url: str) -> ServerState:
-        return self.client(url).server_state
+    def record(self, url: str) -> ServerRecord:
+        return self.client(url).endpoint.record
 
     @property
     def urls(self) -> tuple[str, ...]:
         return tuple(self._clients)
 
-    def states(self) -> tuple[ServerState, ...]:
-        return self._states
+    def records(self) -> tuple[ServerRecord, ...]:
+        return self.ledger.records()
 
     def __len__(self) -> int:
         return len(self._clients)
@@ -93,25 +93,3 @@ class Members:
             if url not in urls:
                 urls.append(url)
         return urls
-
-    # --------------------------------------------------------------- change signal
-    def notify(self) -> None:
-        """Wake everything waiting in `changed` (a server's state changed)."""
-        if not self._waiters:
-            return
-        waiters, self._waiters = self._waiters, set()
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
-    async def changed(self, within: float) -> None:
-        """Return at the next `notify`, or after ``within`` seconds."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(fut)
-        try:
-            async with asyncio.timeout(within):
-                await fut
-        except TimeoutError:
-            pass
-        finally:
-            self._waiters.discard(fut)

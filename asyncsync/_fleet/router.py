@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Set
+from collections.abc import Iterable, Sequence, Set
 
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import AsyncSyncError, GenerationError
-from asyncsync._core.state import ServerState
-from asyncsync._fleet.adapters import AdapterTable
+from asyncsync._core.ledger import ServerRecord
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
 from asyncsync._fleet.members import Members
-from asyncsync._fleet.routing import VersionHistory
+from asyncsync._fleet.routing import contradicts
 from asyncsync._generation.engine import GenerationEngine
 from asyncsync._generation.served import ServedLookup
 from asyncsync._http.transport import Endpoint
@@ -40,29 +39,18 @@ from asyncsync.client import AsyncVLLMClient
 
 __all__ = ["RouterDispatcher", "ServersBehind"]
 
-#: The longest a waiting generation sleeps before it looks again (state changes wake it).
-_RECHECK = 0.5
-
 
 class RouterDispatcher(Dispatcher):
     """A `Dispatcher` whose every generation goes to one router (see the module)."""
 
-    def __init__(
-        self,
-        members: Members,
-        history: VersionHistory,
-        policy: RoutingPolicy,
-        probe: Callable[[list[str]], Awaitable[object]],
-        adapters: AdapterTable,
-        router: AsyncVLLMClient,
-    ) -> None:
-        super().__init__(members, history, policy, probe, adapters)
+    def __init__(self, members: Members, policy: RoutingPolicy, router: AsyncVLLMClient) -> None:
+        super().__init__(members, policy)
         self.router = router
         given = router.vocab_size, router.max_model_len
         limits = ServersBehind(router.endpoint, members, given)
         router._served = router.generator.served = limits
 
-    async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerState:
+    async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerRecord:
         """Wait until no server is mid-update, then count the request on the router."""
         if send.lora is not None:
             raise TypeError(
@@ -74,44 +62,53 @@ class RouterDispatcher(Dispatcher):
         limit = limit if send.admission_timeout is None else send.admission_timeout
         deadline = None if limit is None else time.monotonic() + limit
         while True:
-            updating = [s.url for s in self.members.states() if s.updating]
+            updating = [r.url for r in self.ledger.records() if r.updating]
             if not updating:
-                state = self.router.server_state
-                state.outstanding += 1
-                state.routed += 1
-                return state
+                record = self.router.endpoint.record
+                self.router.endpoint.ledger.admitted(record)
+                return record
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise GenerationError(
                     f"no generation through the router within {limit:g} s: a round holds "
                     f"{', '.join(updating)} mid-update"
                 )
-            await self.members.changed(_RECHECK if remaining is None else min(_RECHECK, remaining))
+            await self.ledger.changed(remaining)
 
-    def engine(self, state: ServerState) -> GenerationEngine:
+    def engine(self, record: ServerRecord) -> GenerationEngine:
         return self.router.generator
 
-    def failed_over(self, send: SendOptions, state: ServerState, err: AsyncSyncError) -> bool:
+    def release(self, record: ServerRecord) -> None:
+        self.router.endpoint.ledger.released(record)
+
+    def contradicted(
+        self, record: ServerRecord, completions: Sequence[Completion], published: int
+    ) -> bool:
+        return False  # the router's answers: the staleness bound below applies to them
+
+    def failed_over(self, send: SendOptions, record: ServerRecord, err: AsyncSyncError) -> bool:
         return False  # the router is the only way in: its failure is the caller's
 
     async def generate(
         self, prompt: list[int], req: GenerationRequest, send: SendOptions
     ) -> list[Completion]:
-        """One generation through the router; sent again while its answer is staler than
-        the bound (at most once per server)."""
-        bound = self.policy.max_staleness
+        """One generation through the router; sent again while its answer carries
+        versions the fleet does not accept (staler than the bound, or never published:
+        a restarted server's), at most once per server."""
+        bound, history = self.ledger.max_staleness, self.ledger.history()
         tries = max(1, len(self.members))
-        seen: list[int | None] = []
+        seen: list[str] = []
         for _ in range(tries):
+            published = len(history)
             out = await super().generate(prompt, req, send)
-            worst = max((c.staleness or 0 for c in out), default=0)
-            if bound is None or worst <= bound:
+            bad = [v for c in out for v in contradicts(history, bound, c, published=published)]
+            if not bad:
                 return out
-            seen.append(worst)
+            seen.append(", ".join(repr(v) for v in bad))
         raise GenerationError(
-            f"the router's answers were {seen} published versions behind in {tries} "
-            f"tries, more than max_staleness={bound}: a server behind the router is stale "
-            "(a partial round lost it); publish again or take it out of the router"
+            f"the router's answers carried versions the fleet does not accept ({'; '.join(seen)}) "
+            f"in {tries} tries (max_staleness={bound}): a server behind the router is stale "
+            "(a partial round lost it, it restarted); publish again or take it out of the router"
         )
 
 

@@ -1,24 +1,28 @@
 """Routing of generations across a fleet, as small pure functions and records.
 
-- `VersionHistory`: the order in which weight versions were published through a
-  fleet, so "how many versions behind" has a meaning.
-- `ineligibility`: why a server cannot take a generation now (or None).
+- `ineligibility`: why a server cannot take a generation now (or None): the one
+  admission rule.
 - `choose`: least outstanding requests among eligible servers, with session
   affinity.
+- `contradicts`: whether an answer's weight versions are ones the fleet accepts.
 - `StalenessStats` and `staleness_of`: how many versions behind
   completions were, fleet-wide.
 
-Nothing here touches the network; `asyncsync.Fleet` applies these decisions.
+`VersionHistory` and `SessionTable` (the ledger's records of published versions and
+pinned sessions) are `asyncsync._core.history`'s. Nothing here touches the network;
+`asyncsync.Fleet` applies these decisions.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from asyncsync._core.completion import Completion
-from asyncsync._core.state import Reason, ServerState
+from asyncsync._core.history import SessionTable, VersionHistory, Versions
+from asyncsync._core.state import Facts, Reason
 
 __all__ = [
     "TRANSIENT",
@@ -26,6 +30,7 @@ __all__ = [
     "StalenessStats",
     "VersionHistory",
     "choose",
+    "contradicts",
     "ineligibility",
     "staleness_of",
 ]
@@ -35,78 +40,51 @@ __all__ = [
 TRANSIENT: frozenset[Reason] = frozenset({"updating", "paused", "busy", "below_min"})
 
 
-class VersionHistory:
-    """Weight versions in publication order (oldest first), deduplicated."""
-
-    __slots__ = ("_index", "_order")
-
-    def __init__(self, versions: Iterable[str] = ()) -> None:
-        self._order: list[str] = []
-        self._index: dict[str, int] = {}
-        for version in versions:
-            self.record(version)
-
-    def record(self, version: str | None) -> bool:
-        """Append ``version`` as the newest, unless already known. True if new."""
-        if version is None or version in self._index:
-            return False
-        self._index[version] = len(self._order)
-        self._order.append(version)
-        return True
+class Routed(Facts, Protocol):
+    """What routing reads of a server: a `ServerState` or the ledger's record."""
 
     @property
-    def current(self) -> str | None:
-        """The newest version, or None before anything was published."""
-        return self._order[-1] if self._order else None
-
+    def url(self) -> str: ...
     @property
-    def versions(self) -> tuple[str, ...]:
-        return tuple(self._order)
+    def weight_version(self) -> str | None: ...
+    @property
+    def outstanding(self) -> int: ...
+    @property
+    def routed(self) -> int: ...
+    @property
+    def max_concurrency(self) -> int | None: ...
 
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, version: object) -> bool:
-        return version in self._index
-
-    def index(self, version: str | None) -> int | None:
-        return None if version is None else self._index.get(version)
-
-    def behind(self, version: str | None) -> int | None:
-        """How many versions ``version`` is behind the newest (0 = current); None when
-        the version is unknown or nothing was published."""
-        idx = self.index(version)
-        return None if idx is None else len(self._order) - 1 - idx
-
-    def at_least(self, version: str | None, minimum: str) -> bool:
-        """``version`` is ``minimum`` or newer (False when either is unknown)."""
-        have, want = self.index(version), self.index(minimum)
-        return have is not None and want is not None and have >= want
+    def unfit(self) -> Reason | None: ...
 
 
 def ineligibility(
-    state: ServerState,
-    history: VersionHistory,
+    state: Routed,
+    history: Versions,
     *,
     max_staleness: int | None,
     min_version: str | None = None,
 ) -> Reason | None:
-    """Why ``state``'s server cannot take a generation now, or None if it can.
+    """Why ``state``'s server cannot take a generation now, or None if it can: the one
+    admission rule, which every request a fleet sends to a server passes.
 
-    Checks, in order: fit to serve (`ServerState.unfit`: healthy, not dirty, not
-    updating, not paused), version (at most ``max_staleness`` versions behind the
-    newest, when anything was published; ``None`` disables the check), at least
-    ``min_version``, and below its concurrency limit.
+    Checks, in order: fit to serve (`asyncsync._core.state.unfit`: in the fleet,
+    answering, its identity read since it last failed, not held out, clean, not
+    updating, not paused); its version: once anything was published, a published one
+    (any, with ``max_staleness=None``) at most ``max_staleness`` versions behind the
+    newest, loaded by the process it is now (the ledger's health says ``stale``
+    otherwise); at least ``min_version``; below its concurrency limit.
     """
     unfit = state.unfit()
     if unfit is not None:
         return unfit
-    if max_staleness is not None and len(history):
+    if len(history):
         lag = history.behind(state.weight_version)
         if lag is None:
             return "unknown_version"
-        if lag > max_staleness:
+        if max_staleness is not None and lag > max_staleness:
             return "stale"
+    if state.health == "stale":
+        return "stale"  # its process is not the one that loaded its version
     if min_version is not None and not history.at_least(state.weight_version, min_version):
         return "below_min"
     if state.max_concurrency is not None and state.outstanding >= state.max_concurrency:
@@ -114,15 +92,18 @@ def ineligibility(
     return None
 
 
+R = TypeVar("R", bound=Routed)
+
+
 def choose(
-    states: Iterable[ServerState],
-    history: VersionHistory,
+    states: Iterable[R],
+    history: Versions,
     *,
     max_staleness: int | None,
     min_version: str | None = None,
     pinned: str | None = None,
     exclude: Set[str] = frozenset(),
-) -> tuple[ServerState | None, dict[str, Reason]]:
+) -> tuple[R | None, dict[str, Reason]]:
     """Pick a server: the ``pinned`` one when it is eligible (or only transiently not:
     then nobody, so the caller waits for it), else the eligible server with the fewest
     outstanding requests (ties: the one that was routed fewest generations).
@@ -130,8 +111,8 @@ def choose(
     Returns (the server or None, the reason each skipped server was skipped).
     """
     skipped: dict[str, Reason] = {}
-    best: ServerState | None = None
-    pinned_state: ServerState | None = None
+    best: R | None = None
+    pinned_state: R | None = None
     for state in states:
         if state.url in exclude:
             continue
@@ -152,7 +133,30 @@ def choose(
     return best, skipped
 
 
-def staleness_of(history: VersionHistory, c: Completion) -> int | None:
+def contradicts(
+    history: Versions, max_staleness: int | None, completion: Completion, *, published: int
+) -> list[str | None]:
+    """The versions the server itself reported for ``completion``'s tokens that the
+    fleet did not accept when the request was admitted, with ``published`` versions in
+    its history then: never published, or older than ``max_staleness`` versions behind
+    the newest then (a version published since is fine: the request ran across a
+    round). Empty when every one was accepted, when nothing was published at admission
+    (every server served its checkpoint), or when the server reported none (only
+    ``/inference/v1/generate`` of vLLM >= 0.32 does)."""
+    if published <= 0:
+        return []
+    floor = 0 if max_staleness is None else published - 1 - max_staleness
+    bad: list[str | None] = []
+    for span in completion.weight_versions:
+        if span.source != "server" or span.end <= span.start:
+            continue
+        index = history.index(span.version)
+        if (index is None or index < floor) and span.version not in bad:
+            bad.append(span.version)
+    return bad
+
+
+def staleness_of(history: Versions, c: Completion) -> int | None:
     """Versions behind the newest of the oldest version among ``c``'s tokens: from the
     spans when every span with tokens names its version, else from the version at
     admission (client-side spans of a version that changed in flight), and from the
@@ -173,43 +177,6 @@ def staleness_of(history: VersionHistory, c: Completion) -> int | None:
     if worst < 0:
         return history.behind(c.completed_version)
     return worst
-
-
-class SessionTable:
-    """Session id -> server URL, least recently used dropped beyond ``capacity``."""
-
-    __slots__ = ("_map", "capacity")
-
-    def __init__(self, capacity: int = 65536) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
-        self.capacity = capacity
-        self._map: OrderedDict[str, str] = OrderedDict()
-
-    def get(self, session_id: str) -> str | None:
-        url = self._map.get(session_id)
-        if url is not None:
-            self._map.move_to_end(session_id)
-        return url
-
-    def pin(self, session_id: str, url: str) -> None:
-        self._map[session_id] = url
-        self._map.move_to_end(session_id)
-        while len(self._map) > self.capacity:
-            self._map.popitem(last=False)
-
-    def drop(self, session_id: str) -> str | None:
-        return self._map.pop(session_id, None)
-
-    def drop_server(self, url: str) -> None:
-        for sid in [s for s, u in self._map.items() if u == url]:
-            del self._map[sid]
-
-    def __len__(self) -> int:
-        return len(self._map)
-
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._map
 
 
 @dataclass(slots=True)

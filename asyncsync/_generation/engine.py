@@ -4,7 +4,7 @@ A `GenerationEngine` sends over the server's
 `Endpoint`; it picks the route (``"auto"`` prefers
 ``/inference/v1/generate`` and falls back to ``/v1/completions`` once, remembered, when
 the server does not serve it), reads the server's weight version at admission and at
-completion from the one `ServerState`, and never re-tokenizes
+completion from the server's record in its ledger, and never re-tokenizes
 unless the caller gave a tokenizer and the server returned no ids (then loudly: a
 `RetokenizedWarning` once per server, and ``Completion.retokenized``).
 
@@ -35,7 +35,7 @@ from asyncsync._core.errors import (
     ServerError,
     ServerTimeout,
 )
-from asyncsync._core.state import ServerState
+from asyncsync._core.ledger import ServerRecord
 from asyncsync._core.types import Route
 from asyncsync._generation.served import ServedLookup
 from asyncsync._http.transport import Endpoint, never_sent
@@ -115,8 +115,9 @@ class GenerationEngine:
         self._warned = False
 
     @property
-    def state(self) -> ServerState:
-        return self.endpoint.state
+    def state(self) -> ServerRecord:
+        """The server's record in its ledger (read only)."""
+        return self.endpoint.record
 
     def route_for(self, route: Route, n: int = 1) -> str:
         """The path ``route`` means on this server now, for ``n`` samples: ``"auto"``

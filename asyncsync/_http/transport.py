@@ -7,8 +7,8 @@
   request; streams, https and lent sessions go through aiohttp.
 - `Endpoint` is one server on a transport: base URL, credentials, deadlines and
   retry policy. It sends a planned `Call` with the phase's
-  deadline, retries idempotent calls, and records each outcome in the server's
-  `ServerState`.
+  deadline, retries idempotent calls, and reports each outcome to the fleet's ledger
+  (`asyncsync._core.ledger.Ledger.observed`).
 - `map_error` is the one place where aiohttp and socket errors become asyncsync
   errors, and `status_error` the one place where a non-2xx answer does.
 """
@@ -35,7 +35,7 @@ from asyncsync._core.errors import (
     ServerTimeout,
     ServerUnavailableError,
 )
-from asyncsync._core.state import ServerState, observe
+from asyncsync._core.ledger import Ledger, ServerRecord
 from asyncsync._core.timeouts import Timeouts
 from asyncsync._http.h1 import Answer, H1Pool
 from asyncsync._http.retry import (
@@ -190,8 +190,10 @@ class Endpoint:
     """One server reached through a `Transport`.
 
     Holds what every request to the server needs (URL, headers, deadlines, retry
-    policy) and the server's `ServerState`, which every
-    outcome updates.
+    policy) and the server's record in a ledger (`asyncsync._core.ledger`), to which
+    every outcome is reported (`Ledger.observed`): the endpoint reports what happened,
+    the ledger decides what it means. A fleet that adopts the endpoint's client
+    re-points ``ledger`` at its own.
     """
 
     def __init__(
@@ -199,14 +201,16 @@ class Endpoint:
         url: str,
         transport: Transport,
         *,
-        state: ServerState,
+        ledger: Ledger,
+        record: ServerRecord,
         api_key: str | None,
         timeouts: Timeouts,
         retry: RetryPolicy,
     ) -> None:
         self.url = url
         self.transport = transport
-        self.state = state
+        self.ledger = ledger
+        self.record = record
         self.timeouts = timeouts
         self.retry = retry
         self.headers: dict[str, str] = {"Accept": "application/json"}
@@ -224,15 +228,16 @@ class Endpoint:
     async def server_version(self) -> str:
         """The server's vLLM version (``GET /version``, read once; its protocol
         generation recorded with it)."""
-        state = self.state
-        if state.vllm_version is None:
+        rec = self.record
+        if rec.vllm_version is None:
             async with self._version_lock:
-                if state.vllm_version is None:
+                if rec.vllm_version is None:
                     call = plan_version()
                     version = await self.request(call, call.encode())
-                    state.protocol = protocol_for_version(version, server=self.url)
-                    state.vllm_version = version
-        return state.vllm_version
+                    protocol = protocol_for_version(version, server=self.url)
+                    self.ledger.learned(rec, version, protocol)
+        assert rec.vllm_version is not None
+        return rec.vllm_version
 
     def url_of(self, route: str) -> yarl.URL:
         """The parsed URL of ``route`` on this server (parsed once, not per request)."""
@@ -348,11 +353,11 @@ class Endpoint:
 
     def _succeeded(self, call: Call[Any], value: Any) -> None:
         self._after_server_error = False
-        observe(self.state, call.op, call.phase, None, value, version=call.record_version)
+        self.ledger.observed(self.record, call.op, call.phase, None, value)
 
     def _failed(self, call: Call[Any], err: AsyncSyncError) -> None:
         self._after_server_error = err.status is not None and err.status >= 500
-        observe(self.state, call.op, call.phase, err, connected=not never_sent(err))
+        self.ledger.observed(self.record, call.op, call.phase, err, connected=not never_sent(err))
 
     async def _send_once(self, call: Call[T], body: bytes | None, timeouts: Timeouts) -> T:
         session = self.transport.open(self.url)

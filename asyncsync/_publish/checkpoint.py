@@ -131,6 +131,7 @@ async def served_checkpoints(
     (the round then finds out)."""
     if server_backend not in ASYNCSYNC_ENGINES:
         return Checkpoints({})
+    targets = [url for url in targets if url in fleet]  # removed meanwhile: not asked
     found = await asyncio.gather(
         *(fleet.client(url)._served.checkpoint() for url in targets), return_exceptions=True
     )

@@ -14,12 +14,13 @@ proposes tokens that the served model accepts or replaces; greedy output is the 
 model's exactly, sampling keeps its distribution), so it finishes *without* a weight
 version: ``/weight_info``, every completion's `weight_versions` and the fleet's
 ``current_version`` stay the served model's. The draft's version is recorded apart:
-``publisher.draft_version`` (the last draft round published) and each server's
-``ServerState.draft_version``. A server that drops out of a draft round has its draft
-model marked dirty (``ServerState.dirty_draft``, routing reason ``"dirty_draft"``):
-speculative decoding runs the draft on every step, and a draft left mid-update (its
-layers on the meta device) must not be run; a later draft round that reaches the server
-repairs it (a round of the served model does not).
+``publisher.draft_version`` (the last draft round published, the ledger's history of
+target ``"draft"``) and each server's ``ServerState.draft_version``. A server that
+drops out of a draft round has its draft model marked dirty
+(``ServerState.dirty_draft``, routing reason ``"dirty_draft"``): speculative decoding
+runs the draft on every step, and a draft left mid-update (its layers on the meta
+device) must not be run; a later draft round that reaches the server repairs it (a round
+of the served model does not).
 """
 
 from __future__ import annotations
@@ -68,12 +69,7 @@ class DraftRound(PublishRound):
         # The served model's version is not the draft's: vLLM would set it from here.
         return await super()._finish_on(live, None)
 
-    def _mark_dirty(self, urls: list[str]) -> None:
-        self.fleet._mark_draft_dirty(urls)
-
-    def commit(self) -> None:
-        self.fleet._published_draft(self.version, self.live)
-        self.published_version = self.version
+    target = "draft"
 
     def report(self, stats: SendStats, total: float) -> PublishReport:
         report = super().report(stats, total)
@@ -82,18 +78,12 @@ class DraftRound(PublishRound):
 
 
 class DraftRounds:
-    """A publisher's record of its draft rounds: the draft's version (apart from the
-    served model's) and its own delta chain (the servers keep a mirror per model)."""
+    """A publisher's record of its draft rounds: their own delta chain (the servers keep
+    a mirror per model). The draft's published version is the fleet ledger's (target
+    ``"draft"``), apart from the served model's."""
 
     def __init__(self) -> None:
-        self.version: str | None = None
         self._chain: DeltaChain | None = None
-
-    def published(self, target: object, verify: object, main: str | None) -> str | None:
-        """The version a round into ``target`` must differ from (``main``: the served
-        model's), after ``target`` and ``verify`` were checked (`check_target`)."""
-        check_target(target, verify=verify)
-        return self.version if target == "draft" else main
 
     def chain_round(
         self, delta: bool, backend: TrainerBackend, targets: Sequence[str], version: str

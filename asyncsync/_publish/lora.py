@@ -78,7 +78,7 @@ class LoraRounds:
 
     def __init__(self, fleet: Fleet, executor: Executor) -> None:
         self.fleet = fleet
-        self.table = fleet._adapters
+        self.ledger = fleet.ledger
         self.executor = executor
         self._root: Path | None = None
         #: (name, version) -> its directory (alive until collected)
@@ -101,7 +101,7 @@ class LoraRounds:
         shared_dir: str | os.PathLike[str] | None,
     ) -> PublishReport:
         began = time.perf_counter()
-        _check_round(name, version, self.table.history(name).versions)
+        _check_round(name, version, self.ledger.adapter_history(name).versions)
         loop = asyncio.get_running_loop()
         # off the loop: a host name may be looked up, the tmpfs is looked at
         where = await loop.run_in_executor(self.executor, self._where, targets, shared_dir)
@@ -122,10 +122,9 @@ class LoraRounds:
         if len(ok) < need:
             await run_to_the_end(self._unload(name, version, ok))
             await self.collect(name)
-            raise _lora_error(name, version, self.table.current(name), outcomes, need)
-        self.table.published(name, version)
+            raise _lora_error(name, version, self.ledger.adapter_current(name), outcomes, need)
+        self.ledger.adapter_published(name, version)
         self.targets[name] = list(targets)
-        self.fleet._members.notify()
         lost = [u for u in targets if u not in ok]
         if lost:
             logger.warning("adapter %r %r: lost %s", name, version, ", ".join(lost))
@@ -189,7 +188,7 @@ class LoraRounds:
         for url in urls:
             error = result[url].error
             if error is None or is_already_loaded(error):
-                self.table.loaded(url, name, version)
+                self.ledger.adapter_loaded(url, name, version)
                 out[url] = _Loaded(True, None)
             else:
                 out[url] = _Loaded(False, error)
@@ -205,7 +204,7 @@ class LoraRounds:
         for url in urls:
             error = result[url].error
             if error is None or is_not_found(error):
-                self.table.unloaded(url, name, version)
+                self.ledger.adapter_unloaded(url, name, version)
             else:
                 logger.warning(
                     "adapter %r %r: %s did not unload (%s); its directory is kept",
@@ -216,7 +215,7 @@ class LoraRounds:
     def window(self, name: str) -> set[str]:
         """The versions of ``name`` kept: its last ``max_staleness + 1`` published."""
         keep = self.fleet.max_staleness
-        versions = self.table.history(name).versions
+        versions = self.ledger.adapter_history(name).versions
         return set(versions[-((keep if keep is not None else 1) + 1) :])
 
     async def collect(self, name: str | None = None) -> None:
@@ -228,10 +227,12 @@ class LoraRounds:
                 await self._retire(*key)
 
     async def _retire(self, name: str, version: str, *, force: bool = False) -> None:
-        if self.table.in_use(name, version) and not force:
+        if self.ledger.adapter_in_use(name, version) and not force:
             return  # a generation runs with it: the next collection tries again
-        await run_to_the_end(self._unload(name, version, self.table.servers_with(name, version)))
-        if self.table.servers_with(name, version):
+        await run_to_the_end(
+            self._unload(name, version, self.ledger.adapter_servers_with(name, version))
+        )
+        if self.ledger.adapter_servers_with(name, version):
             return  # a server that did not answer may still need the directory
         directory = self.dirs.pop((name, version))
         await asyncio.get_running_loop().run_in_executor(
@@ -246,23 +247,23 @@ class LoraRounds:
         wanted = {
             name: [u for u in urls if u in servers]
             for name, urls in self.targets.items()
-            if self.table.current(name) is not None
+            if self.ledger.adapter_current(name) is not None
         }
         urls = sorted({u for us in wanted.values() for u in us})
         if not urls:
             return
         listed = await self.fleet.models(targets=urls, require="none")
         for name, targets in wanted.items():
-            version = self.table.current(name)
+            version = self.ledger.adapter_current(name)
             assert version is not None
             missing = []
             for url in targets:
                 if listed[url].error is not None:
                     continue  # unknown: the next base round looks again
                 models = set(listed[url].unwrap())
-                for held in self.table.versions_on(url, name):
+                for held in self.ledger.adapter_versions_on(url, name):
                     if served_name(name, held) not in models:
-                        self.table.unloaded(url, name, held)  # gone with a restart
+                        self.ledger.adapter_unloaded(url, name, held)  # gone with a restart
                 if served_name(name, version) not in models:
                     missing.append(url)
             if missing and (name, version) in self.dirs:

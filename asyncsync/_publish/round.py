@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +39,7 @@ from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncsync._core.errors import (
+    AsyncSyncError,
     FleetError,
     PublishError,
     ServerTimeout,
@@ -57,6 +59,7 @@ from asyncsync._publish.verify import TrainerDigests, Verification, Verify, veri
 from asyncsync.backends._base import RoundCancelled, SendStats
 
 if TYPE_CHECKING:
+    from asyncsync._core.ledger import Target
     from asyncsync.fleet import Fleet
 
 T = TypeVar("T")
@@ -118,7 +121,8 @@ class InitCalls:
         self.live = list(targets)
 
     def _live(self, only: _Only) -> list[str]:
-        return [url for url in self.live if only is None or url in only]
+        """The servers still in the round (of ``only``), and still in the fleet."""
+        return [url for url in self.live if (only is None or url in only) and url in self.fleet]
 
     def lane(self, urls: Sequence[str]) -> Lane:
         """These calls restricted to ``urls`` (one transport's servers)."""
@@ -150,10 +154,14 @@ class InitCalls:
         """The start of a round into the served model (`DraftRound`: its draft)."""
         return await self.fleet.start_weight_update(targets=urls, require="none")
 
+    #: what the round loads into (`DraftRound`: the draft model)
+    target: Target = "main"
+
     def _mark_dirty(self, urls: list[str]) -> None:
         """What this round may have left half loaded on ``urls`` is dirty (the served
         model's weights; `DraftRound`: the draft model's)."""
-        self.fleet.mark_dirty(urls)
+        for url in urls:
+            self.fleet.ledger.server_lost(url, self.target)
 
     async def update(self, update_info: UpdateInfo, only: _Only = None) -> None:
         raise RuntimeError("update_weights is only allowed inside a publish round")
@@ -203,7 +211,11 @@ class PublishRound(InitCalls):
     weights can be iterated again (a collective round is then sent again once without
     a lost server). ``abort_info`` is the backend's update that ends an open update on a
     server (``TrainerBackend.abort_info``). ``published_version`` is the last published
-    version; `commit` advances it.
+    version; `commit` advances it. ``catch_up``: the round sends the published version
+    again to servers that lack it (`asyncsync._publish.catchup`): its commit records
+    them caught up and publishes nothing new. ``on_probed`` is called with the servers
+    whose process the probe found new (restarted since ``identities``, the identity
+    each had when the publisher last reached it), before anything is sent.
     """
 
     def __init__(
@@ -222,6 +234,9 @@ class PublishRound(InitCalls):
         seconds: dict[str, float] | None = None,
         verify: Verify | None = None,
         digests: TrainerDigests | None = None,
+        catch_up: bool = False,
+        identities: Mapping[str, str | None] | None = None,
+        on_probed: Callable[[list[str]], None] | None = None,
     ) -> None:
         super().__init__(fleet, targets)
         self.targets = list(targets)
@@ -247,7 +262,9 @@ class PublishRound(InitCalls):
         #: servers a pause was attempted on (resumed whatever happens), from the start
         #: those an earlier round left paused (its rollback skips a server that did not
         #: answer: this round resumes it once it answers again)
-        self.paused: list[str] = [url for url in self.targets if fleet.state(url).paused]
+        self.to_resume: list[str] = [
+            url for url in self.targets if url in fleet and fleet.ledger.record(url).paused
+        ]
         #: whether the round reached the servers' start (bad input never does)
         self.start_attempted = False
         #: a collective attempt lost a server; `attempts` is 2 once it was sent again
@@ -256,6 +273,9 @@ class PublishRound(InitCalls):
         self.verify = verify
         self.digests = digests
         self.verified: dict[str, Verification] = {}
+        self.catch_up = catch_up
+        self.identities = dict(identities or {})
+        self.on_probed = on_probed
 
     # ------------------------------------------------------------------ the round
     async def run(
@@ -265,13 +285,16 @@ class PublishRound(InitCalls):
         reset_prefix_cache? -> verify? -> commit -> resume?; too few servers left:
         rollback, then the error."""
         began = time.perf_counter()
-        logger.info("publishing %r to %d server(s)", self.version, len(self.targets))
+        what = "catching up" if self.catch_up else "publishing"
+        logger.info("%s %r to %d server(s)", what, self.version, len(self.targets))
+        self.fleet.ledger.round_started(self.version, self.targets, self.target)
         try:
             if init is not None:
                 await self._init(init)
-            await self.probe()
             if self.pause_mode is not None:
-                await self.pause()
+                await self._probe_and_pause()
+            else:
+                await self.probe()
             stats = await self.send(job, executor)
             if self.reset_cache:
                 await self.reset_prefix_cache()
@@ -332,20 +355,37 @@ class PublishRound(InitCalls):
         return {url: result[url].unwrap() for url in self._live(only)}
 
     async def probe(self) -> None:
-        """Servers last seen unhealthy answer ``/health`` (control deadline) or drop
-        out now, before anything waits an update deadline for them."""
-        unhealthy = [url for url in self.live if not self.fleet.state(url).healthy]
-        if unhealthy:
-            await self._phase(
-                Phase.PROBE,
-                lambda _live: self.fleet.health(targets=unhealthy, require="none"),
-            )
+        """Every server answers the health probe (``/health`` and its identity, under
+        the control deadline) or drops out now, before anything waits an update
+        deadline for it. A server whose process is new since the publisher last
+        reached it (restarted) is reported to `on_probed` before anything is sent."""
+        await self._phase(Phase.PROBE, lambda live: self.fleet.health(targets=live, require="none"))
+        ledger = self.fleet.ledger
+        restarted = [
+            url
+            for url in self._live(None)
+            if self.identities.get(url) is not None
+            and ledger.record(url).identity != self.identities[url]
+        ]
+        if restarted and self.on_probed is not None:
+            self.on_probed(restarted)
+
+    async def _probe_and_pause(self) -> None:
+        """The probe and the pause at once: the pause is not held up by the probe's
+        answers (generations keep running on old weights meanwhile); a server the probe
+        drops was paused too, and is resumed with the others."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.probe())
+                group.create_task(self.pause())
+        except BaseExceptionGroup as failed:
+            raise _first(failed) from None
 
     async def pause(self) -> None:
         assert self.pause_mode is not None
         mode = self.pause_mode
         # resumed even if the pause fails midway
-        self.paused.extend(url for url in self.live if url not in self.paused)
+        self.to_resume.extend(url for url in self.live if url not in self.to_resume)
         await self._phase(
             Phase.PAUSE, lambda live: self.fleet.pause(mode, targets=live, require="none")
         )
@@ -399,7 +439,8 @@ class PublishRound(InitCalls):
         stale = [u for u in result.failed if is_stale_round_error(result[u].error)]
         if not stale:
             return result
-        self.fleet.mark_dirty(stale)  # whichever model the stale round was loading
+        for url in stale:  # whichever model the stale round was loading
+            self.fleet.ledger.server_lost(url)
         await self._end_updates(stale)
         again = await self._start_route(stale)
         self.open.update(again.succeeded)
@@ -416,7 +457,8 @@ class PublishRound(InitCalls):
         await self._phase(Phase.FINISH, lambda live: self._finish_on(live, weight_version), only)
 
     async def _finish_on(self, live: list[str], weight_version: str | None) -> FleetResult[None]:
-        result = await self.fleet._finish(weight_version, targets=live)
+        # The round holds these servers: the finish records no version, the commit does.
+        result = await self.fleet.finish_weight_update(weight_version, targets=live, require="none")
         self.open.difference_update(result.succeeded)  # those hold the round's weights
         return result
 
@@ -432,9 +474,9 @@ class PublishRound(InitCalls):
         first."""
         assert self.verify is not None
         verify = self.verify
-        if verify.probe is not None and self.paused:
-            await self.fleet.resume(targets=self.paused, require="none")
-            self.paused = []  # resumed: neither the commit nor a rollback resumes again
+        if verify.probe is not None and self.to_resume:
+            await self.fleet.resume(targets=self.to_resume, require="none")
+            self.to_resume = []  # resumed: neither the commit nor a rollback resumes again
         await self._phase(Phase.VERIFY, lambda live: self._verify_on(live, verify, executor))
 
     async def _verify_on(
@@ -452,7 +494,9 @@ class PublishRound(InitCalls):
     # ------------------------------------------------------------------ who is left
     async def _phase(self, phase: Phase, call: _Call, only: _Only = None) -> FleetResult[Any]:
         """One fan-out of ``phase`` to the servers left (of ``only``): its seconds added,
-        the servers it failed on dropped (`_drop`)."""
+        the servers it failed on dropped (`_drop`); a server removed from the fleet
+        meanwhile (``Fleet.remove_server``, a watch) drops out first."""
+        self._drop_removed(phase)
         result: FleetResult[Any] = await self._timed(phase, lambda: call(self._live(only)))
         self.connected.update(
             url for url, o in result.items() if o.error is None or not never_sent(o.error)
@@ -495,6 +539,23 @@ class PublishRound(InitCalls):
             self.regroup = True
             raise _Regroup(f"the collective lost {', '.join(lost)} at {phase.value}")
 
+    def _drop_removed(self, phase: Phase) -> None:
+        removed = [url for url in self.live if url not in self.fleet]
+        if not removed:
+            return
+        errors: list[Exception] = []
+        for url in removed:
+            why = AsyncSyncError("removed from the fleet during the round", server=url)
+            self._lose(url, phase, why)
+            errors.append(why)
+        if len(self.live) < self.need:
+            raise _TooFew(
+                f"{len(self.live)} server(s) left after {phase.value}, {self.need} needed "
+                f"(removed from the fleet: {', '.join(removed)})",
+                errors,
+                operation=phase.value,
+            )
+
     def _lose(self, url: str, phase: Phase, error: BaseException) -> None:
         """``url`` drops out at ``phase``: dirty, sent nothing more in this round."""
         self.live.remove(url)
@@ -514,8 +575,13 @@ class PublishRound(InitCalls):
 
     # ------------------------------------------------------------------ ends
     def commit(self) -> None:
-        """Enough servers went through the round: the version is published on them."""
-        self.fleet._published(self.version, self.live)
+        """Enough servers went through the round: the version is published on them (a
+        catch-up: they hold the published version again)."""
+        ledger = self.fleet.ledger
+        if self.catch_up:
+            ledger.caught_up(self.version, self.live, self.targets)
+        else:
+            ledger.round_committed(self.version, self.live, self.targets, self.target)
         self.published_version = self.version
 
     async def wind_down(self) -> None:
@@ -525,7 +591,9 @@ class PublishRound(InitCalls):
         await self._end_updates(
             [u for u in sorted(self.open) if u in lost and not self._timed_out(u)]
         )
-        resumable = [url for url in self.paused if not self._timed_out(url)]
+        resumable = [
+            url for url in self.to_resume if not self._timed_out(url) and url in self.fleet
+        ]
         if resumable:
             result: FleetResult[None] = await self._timed(
                 Phase.RESUME, lambda: self.fleet.resume(targets=resumable, require="none")
@@ -553,14 +621,15 @@ class PublishRound(InitCalls):
         await self._end_updates([u for u in sorted(self.open) if not self._timed_out(u)])
         reached = [u for u in self.targets if u in self.touched or self.outcomes[u].dirty]
         for url in reached:
-            self.outcomes[url].dirty = True
+            self.outcomes[url] = dataclasses.replace(self.outcomes[url], dirty=True)
         if reached:
             logger.warning("round %r left %s dirty", self.version, ", ".join(reached))
-            self._mark_dirty(reached)
-        for url in self.paused:
-            if self._timed_out(url):
-                self.fleet.state(url).paused = True  # its pause may still run
-        resumable = [url for url in self.paused if not self._timed_out(url)]
+        # a pause that got no answer may still run: those servers count as paused
+        unanswered = [url for url in self.to_resume if self._timed_out(url)]
+        self.fleet.ledger.rolled_back(reached, self.targets, self.target, paused=unanswered)
+        resumable = [
+            url for url in self.to_resume if not self._timed_out(url) and url in self.fleet
+        ]
         if resumable:
             result = await self.fleet.resume(targets=resumable, require="none")
             for url in result.failed:
@@ -573,6 +642,7 @@ class PublishRound(InitCalls):
         """End the active update on ``urls`` with the backend's abort update. A rejection
         is the expected answer (the server then holds no active update); a server that
         accepted it, or did not answer, stays dirty."""
+        urls = [url for url in urls if url in self.fleet]
         if not urls:
             return
         result = await self.fleet.update_weights(
@@ -600,6 +670,23 @@ class PublishRound(InitCalls):
 
     def error(self, exc: BaseException) -> PublishError:
         return publish_error(self.version, self.published_version, self.outcomes, exc)
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The failure of a phase run beside another: too few servers left, if that is one
+    of them (what the round's error explains), else the first."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup) and not isinstance(exc, FleetError):
+            pending.extend(exc.exceptions)  # the task group's, not a fleet call's error
+        else:
+            leaves.append(exc)
+    for exc in leaves:
+        if isinstance(exc, _TooFew):
+            return exc
+    return leaves[0]
 
 
 def _no_answer(error: BaseException | None) -> bool:

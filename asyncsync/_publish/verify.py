@@ -399,6 +399,8 @@ async def verify_servers(
 
     async def one(url: str) -> Verification | Exception:
         result = Verification(url)
+        if url not in fleet:
+            return AsyncSyncError("removed from the fleet", server=url)
         try:
             if verify.checksum:
                 checksums = await fleet.client(url).weight_checksums()

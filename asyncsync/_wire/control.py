@@ -74,8 +74,6 @@ class Call(Generic[T]):
     params: tuple[tuple[str, str], ...] = ()
     idempotent: bool = False
     json_response: bool = True
-    #: Weight version the client records when the call succeeds.
-    record_version: str | None = None
     #: A hint added to the message when the server answers 404.
     not_found_hint: str | None = None
 
@@ -307,6 +305,44 @@ def plan_version() -> Call[str]:
     )  # fmt: skip
 
 
+def _parse_identity(data: Any) -> str | None:
+    if not isinstance(data, dict) or not isinstance(data.get("vllm_config"), dict):
+        raise Malformed("expected a JSON object with a 'vllm_config' object")
+    found = data["vllm_config"].get("instance_id")
+    if isinstance(found, int | str) and not isinstance(found, bool) and str(found):
+        return str(found)
+    return None  # a vLLM whose config carries no instance id
+
+
+def plan_identity() -> Call[str | None]:
+    """The server process's identity: vLLM's ``instance_id`` (``GET /server_info``,
+    dev mode; vLLM 0.27 and 0.32 set it from the clock when the server's config is
+    built, once per process start), so a restarted server answers with a new one.
+    None when the config carries none."""
+    return Call(
+        "identity", "GET", "/server_info", "control", _parse_identity,
+        '{"vllm_config": {"instance_id": str, ...}}', params=(("config_format", "json"),),
+        idempotent=True,
+        not_found_hint="/server_info needs VLLM_SERVER_DEV_MODE=1, like the RL routes",
+    )  # fmt: skip
+
+
+def _parse_workers(data: Any) -> list[str]:
+    urls = data.get("urls") if isinstance(data, dict) else None
+    if not isinstance(urls, list) or not all(isinstance(u, str) and u for u in urls):
+        raise Malformed("expected a JSON object with 'urls', a list of URLs")
+    return list(urls)
+
+
+def plan_list_workers() -> Call[list[str]]:
+    """A vllm-router's worker list (``GET /list_workers``: ``{"urls": [...]}``)."""
+    return Call(
+        "list_workers", "GET", "/list_workers", "control", _parse_workers,
+        '{"urls": [str, ...]}', idempotent=True,
+        not_found_hint="is this a vllm-router? (it lists its workers at /list_workers)",
+    )  # fmt: skip
+
+
 def plan_pause(mode: PauseMode, clear_cache: bool | None) -> Call[None]:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
@@ -361,7 +397,7 @@ def plan_update_weight_version(
     return Call(
         "update_weight_version", "POST", "/update_weight_version", "control",
         _version_parser(new_version), '{"success": true, "new_version": str}',
-        payload={"new_version": new_version}, record_version=new_version,
+        payload={"new_version": new_version},
     )  # fmt: skip
 
 
@@ -489,7 +525,7 @@ def plan_finish_weight_update(
         payload = {"weight_version": weight_version}
     return Call(
         "finish_weight_update", "POST", "/finish_weight_update", "update", _parse_message,
-        _MESSAGE, payload=payload, record_version=weight_version,
+        _MESSAGE, payload=payload,
     )  # fmt: skip
 
 

@@ -76,6 +76,11 @@ class TrainerBackend(ABC):
     #: server breaks it: the round is sent again without it, in a new group), rather
     #: than something each server loads on its own.
     collective: ClassVar[bool] = False
+    #: Whether the publisher keeps a host copy of each round by default, to catch up
+    #: servers that lack it (``AsyncWeightPublisher(catch_up="auto")``): the host
+    #: transports do; a GPU transport's weights would need a copy to host memory
+    #: (``catch_up="host"``).
+    keeps_last_round: ClassVar[bool] = False
 
     def __init__(self, *, rank: int = 0, world_size: int = 1, api: TrainerApi = "engine") -> None:
         self.rank = rank
@@ -142,6 +147,13 @@ class TrainerBackend(ABC):
         payload boundary once ``control.cancel`` is set. Without a client (other ranks):
         iterate ``source`` in lockstep, send nothing.
         """
+
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """On the event loop, before a round's send: ``urls`` are new processes since
+        this backend last reached them (a restart); forget what was set up with them
+        (a group, an init), so that the send sets it up again. Default: nothing (a
+        per-server transport needs no setup)."""
+        del urls
 
     def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
         """The rate the hardware allows this transport to the servers ``urls`` (what

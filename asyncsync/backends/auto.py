@@ -55,6 +55,7 @@ class AutoBackend(TrainerBackend):
     name = "auto"
     server_backend = AUTO_BACKEND_NAME
     options_class = Auto
+    keeps_last_round = True
 
     def __init__(
         self,
@@ -90,6 +91,9 @@ class AutoBackend(TrainerBackend):
             "backend 'auto': %s",
             ", ".join(f"{url} {t}" for url, t in self.transports.items()) or "no servers",
         )
+
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        self.gloo.servers_restarted([u for u in urls if self.transports.get(u) == "gloo"])
 
     def collective_servers(self, urls: Iterable[str]) -> frozenset[str]:
         return frozenset(url for url in urls if self.transports.get(url) == "gloo")

@@ -310,6 +310,7 @@ class GlooBackend(TrainerBackend):
     server_backend = GLOO_BACKEND_NAME
     options_class = Gloo
     collective = True
+    keeps_last_round = True
 
     def __init__(
         self,
@@ -357,6 +358,11 @@ class GlooBackend(TrainerBackend):
         self.link.update_deadline_s = client.update_deadline()
         self.link.ensure(client, client.world_sizes())
         return self.link.send_round(source, client, control)
+
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """A restarted server is in no group: the next send forms a new one."""
+        if urls:
+            self.link.end_generation()
 
     def ceiling(self, urls: Sequence[str]) -> Ceiling | None:
         """The link to the servers: ``link_gb_per_s`` when given; else loopback TCP,

@@ -127,6 +127,11 @@ class IpcBackend(VllmEngineBackend):
         # vLLM 0.28+ sends the packed flag itself (trainer_init); 0.23-0.27 take none.
         return {}
 
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """A restarted server's engine was never initialized: the next send does."""
+        if urls:
+            self._members = None
+
     # ------------------------------------------------------------------ init
     def init(self, client: SyncFleetClient) -> None:
         self._connect(client, list(client.world_sizes()), self._mode)

@@ -173,6 +173,11 @@ class NcclBackend(VllmEngineBackend):
     def init_info(self) -> Mapping[str, Any]:
         raise NotImplementedError("nccl init_info is per server and per group")
 
+    def servers_restarted(self, urls: Sequence[str]) -> None:
+        """A restarted server is in no group: the next send forms a new one."""
+        if urls:
+            self._drop()
+
     # ------------------------------------------------------------------ the group
     def init(self, client: SyncFleetClient) -> None:
         self._connect(client, client.world_sizes())

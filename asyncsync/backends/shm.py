@@ -296,6 +296,7 @@ class ShmBackend(TrainerBackend):
     name = "shm"
     server_backend = BACKEND_NAME
     options_class = Shm
+    keeps_last_round = True
 
     def __init__(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -71,6 +72,7 @@ class _Spec:
     startup_timeout: float
     stop_timeout: float
     options: Mapping[str, Any] = field(default_factory=dict)
+    max_restarts: int = 0
 
     def bundle(self) -> dict[str, float]:
         resources = {"CPU": self.num_cpus}
@@ -93,6 +95,9 @@ class ServerGroup:
         infos: what each actor reported (``url``, ``host``, ``node_id``, ``pgid``,
             ``pid``, ``cpu_cores``, ``log_path``, ``ring_buffers``, ``index``).
         placement_group: the placement group the servers are placed in.
+
+    ``urls``, ``hosts``, ``nodes`` and ``infos`` are what the actors said when last
+    asked: at launch, and at each `refresh` (``fleet.watch(group)`` refreshes).
     """
 
     def __init__(
@@ -103,16 +108,72 @@ class ServerGroup:
         *,
         owns_placement_group: bool,
         stop_timeout: float,
+        startup_timeout: float = 600.0,
     ) -> None:
         self.actors: tuple[Any, ...] = tuple(actors)
-        self.infos: tuple[dict[str, Any], ...] = tuple(dict(i) for i in infos)
-        self.urls: tuple[str, ...] = tuple(str(i["url"]) for i in infos)
-        self.hosts: tuple[str, ...] = tuple(str(i["host"]) for i in infos)
-        self.nodes: tuple[str, ...] = tuple(str(i["node_id"]) for i in infos)
+        self._members: list[dict[str, Any] | None] = [dict(i) for i in infos]
+        self._set_members()
         self.placement_group = placement_group
         self._owns_placement_group = owns_placement_group
         self._stop_timeout = stop_timeout
+        self._startup_timeout = startup_timeout
+        #: actor index -> the start of its server again, after Ray restarted the actor
+        self._restarting: dict[int, asyncio.Task[None]] = {}
         self.closed = False
+
+    def _set_members(self) -> None:
+        infos = [i for i in self._members if i is not None]
+        self.infos: tuple[dict[str, Any], ...] = tuple(infos)
+        self.urls: tuple[str, ...] = tuple(str(i["url"]) for i in infos)
+        self.hosts: tuple[str, ...] = tuple(str(i["host"]) for i in infos)
+        self.nodes: tuple[str, ...] = tuple(str(i["node_id"]) for i in infos)
+
+    async def refresh(self, *, timeout: float = 30.0) -> tuple[str, ...]:  # noqa: ASYNC109
+        """Ask every actor for its server (at once, each within ``timeout`` seconds) and
+        return the URLs of the servers running now. An actor that Ray restarted
+        (``launch_servers(max_restarts=...)``) runs no server yet: it is started again
+        in the background (its new URL is listed once it is healthy); a dead actor, or
+        one that does not answer, is left out. ``fleet.watch(group)`` calls this."""
+        if self.closed:
+            return ()
+
+        async def ask(index: int, actor: Any) -> dict[str, Any] | None:
+            if index in self._restarting:
+                return None
+            try:
+                async with asyncio.timeout(timeout):
+                    info: dict[str, Any] = await actor.server_info.remote()
+            except ray.exceptions.RayTaskError:
+                # the actor answers but runs no server: Ray restarted it
+                self._restart(index, actor)
+                return None
+            except (ray.exceptions.RayError, TimeoutError):
+                return None  # dead, or restarting: asked again next time
+            return info
+
+        found = await asyncio.gather(*(ask(i, a) for i, a in enumerate(self.actors)))
+        for index, info in enumerate(found):
+            if index not in self._restarting:
+                self._members[index] = info
+        self._set_members()
+        return self.urls
+
+    def _restart(self, index: int, actor: Any) -> None:
+        logger.warning("server %d's actor was restarted by Ray: starting its server again", index)
+        self._members[index] = None
+
+        async def start() -> None:
+            try:
+                async with asyncio.timeout(self._startup_timeout + 60.0):
+                    self._members[index] = await actor.start.remote()
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                logger.warning("server %d did not start again: %s", index, exc)
+            finally:
+                self._restarting.pop(index, None)
+
+        self._restarting[index] = asyncio.get_running_loop().create_task(
+            start(), name=f"asyncsync:ray-restart-{index}"
+        )
 
     def fleet(self, **options: Any) -> Fleet:
         """A `asyncsync.Fleet` (not yet opened) over these servers, with their host
@@ -128,6 +189,9 @@ class ServerGroup:
         if self.closed:
             return
         self.closed = True
+        for task in self._restarting.values():
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
         await _teardown(
             list(self.actors),
             self.placement_group if self._owns_placement_group else None,
@@ -192,6 +256,7 @@ def launch_servers(
     placement_timeout: float = 60.0,
     startup_timeout: float = 600.0,
     stop_timeout: float = 30.0,
+    max_restarts: int = 0,
     **server_options: Any,
 ) -> Launch:
     """Launch ``num_servers`` vLLM servers as Ray actors (``ray.init()`` first).
@@ -219,6 +284,10 @@ def launch_servers(
         placement_timeout: how long the placement group may take to be placed.
         startup_timeout: how long each server may take to become healthy.
         stop_timeout: how long each server may take to stop.
+        max_restarts: how many times Ray restarts a server's actor when it dies (its
+            server goes with it; -1: without end). `ServerGroup.refresh` (and
+            ``fleet.watch(group)``) starts the server of a restarted actor again, under a
+            new URL, which the fleet catches up before it serves.
         server_options: `LocalVLLMServer`'s other options (``tokenizer``,
             ``extra_args``, ``env``, ``max_model_len``, ``dtype``, ``host``, ...).
 
@@ -233,6 +302,9 @@ def launch_servers(
         model, num_servers, backend, placement, bundle_indices, num_cpus, num_gpus,
         cpu_cores, placement_timeout, startup_timeout, stop_timeout, server_options,
     )  # fmt: skip
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < -1:
+        raise ValueError(f"max_restarts must be an int >= -1, got {max_restarts!r}")
+    spec = dataclasses.replace(spec, max_restarts=max_restarts)
     if not ray.is_initialized():
         raise RayNotInitializedError(
             "launch_servers needs a Ray cluster: call ray.init() first (ray.init() starts "
@@ -330,7 +402,7 @@ async def _launch(spec: _Spec) -> ServerGroup:
                 remote.options(
                     num_cpus=spec.num_cpus,
                     num_gpus=spec.num_gpus,
-                    max_restarts=0,
+                    max_restarts=spec.max_restarts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=indices[i]
                     ),
@@ -341,8 +413,9 @@ async def _launch(spec: _Spec) -> ServerGroup:
         await asyncio.shield(_teardown(actors, pg if owned else None, spec.stop_timeout))
         raise
     group = ServerGroup(
-        actors, infos, pg, owns_placement_group=owned, stop_timeout=spec.stop_timeout
-    )
+        actors, infos, pg, owns_placement_group=owned, stop_timeout=spec.stop_timeout,
+        startup_timeout=spec.startup_timeout,
+    )  # fmt: skip
     logger.info("launched %d vLLM server(s) on Ray: %s", len(group), ", ".join(group.urls))
     return group
 

@@ -48,6 +48,16 @@ class ControlRoutes(RouteGroup):
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.state.version})
 
+    @route("GET", "/server_info", served=lambda state: state.server_info)
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """Dev mode's ``/server_info?config_format=json``: the parts asyncsync reads
+        (the config's ``instance_id``; no LoRA, no speculative decoding)."""
+        config = {
+            "instance_id": self.state.instance_id, "lora_config": None,
+            "speculative_config": None, "model_config": {"model": self.state.model},
+        }  # fmt: skip
+        return web.json_response({"vllm_config": config, "vllm_env": {}, "system_env": {}})
+
     @route("GET", "/get_world_size")
     async def _get_world_size(self, request: web.Request) -> web.Response:
         return web.json_response({"world_size": self.state.world_size})

@@ -76,6 +76,9 @@ class FakeVLLMServer(FakeState):
             that their engine is not callable, as vLLM's own engines do.
         dtype: the dtype the server computes in (a tensor may come in it or in the
             checkpoint's dtype).
+        server_info: serve dev mode's ``/server_info`` (its config's ``instance_id``:
+            the process identity a fleet reads; `restart` changes it). Off by default:
+            a server without it has no identity to compare.
         chat: a chat policy: the model chats (ChatML with hermes tool calls, a
             byte-level tokenizer) and answers each assistant turn with
             ``chat(conversation)`` (`scripted` replies, `tool_call` text); the chat
@@ -147,6 +150,15 @@ class FakeVLLMServer(FakeState):
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+
+    async def restart(self) -> FakeVLLMServer:
+        """Stop and start again on the same port, as a new process: a new identity
+        (``instance_id``), the checkpoint's weights (version ``"default"``), nothing
+        paused or recorded. Connections open to the old one are cut."""
+        await self._die()
+        await self.stop()
+        self._restarted()
+        return await self.start()
 
     async def __aenter__(self) -> FakeVLLMServer:
         return await self.start()

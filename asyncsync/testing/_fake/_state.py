@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -69,6 +70,7 @@ class FakeState:
         max_recorded: int | None = 10_000,
         checkpoint: Mapping[str, tuple[str, Sequence[int]]] | None = None,
         dtype: str = "float32",
+        server_info: bool = False,
         chat: ChatPolicy | None = None,
     ) -> None:
         if max_recorded is not None and max_recorded < 0:
@@ -109,6 +111,9 @@ class FakeState:
         # What asyncsync's engine (backend asyncsync_shm/asyncsync_gloo) describes.
         self.checkpoint = checkpoint
         self.dtype = dtype
+        # Dev mode's /server_info, with vLLM's instance_id (its process identity).
+        self.server_info = server_info
+        self.instance_id = _instance_id()
         self._hold_nothing_yet(max_recorded)
 
     def _event_size(self, event: int) -> int:
@@ -127,14 +132,14 @@ class FakeState:
     def _hold_nothing_yet(self, max_recorded: int | None) -> None:
         """What a server holds before its first request."""
         # Pausing (see _pause(), _admit() and _gate()).
-        self.paused = False
+        self._paused = False
         self.pause_modes: list[str] = []
         self._pause_mode = "abort"
         self._abort_epoch = 0  # pause(mode="abort") ends the requests of earlier epochs
         self._resumed = asyncio.Event()
         self._resumed.set()
         # Weights and their updates.
-        self.weight_version = "default"
+        self._weight_version = "default"
         self.update_active = False
         self.init_infos: list[Any] = []
         self.start_bodies: list[Any] = []
@@ -151,6 +156,29 @@ class FakeState:
         self.generation_requests = 0
         #: tokens sampled so far, every request's together (a test waits for the k-th)
         self.tokens_generated = 0
+
+    # ------------------------------------------------------------ what it holds
+    @property
+    def weight_version(self) -> str:
+        """The version it reports (``/weight_info``, generation spans): ``"default"``
+        until a finish or a version update sets one. A test may set it to make the
+        server report something else (a server whose version goes backwards, or lies)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self._weight_version = version
+
+    @property
+    def paused(self) -> bool:
+        """Paused (``/pause``) and not resumed since."""
+        return self._paused
+
+    def _restarted(self) -> None:
+        """A new process at the same address: a new identity, the checkpoint's weights
+        (version ``"default"``), nothing paused, no update, no fault, nothing recorded."""
+        self.instance_id = _instance_id()
+        self._hold_nothing_yet(self.max_recorded)
 
     # ------------------------------------------------------------ faults and history
     def inject(self, route: str, fault: Fault, *, times: int | None = 1) -> None:
@@ -200,7 +228,11 @@ class FakeState:
         self._generation += 1
         self._zeroed = False
         if version is not None:
-            self.weight_version = version
+            self._weight_version = version
+
+    def _finish_version(self, version: str) -> None:
+        """``/update_weight_version``: the version changes, the weights do not."""
+        self._weight_version = version
 
     def _zero_weights(self) -> None:
         """``/weight_checker`` ``reset``: the checksums are of zeroed weights until the
@@ -219,7 +251,7 @@ class FakeState:
     def _pause(self, mode: str) -> None:
         """Like vLLM: new requests wait until resume; ``"abort"`` ends in-flight ones,
         ``"keep"`` freezes them, ``"wait"`` lets them run on."""
-        self.paused = True
+        self._paused = True
         self.pause_modes.append(mode)
         self._pause_mode = mode
         self._resumed.clear()
@@ -227,7 +259,7 @@ class FakeState:
             self._abort_epoch += 1  # in-flight generations end with "abort"
 
     def _resume(self) -> None:
-        self.paused = False
+        self._paused = False
         self._resumed.set()
 
     async def _admit(self) -> int:
@@ -246,6 +278,11 @@ class FakeState:
             if not self.paused or self._pause_mode == "wait":
                 return True
             await self._resumed.wait()
+
+
+def _instance_id() -> str:
+    """What vLLM's config sets as ``instance_id``: the clock, in ns, when built."""
+    return str(time.time_ns())
 
 
 def _checksum(seed: str) -> str:

@@ -143,7 +143,7 @@ class WeightRoutes(RouteGroup):
         value, error = await read_embedded(request, "new_version")
         if error is not None:
             return error
-        self.state.weight_version = str(value)
+        self.state._finish_version(str(value))
         return web.json_response({"success": True, "new_version": self.state.weight_version})
 
     @route("POST", "/weight_checker", served=_is_032)
