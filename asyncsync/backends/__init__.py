@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import importlib
 
-from asyncsync._publish.bridge import InitInfo
-from asyncsync.backends._base import (
+from asyncsync.backends._options import IPC, NCCL, Auto, Gloo, Shm
+from asyncsync.backends.contract import (
+    BackendOptions,
+    Ceiling,
+    InitInfo,
     RoundCancelled,
     SendControl,
     SendStats,
     TrainerApi,
     TrainerBackend,
 )
-from asyncsync.backends._ceiling import Ceiling
-from asyncsync.backends._options import IPC, NCCL, Auto, BackendOptions, Gloo, Shm
 
 __all__ = [
     "IPC",
