@@ -480,7 +480,7 @@ def test_site_module_pages_show_exactly_the_exports(module: object) -> None:
 
 
 @needs_site
-@pytest.mark.parametrize("page", ["asyncsync", "blocking", "metrics", "testing"])
+@pytest.mark.parametrize("page", ["asyncsync", "blocking", "metrics", "testing", "contract"])
 def test_site_reference_pages_render_markdown_and_wrap_signatures(page: str) -> None:
     content = _page(f"reference/{page}")
     text = _text(re.sub(r"<(script|style)\b.*?</\1>", "", content, flags=re.S))
