@@ -32,7 +32,7 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.collector import collections_paused
 from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import ClosedError, PublishError
-from asyncsync._publish.bridge import SyncFleetClient
+from asyncsync._publish.bridge import RoundClient
 from asyncsync._publish.catchup import CatchUp, CatchUpLike, KeptRound, check_catch_up
 from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
@@ -59,7 +59,6 @@ from asyncsync._publish.verify import (
 )
 from asyncsync._publish.weights import (
     WeightsLike,
-    WeightSource,
     check_source,
     check_weights,
     finite,
@@ -77,6 +76,7 @@ from asyncsync.backends import (
     create_backend,
     options_for,
 )
+from asyncsync.backends.contract import WeightSource
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
@@ -287,7 +287,7 @@ class AsyncWeightPublisher:
             urls = self._targets(targets)
             await self._backend.prepare(self.fleet, urls)
             calls = InitCalls(self.fleet, urls)
-            client = SyncFleetClient.on_running_loop(calls, cancel=threading.Event())
+            client = RoundClient.on_running_loop(calls, cancel=threading.Event())
             # A cancel meanwhile is re-raised once the thread's init has returned: no
             # thread is left talking to the servers.
             await run_to_the_end(
@@ -630,7 +630,7 @@ class AsyncWeightPublisher:
     async def _init_servers(self, round_: PublishRound) -> None:
         """The backend's init in the worker thread, through the round (a server that
         fails there drops out like in any phase)."""
-        client = SyncFleetClient.on_running_loop(round_, cancel=threading.Event())
+        client = RoundClient.on_running_loop(round_, cancel=threading.Event())
         await run_to_the_end(
             asyncio.get_running_loop().run_in_executor(self._executor, self._backend.init, client)
         )
@@ -667,7 +667,7 @@ class _SendJob:
         self.chain = chain
         self.checkpoints = checkpoints
 
-    def __call__(self, client: SyncFleetClient | None, cancel: threading.Event) -> SendStats:
+    def __call__(self, client: RoundClient | None, cancel: threading.Event) -> SendStats:
         source = self.source
         if source is None:  # a factory: called here, checked before anything is sent
             source = resolve(self.weights)

@@ -23,7 +23,7 @@ Checks (well under 5 minutes on one GPU; the CPU-side ones run anywhere):
    exactly as large as the buffer: every chunk within the buffer, every tensor in one
    chunk, in order, at aligned, non-overlapping offsets; a larger tensor is refused.
 3. ``bridge per chunk``: a worker thread calling the thread-to-loop bridge
-   (``SyncFleetClient.update_weights``) against a loop whose fan-out does nothing.
+   (``RoundClient.update_weights``) against a loop whose fan-out does nothing.
 4. ``pack GB/s``: copying a model's tensors into a device buffer at the planned offsets.
 
 Only torch and the standard library are needed: asyncsync's modules are loaded from this
@@ -199,10 +199,10 @@ class _NoopCalls:
 
 
 def check_bridge(calls: int) -> tuple[bool, str]:
-    from asyncsync._publish.bridge import SyncFleetClient
+    from asyncsync._publish.bridge import RoundClient
 
     async def measure() -> list[float]:
-        client = SyncFleetClient.on_running_loop(_NoopCalls(), cancel=threading.Event())
+        client = RoundClient.on_running_loop(_NoopCalls(), cancel=threading.Event())
 
         def worker() -> list[float]:
             runs = []

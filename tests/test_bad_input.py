@@ -13,8 +13,8 @@ import pytest_asyncio
 import torch
 
 import asyncsync as az
-from asyncsync._publish.weights import WeightSource
 from asyncsync.backends._shm_pack import ShmBuffers, manifest_of, stream_chunks
+from asyncsync.backends.contract import WeightSource
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver
 from tests.publish_fakes import shm_fakes

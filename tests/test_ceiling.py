@@ -8,9 +8,9 @@ import torch
 
 import asyncsync as az
 from asyncsync._publish.report import PublishReport
-from asyncsync._publish.weights import WeightSource
 from asyncsync.backends import Ceiling, create_backend, options_for
 from asyncsync.backends._ceiling import interface_of, link_ceiling, memcpy_rate
+from asyncsync.backends.contract import WeightSource
 from asyncsync.backends.ipc import (
     PACK_MEAN_BYTES,
     PACK_MIN_TENSORS,

@@ -11,7 +11,6 @@ import torch
 
 import asyncsync as az
 from asyncsync._publish.delta import DeltaChain
-from asyncsync._publish.weights import WeightSource
 from asyncsync.backends._delta_codec import (
     KIND_DENSE,
     KIND_SAME,
@@ -24,6 +23,7 @@ from asyncsync.backends._delta_codec import (
 )
 from asyncsync.backends._shm_pack import ShmBuffers, round_fields_of, stream_chunks
 from asyncsync.backends._wire import ShmUpdateFields
+from asyncsync.backends.contract import WeightSource
 from tests.publish_fakes import ShmWorker, receiving_fakes
 
 

@@ -29,6 +29,7 @@ import pytest
 
 import asyncsync as az
 from asyncsync import backends, blocking, metrics, testing
+from asyncsync.backends import contract
 from tests.user_code import UserCode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +177,7 @@ def test_reference_pages_cover_the_public_api() -> None:
     }
     assert public - documented == set(), f"undocumented in the API reference: {public - documented}"
     assert documented - public == set(), f"documented but not exported: {documented - public}"
-    for module in (backends, blocking, metrics, testing):
+    for module in (backends, contract, blocking, metrics, testing):
         page = ROOT / "docs" / "reference" / f"{module.__name__.split('.')[-1]}.md"
         assert f"::: {module.__name__}" in page.read_text(), page
 
@@ -385,7 +386,7 @@ needs_site = pytest.mark.skipif(
 #: A rendered signature line longer than this was not formatted (mkdocs.yml's
 #: line_length is 80; ruff may leave a single long annotation a little longer).
 SIGNATURE_LINE_LIMIT = 100
-REFERENCE_MODULES = (blocking, metrics, testing)
+REFERENCE_MODULES = (blocking, metrics, testing, contract)
 
 
 def _page(name: str) -> str:
@@ -479,7 +480,7 @@ def test_site_module_pages_show_exactly_the_exports(module: object) -> None:
 
 
 @needs_site
-@pytest.mark.parametrize("page", ["asyncsync", "blocking", "metrics", "testing"])
+@pytest.mark.parametrize("page", ["asyncsync", "blocking", "metrics", "testing", "contract"])
 def test_site_reference_pages_render_markdown_and_wrap_signatures(page: str) -> None:
     content = _page(f"reference/{page}")
     text = _text(re.sub(r"<(script|style)\b.*?</\1>", "", content, flags=re.S))

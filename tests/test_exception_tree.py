@@ -40,7 +40,7 @@ SIGNALS = {
     "asyncsync._wire.control.Malformed": "a parser's; the transport maps it (ProtocolError)",
     "asyncsync._wire.generation.StreamFailed": "a stream's error event; GenerationError",
     "asyncsync._publish.round._Regroup": "the round sends again, or fails (PublishError)",
-    "asyncsync.backends._base.RoundCancelled": (
+    "asyncsync.backends.contract.RoundCancelled": (
         "a backend's stop at a chunk boundary; the caller gets its CancelledError"
     ),
     "asyncsync.backends._gloo_group.GlooAborted": "inside a gloo send; PublishError's cause",

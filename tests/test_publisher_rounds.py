@@ -15,8 +15,6 @@ import pytest_asyncio
 import torch
 
 import asyncsync as az
-from asyncsync._publish.bridge import SyncFleetClient
-from asyncsync._publish.weights import WeightSource
 from asyncsync.backends import (
     BackendOptions,
     SendControl,
@@ -25,6 +23,7 @@ from asyncsync.backends import (
     register_backend,
 )
 from asyncsync.backends._wire import PROTOCOL_VERSION
+from asyncsync.backends.contract import SyncFleetClient, WeightSource
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import aborts_received, round_calls, shm_fakes
 

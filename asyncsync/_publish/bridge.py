@@ -17,18 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["FleetCalls", "LoopBridge", "SyncFleetClient"]
+from asyncsync.backends.contract import InitInfo, UpdateInfo
+
+__all__ = ["FleetCalls", "LoopBridge", "RoundClient"]
 
 T = TypeVar("T")
-
-#: An init_info: one mapping for every server, or a function of the server's URL.
-InitInfo = Mapping[str, Any] | Callable[[str], Mapping[str, Any]]
-#: An update_info: one mapping, or (vLLM 0.32) one per worker rank.
-UpdateInfo = Any
 
 
 class LoopBridge:
@@ -62,7 +59,7 @@ class LoopBridge:
 
 
 class FleetCalls(Protocol):
-    """The loop-side fan-outs behind a `SyncFleetClient` (a publish round)."""
+    """The loop-side fan-outs behind a `RoundClient` (a publish round)."""
 
     async def init(self, init_info: InitInfo) -> None: ...
 
@@ -77,8 +74,9 @@ class FleetCalls(Protocol):
     async def servers(self) -> list[str]: ...
 
 
-class SyncFleetClient:
-    """vLLM's synchronous ``VLLMWeightSyncClient`` protocol, over an async fleet.
+class RoundClient:
+    """The `asyncsync.backends.contract.SyncFleetClient` a round hands its backend:
+    vLLM's synchronous ``VLLMWeightSyncClient`` protocol, over an async fleet.
 
     Each method fans out to the targeted servers on the event loop and blocks the
     calling worker thread until all of them answered; ``begin_init`` and
@@ -99,7 +97,7 @@ class SyncFleetClient:
     @classmethod
     def on_running_loop(
         cls, calls: FleetCalls, *, cancel: threading.Event, version: str | None = None
-    ) -> SyncFleetClient:
+    ) -> RoundClient:
         """A client for worker threads, bound to the running loop (call on the loop)."""
         bridge = LoopBridge(asyncio.get_running_loop(), cancel=cancel)
         bridge.bind_loop_thread()
@@ -137,13 +135,13 @@ class SyncFleetClient:
         """Each targeted server's ``/get_world_size`` (NCCL rank offsets)."""
         return self._bridge.call(self._calls.world_sizes)
 
-    def lane(self, urls: Sequence[str]) -> SyncFleetClient:
+    def lane(self, urls: Sequence[str]) -> RoundClient:
         """A client whose calls go only to ``urls`` of this client's servers (one
         transport's share of a mixed round), recorded in the same round."""
         lane = getattr(self._calls, "lane", None)
         if lane is None:
             raise TypeError(f"{type(self._calls).__name__} calls cannot be split into lanes")
-        return SyncFleetClient(self._bridge, lane(urls), version=self.version)
+        return RoundClient(self._bridge, lane(urls), version=self.version)
 
     def servers(self) -> list[str]:
         """The targeted servers still in the round."""

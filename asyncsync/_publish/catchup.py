@@ -42,7 +42,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core.errors import PublishError
-from asyncsync._publish.weights import WeightsLike, WeightSource, check_tensor
+from asyncsync._publish.weights import WeightsLike
+from asyncsync.backends.contract import WeightSource, check_tensor
 
 if TYPE_CHECKING:
     from asyncsync._core.ledger import Ledger, ServerRecord

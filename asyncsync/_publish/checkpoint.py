@@ -32,8 +32,8 @@ from asyncsync._core.errors import (
     ServerTimeout,
     ServerUnavailableError,
 )
-from asyncsync._publish.weights import ParamMeta, WeightSource
 from asyncsync._wire.served import ASYNCSYNC_ENGINES, CheckpointTable
+from asyncsync.backends.contract import ParamMeta, WeightSource
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncsync._publish.report import PublishReport
-from asyncsync._publish.weights import WeightSource
-from asyncsync.backends._base import TrainerBackend
 from asyncsync.backends._delta_codec import (
     KIND_DENSE,
     KIND_SPARSE,
@@ -29,6 +27,7 @@ from asyncsync.backends._delta_codec import (
     digest,
     encode,
 )
+from asyncsync.backends.contract import TrainerBackend, WeightSource
 
 __all__ = ["ChainRound", "DeltaChain", "DeltaSource", "DeltaStats", "chain_round"]
 

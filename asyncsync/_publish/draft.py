@@ -37,10 +37,10 @@ from asyncsync._publish.checkpoint import Checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.report import PublishReport
 from asyncsync._publish.round import PublishRound
-from asyncsync._publish.weights import WeightsLike, WeightSource, check_source, is_factory, resolve
+from asyncsync._publish.weights import WeightsLike, check_source, is_factory, resolve
 from asyncsync._wire.draft import DRAFT_START_ROUTE
 from asyncsync._wire.served import CheckpointTable
-from asyncsync.backends._base import SendStats
+from asyncsync.backends.contract import SendStats, WeightSource
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor

@@ -5,7 +5,7 @@ known to be unhealthy) -> ``pause``? -> ``start`` -> ``update`` (once per payloa
 ``finish`` -> ``reset_prefix_cache``? -> ``verify``? -> commit -> ``resume``? (resume
 also after a failure; before ``verify`` when a probe must generate). Start, update and
 finish are driven by the backend's blocking send in a worker thread (vLLM's trainer
-engines do so), through a `SyncFleetClient` whose calls land on this round's phase
+engines do so), through a `RoundClient` whose calls land on this round's phase
 methods; the round runs the other phases around the send.
 
 A round is partial: each phase fans out to the servers still in the round (``live``),
@@ -47,7 +47,7 @@ from asyncsync._core.errors import (
 )
 from asyncsync._core.types import FleetResult, Outcome
 from asyncsync._http.transport import never_sent
-from asyncsync._publish.bridge import InitInfo, SyncFleetClient, UpdateInfo
+from asyncsync._publish.bridge import RoundClient
 from asyncsync._publish.report import (
     SECONDS_ORDER,
     Phase,
@@ -56,7 +56,7 @@ from asyncsync._publish.report import (
     publish_error,
 )
 from asyncsync._publish.verify import TrainerDigests, Verification, Verify, verify_servers
-from asyncsync.backends._base import RoundCancelled, SendStats
+from asyncsync.backends.contract import InitInfo, RoundCancelled, SendStats, UpdateInfo
 
 if TYPE_CHECKING:
     from asyncsync._core.ledger import Target
@@ -81,7 +81,7 @@ PauseMode = Literal["keep", "wait", "abort"]
 logger = logging.getLogger("asyncsync.publish")
 
 #: What the worker thread runs for a round: the backend's send through the client.
-SendJob = Callable[[SyncFleetClient, threading.Event], SendStats]
+SendJob = Callable[[RoundClient, threading.Event], SendStats]
 #: A phase's fan-out to the servers still in the round.
 _Call = Callable[[list[str]], Awaitable[FleetResult[Any]]]
 
@@ -416,7 +416,7 @@ class PublishRound(InitCalls):
         """One run of the send. Cancelling stops it at the next chunk boundary; the
         thread is never abandoned mid-chunk."""
         cancel = threading.Event()
-        client = SyncFleetClient.on_running_loop(self, cancel=cancel, version=self.version)
+        client = RoundClient.on_running_loop(self, cancel=cancel, version=self.version)
         future = asyncio.get_running_loop().run_in_executor(executor, job, client, cancel)
         try:
             return await asyncio.shield(future)

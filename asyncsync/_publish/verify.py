@@ -36,7 +36,8 @@ from asyncsync._core.errors import (
     WeightMismatchError,
 )
 from asyncsync._core.types import Outcome
-from asyncsync._publish.weights import WeightsLike, WeightSource
+from asyncsync._publish.weights import WeightsLike
+from asyncsync.backends.contract import WeightSource
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor

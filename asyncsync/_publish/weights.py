@@ -9,17 +9,17 @@ so FSDP-style materialization happens off the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from typing import Any
 
+from asyncsync.backends.contract import ParamMeta, WeightSource, check_tensor
+
 __all__ = [
     "FiniteChecked",
-    "WeightSource",
     "WeightsLike",
     "check_finite",
     "check_source",
-    "check_tensor",
     "check_weights",
     "finite",
     "is_factory",
@@ -28,111 +28,6 @@ __all__ = [
 
 #: What ``publish`` accepts (see the module docstring).
 WeightsLike = Any
-
-#: ``(name, dtype, shape)`` of one parameter, without materializing it.
-ParamMeta = tuple[str, Any, tuple[int, ...]]
-
-
-class WeightSource:
-    """A normalized weight source: iteration of ``(name, tensor)`` plus, when the weights
-    can describe themselves, their metadata (the shape of vLLM's ``WeightSource``)."""
-
-    def __init__(self, weights: WeightsLike) -> None:
-        self._weights = weights
-        #: `metadata`'s answer, read once per source (a round reads it for its checks,
-        #: its backend and its report; a model of 10,000 tensors costs ~25 ms a walk)
-        self._described: list[ParamMeta] | None = None
-
-    @property
-    def weights(self) -> WeightsLike:
-        """What the caller passed (after calling a factory)."""
-        return self._weights
-
-    @property
-    def reiterable(self) -> bool:
-        """Whether iterating twice yields the same tensors (not a one-shot stream)."""
-        w = self._weights
-        return callable(getattr(w, "named_parameters", None)) or isinstance(w, Mapping | Sequence)
-
-    def metadata(self) -> list[ParamMeta] | None:
-        """``(name, dtype, shape)`` of every parameter, or None for a stream (read once:
-        a source lives for one round, during which the weights keep their shapes)."""
-        if self._described is None:
-            self._described = self._read_metadata()
-        return self._described
-
-    def _read_metadata(self) -> list[ParamMeta] | None:
-        w = self._weights
-        named = getattr(w, "named_parameters", None)
-        if callable(named):
-            return [(n, p.dtype, tuple(p.shape)) for n, p in named()]
-        meta = getattr(w, "metadata", None)
-        described = meta() if callable(meta) else None
-        if described is not None:
-            out = []
-            for m in described:
-                if isinstance(m, tuple):
-                    out.append((str(m[0]), m[1], tuple(m[2])))
-                else:
-                    out.append((str(m.name), m.dtype, tuple(m.shape)))
-            return out
-        if isinstance(w, Mapping):
-            return [_meta(n, t) for n, t in w.items()]
-        if isinstance(w, Sequence):
-            return [_meta(*_pair(item)) for item in w]
-        return None
-
-    def whole(self) -> WeightSource:
-        """The weights as servers outside a delta chain take them: this source (a
-        delta chain's source returns the one it computes its patches from)."""
-        return self
-
-    def total_bytes(self) -> int | None:
-        """Payload bytes of the whole source, when it describes itself."""
-        meta = self.metadata()
-        if meta is None:
-            return None
-        total = 0
-        for _, dtype, shape in meta:
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            total += count * int(getattr(dtype, "itemsize", 0))
-        return total
-
-    def __iter__(self) -> Iterator[Any]:
-        w = self._weights
-        named = getattr(w, "named_parameters", None)
-        if callable(named):
-            return iter(named())
-        if isinstance(w, Mapping):
-            return iter(w.items())
-        return iter(w)
-
-
-def _pair(item: Any) -> tuple[Any, Any]:
-    if not (isinstance(item, tuple | list) and len(item) == 2):
-        raise TypeError(f"weights must be (name, tensor) pairs, got {item!r:.80}")
-    return item[0], item[1]
-
-
-def _meta(name: Any, tensor: Any) -> ParamMeta:
-    check_tensor(name, tensor)
-    return (name, tensor.dtype, tuple(tensor.shape))
-
-
-def check_tensor(name: Any, tensor: Any) -> None:
-    """One ``(name, tensor)`` pair a backend can read: a str name and a dense tensor
-    with data (TypeError/ValueError naming the parameter)."""
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"parameter names must be non-empty strings, got {name!r}")
-    layout = getattr(tensor, "layout", None)
-    if layout is None or not hasattr(tensor, "dtype"):
-        raise TypeError(f"parameter {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-    if str(layout) != "torch.strided":
-        raise TypeError(f"parameter {name!r} is a {layout} tensor; only dense tensors can be sent")
-    if str(getattr(tensor, "device", "")) == "meta":
-        raise ValueError(f"parameter {name!r} is on the meta device: it holds no data")
 
 
 def check_weights(source: WeightSource) -> None:

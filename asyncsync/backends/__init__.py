@@ -4,8 +4,9 @@
 ``backend="shm"``, for the defaults) looks the backend up here and creates it with the
 publisher's rank, world size and API style plus the options: `Shm`, `Gloo`,
 `NCCL` and `IPC` are the built-in transports' typed options. Adding a transport means
-adding a module with a `TrainerBackend` subclass (and its options class) and one
-`register_backend` line; the publish round does not change. Classes are registered by
+adding a module with a `TrainerBackend` subclass (and its options class), written
+against `asyncsync.backends.contract` alone, and one `register_backend` line; the
+publish round does not change. Classes are registered by
 module path and imported on first use, so importing this package (the vLLM plugin does,
 inside every vLLM process) stays cheap.
 """
@@ -14,16 +15,17 @@ from __future__ import annotations
 
 import importlib
 
-from asyncsync._publish.bridge import InitInfo
-from asyncsync.backends._base import (
+from asyncsync.backends._options import IPC, NCCL, Auto, Gloo, Shm
+from asyncsync.backends.contract import (
+    BackendOptions,
+    Ceiling,
+    InitInfo,
     RoundCancelled,
     SendControl,
     SendStats,
     TrainerApi,
     TrainerBackend,
 )
-from asyncsync.backends._ceiling import Ceiling
-from asyncsync.backends._options import IPC, NCCL, Auto, BackendOptions, Gloo, Shm
 
 __all__ = [
     "IPC",

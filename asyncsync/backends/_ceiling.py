@@ -18,11 +18,11 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from asyncsync.backends.contract import Ceiling
+
 __all__ = [
-    "Ceiling",
     "device_copy_ceiling",
     "interface_of",
     "link_ceiling",
@@ -37,18 +37,6 @@ MEMCPY_BYTES = 64 * 1024 * 1024
 DEVICE_COPY_BYTES = 256 * 1024 * 1024
 #: What the loopback TCP measurement sends.
 TCP_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Ceiling:
-    """A transport's ceiling: ``gb_per_s`` and what it is (``basis``, in words)."""
-
-    gb_per_s: float
-    basis: str
-
-    def __post_init__(self) -> None:
-        if not self.gb_per_s > 0:
-            raise ValueError(f"a ceiling must be > 0 GB/s, got {self.gb_per_s!r}")
 
 
 def memcpy_rate(nbytes: int = MEMCPY_BYTES, repeats: int = 5) -> float:

@@ -13,8 +13,10 @@ Imports neither torch nor vLLM.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from asyncsync.backends.contract import BackendOptions
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
@@ -24,7 +26,6 @@ __all__ = [
     "IPC",
     "NCCL",
     "Auto",
-    "BackendOptions",
     "Gloo",
     "Shm",
     "ZeroCopyMode",
@@ -92,18 +93,6 @@ def _port(owner: str, value: object) -> None:
         not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536
     ):
         raise ValueError(f"{owner}.master_port must be a TCP port (1-65535) or None, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BackendOptions:
-    """The options of one registered backend (`asyncsync.backends.register_backend`):
-    ``name`` is the registry name the options belong to."""
-
-    name: ClassVar[str]
-
-    def as_kwargs(self) -> dict[str, Any]:
-        """The options as the backend's keyword arguments."""
-        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

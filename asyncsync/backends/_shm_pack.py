@@ -18,8 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncsync._publish.weights import check_tensor
-from asyncsync.backends._base import RoundCancelled, SendStats
 from asyncsync.backends._options import DEFAULT_BUFFER_BYTES
 from asyncsync.backends._segments import Segment
 from asyncsync.backends._wire import (
@@ -29,6 +27,7 @@ from asyncsync.backends._wire import (
     align,
     nbytes,
 )
+from asyncsync.backends.contract import RoundCancelled, SendStats, check_tensor
 
 if TYPE_CHECKING:
     import torch

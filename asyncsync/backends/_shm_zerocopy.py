@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncsync._core.errors import AsyncSyncError, WeightsModifiedError
-from asyncsync._publish.weights import check_tensor
-from asyncsync.backends._base import RoundCancelled, SendStats
 from asyncsync.backends._options import ZeroCopyMode, check_zero_copy_mode
 from asyncsync.backends._segments import SEGMENT_PREFIX
 from asyncsync.backends._shm_pack import SendChunk, dtype_name, plan_chunks
@@ -50,6 +48,7 @@ from asyncsync.backends._wire import (
     ShmUpdateFields,
     align,
 )
+from asyncsync.backends.contract import RoundCancelled, SendStats, check_tensor
 
 if TYPE_CHECKING:
     import torch

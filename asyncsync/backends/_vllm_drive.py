@@ -34,11 +34,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncsync._core.errors import ProtocolError
 from asyncsync._wire.caps import installed_trainer_api
-from asyncsync.backends._base import RoundCancelled, SendControl, TrainerApi, TrainerBackend
+from asyncsync.backends.contract import RoundCancelled, SendControl, TrainerApi, TrainerBackend
 
 if TYPE_CHECKING:
-    from asyncsync._publish.bridge import InitInfo, SyncFleetClient
-    from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends.contract import InitInfo, SyncFleetClient, WeightSource
 
 __all__ = [
     "EngineClient",

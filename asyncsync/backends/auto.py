@@ -26,16 +26,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._fleet.hosts import same_host
-from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
-from asyncsync.backends._ceiling import Ceiling
 from asyncsync.backends._gloo_wire import AUTO_BACKEND_NAME
 from asyncsync.backends._options import DEFAULT_BUFFER_BYTES, Auto, ZeroCopyMode
+from asyncsync.backends.contract import Ceiling, SendControl, SendStats, TrainerApi, TrainerBackend
 from asyncsync.backends.gloo import GlooBackend
 from asyncsync.backends.shm import ShmBackend
 
 if TYPE_CHECKING:
-    from asyncsync._publish.bridge import SyncFleetClient
-    from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends.contract import SyncFleetClient, WeightSource
     from asyncsync.fleet import Fleet
 
 __all__ = ["AutoBackend", "Transport"]

@@ -28,8 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from asyncsync.backends._base import SendControl, SendStats, TrainerApi, TrainerBackend
-from asyncsync.backends._ceiling import Ceiling, link_ceiling
+from asyncsync.backends._ceiling import link_ceiling
 from asyncsync.backends._gloo_group import GlooGroup, GlooTimeout, master_address_for
 from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooInitFields, chunk_extent
 from asyncsync.backends._options import Gloo
@@ -44,13 +43,13 @@ from asyncsync.backends._shm_pack import (
 )
 from asyncsync.backends._trainer_factory import register_trainer_engines
 from asyncsync.backends._wire import ShmUpdateFields
+from asyncsync.backends.contract import Ceiling, SendControl, SendStats, TrainerApi, TrainerBackend
 from asyncsync.backends.shm import StartOnFirstChunk
 
 if TYPE_CHECKING:
     import torch
 
-    from asyncsync._publish.bridge import InitInfo, SyncFleetClient
-    from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends.contract import InitInfo, SyncFleetClient, WeightSource
 
 __all__ = [
     "GLOO_BACKEND_NAME",

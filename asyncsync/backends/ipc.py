@@ -33,8 +33,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.backends._base import SendControl, SendStats, TrainerApi
-from asyncsync.backends._ceiling import Ceiling, device_copy_ceiling
+from asyncsync.backends._ceiling import device_copy_ceiling
 from asyncsync.backends._ipc_handles import encode_ipc_update
 from asyncsync.backends._options import (
     DEFAULT_PACKED_BUFFER_BYTES,
@@ -47,10 +46,10 @@ from asyncsync.backends._vllm_drive import (
     VllmSource,
     explain_insecure_serialization,
 )
+from asyncsync.backends.contract import Ceiling, SendControl, SendStats, TrainerApi
 
 if TYPE_CHECKING:
-    from asyncsync._publish.bridge import SyncFleetClient
-    from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends.contract import SyncFleetClient, WeightSource
 
 __all__ = [
     "INSECURE_SERIALIZATION_OPT_IN",

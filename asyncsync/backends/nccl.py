@@ -31,13 +31,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncsync._core.errors import ProtocolError
-from asyncsync.backends._base import (
-    RoundCancelled,
-    SendControl,
-    SendStats,
-    TrainerApi,
-)
-from asyncsync.backends._ceiling import Ceiling
 from asyncsync.backends._gloo_group import master_address_for
 from asyncsync.backends._options import (
     DEFAULT_PACKED_BUFFER_BYTES,
@@ -51,10 +44,10 @@ from asyncsync.backends._vllm_drive import (
     checked_pairs,
     run_guarded,
 )
+from asyncsync.backends.contract import Ceiling, RoundCancelled, SendControl, SendStats, TrainerApi
 
 if TYPE_CHECKING:
-    from asyncsync._publish.bridge import InitInfo, SyncFleetClient
-    from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends.contract import InitInfo, SyncFleetClient, WeightSource
 
 __all__ = ["DEFAULT_PACKED_BUFFER_BYTES", "CountingGroup", "NcclBackend", "rank_offsets"]
 

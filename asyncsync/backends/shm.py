@@ -26,14 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from asyncsync.backends._base import (
-    RoundCancelled,
-    SendControl,
-    SendStats,
-    TrainerApi,
-    TrainerBackend,
-)
-from asyncsync.backends._ceiling import Ceiling, memcpy_ceiling
+from asyncsync.backends._ceiling import memcpy_ceiling
 from asyncsync.backends._options import Shm
 from asyncsync.backends._shm_pack import (
     DEFAULT_BUFFER_BYTES,
@@ -52,12 +45,19 @@ from asyncsync.backends._shm_zerocopy import (
 )
 from asyncsync.backends._trainer_factory import register_trainer_engines
 from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields, ShmUpdateFields
+from asyncsync.backends.contract import (
+    Ceiling,
+    RoundCancelled,
+    SendControl,
+    SendStats,
+    TrainerApi,
+    TrainerBackend,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from asyncsync._publish.bridge import SyncFleetClient
-    from asyncsync._publish.weights import WeightSource
+    from asyncsync.backends.contract import SyncFleetClient, WeightSource
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",

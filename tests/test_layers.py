@@ -1,0 +1,174 @@
+"""Import rules between the publish round and the transports, read from the source.
+
+The transport contract lives in one public module, `asyncsync.backends.contract`. The
+backends implement it and never import the round (``asyncsync._publish``); the round
+reaches the backends only through the contract or the public ``asyncsync.backends``
+package. Every import counts: module level, function level and ``TYPE_CHECKING`` alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import asyncsync.backends
+from asyncsync.backends import contract
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "asyncsync"
+CONTRACT = "asyncsync.backends.contract"
+#: What ``asyncsync/_publish`` may import of the backends.
+PUBLIC_BACKENDS = {"asyncsync.backends", CONTRACT}
+#: Imports of ``asyncsync/_publish`` that still reach a private backends module, and why.
+#: An entry here is a known debt; a new one is a failing test.
+PUBLISH_EXCEPTIONS = {
+    ("asyncsync._publish.delta", "asyncsync.backends._delta_codec"): (
+        "the delta codec both sides share (the round encodes, the workers decode); its "
+        "home outside backends/ is issue 32's module moves"
+    ),
+}
+#: What a third-party backend imports of asyncsync (tests/test_third_party_backend.py).
+THIRD_PARTY_ALLOWED = {"asyncsync", "asyncsync.backends", CONTRACT, "asyncsync.testing"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path``, wherever it sits; ``from m import
+    n`` yields ``m.n`` when that names a submodule (``from asyncsync.backends import
+    contract``), else ``m``. Relative imports are resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                is_module = (ROOT / Path(*sub.split("."))).with_suffix(".py").exists() or (
+                    ROOT / Path(*sub.split(".")) / "__init__.py"
+                ).exists()
+                yield node.lineno, sub if is_module else module
+
+
+def runtime_imports(path: Path) -> Iterator[tuple[int, str]]:
+    """The imports a module runs when it is imported (outside ``TYPE_CHECKING`` and
+    outside functions)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield node.lineno, ("." * node.level) + (node.module or "")
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def files(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", files("backends"), ids=lambda p: p.name)
+def test_the_backends_never_import_the_publish_round(path: Path) -> None:
+    bad = [f"line {n}: {m}" for n, m in imports(path) if within(m, "asyncsync._publish")]
+    assert bad == [], f"{path.relative_to(ROOT)} imports the publish round: {bad}"
+
+
+@pytest.mark.parametrize("path", files("_publish"), ids=lambda p: p.name)
+def test_the_publish_round_reaches_the_backends_only_through_the_contract(path: Path) -> None:
+    name = module_name(path)
+    bad = [
+        f"line {n}: {m}"
+        for n, m in imports(path)
+        if within(m, "asyncsync.backends")
+        and m not in PUBLIC_BACKENDS
+        and (name, m) not in PUBLISH_EXCEPTIONS
+    ]
+    assert bad == [], (
+        f"{path.relative_to(ROOT)} reaches into private backends modules: {bad}; import "
+        f"what a backend implements or is handed from {CONTRACT}"
+    )
+
+
+def test_the_known_exceptions_are_still_needed() -> None:
+    """An exception that no longer happens is removed from the list, so the list stays
+    the true debt."""
+    found = {
+        (module_name(path), m)
+        for path in files("_publish")
+        for _, m in imports(path)
+        if within(m, "asyncsync.backends")
+    }
+    stale = set(PUBLISH_EXCEPTIONS) - found
+    assert stale == set(), f"remove from PUBLISH_EXCEPTIONS: {stale}"
+
+
+def test_the_contract_imports_nothing_of_asyncsync_or_torch_when_imported() -> None:
+    """The contract is the bottom of the transports: importing it (the vLLM plugin
+    imports the backends package in every vLLM process) loads no other asyncsync module,
+    no torch and no vLLM; the fleet it names is a type-only import."""
+    path = PACKAGE / "backends" / "contract.py"
+    loaded = [m for _, m in runtime_imports(path)]
+    bad = [
+        m for m in loaded if m.startswith(".") or m.split(".")[0] in {"asyncsync", "torch", "vllm"}
+    ]
+    assert bad == [], f"contract.py imports {bad} at import time"
+
+
+def test_the_contract_defines_every_name_it_exports() -> None:
+    """Defined in contract.py, not re-exported from elsewhere: the contract is one module
+    a reader can read whole."""
+    tree = ast.parse((PACKAGE / "backends" / "contract.py").read_text())
+    defined: set[str] = set()
+    objects: set[str] = set()  # classes and functions (the rest are type aliases)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef):
+            defined.add(node.name)
+            objects.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            defined.add(node.target.id)
+    exported = set(contract.__all__)
+    assert exported - defined == set(), f"re-exported, not defined: {exported - defined}"
+    for name in exported & objects:
+        value = getattr(contract, name)
+        assert value.__module__ == CONTRACT, (name, value.__module__)
+        assert value.__doc__, f"{name} has no docstring"
+
+
+def test_the_backends_package_exports_the_contract_s_own_objects() -> None:
+    for name in asyncsync.backends.__all__:
+        if name in contract.__all__:
+            assert getattr(asyncsync.backends, name) is getattr(contract, name), name
+
+
+def test_the_third_party_backend_uses_public_modules_only() -> None:
+    path = ROOT / "tests" / "test_third_party_backend.py"
+    used = {m for _, m in imports(path) if within(m, "asyncsync")}
+    assert used - THIRD_PARTY_ALLOWED == set(), f"private imports: {used - THIRD_PARTY_ALLOWED}"
+    assert CONTRACT in used
+    text = path.read_text()
+    assert "._" not in text.replace("self._", "").replace("__", ""), (
+        "the third-party backend's test reaches a private attribute"
+    )
