@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -350,8 +351,7 @@ class Fleet:
     async def _close_when_idle(self, client: AsyncVLLMClient) -> None:
         """Close a removed server's client once the requests admitted there are done."""
         record = client.endpoint.record
-        while record.outstanding > 0:
-            await self.ledger.changed()
+        await self.ledger.wait_until(lambda: record.outstanding == 0, None)
         self._retiring.discard(client)
         await client.aclose()
 
@@ -368,23 +368,22 @@ class Fleet:
         the fleet. For a server just added, restarted or left dirty by a failed round,
         it returns once the publisher caught it up."""
         url = normalize_url(url)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if url not in self.ledger:
+        ledger = self.ledger
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def admitted() -> bool:
+            if url not in ledger:
                 raise KeyError(f"server {url} is not in the fleet")
-            record = self.ledger.record(url)
-            if record.health == "healthy":
-                return self.ledger.snapshot(url)
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                state = self.ledger.snapshot(url)
-                raise GenerationError(
-                    f"server {url} was not admitted within {timeout:g} s: it is "
-                    f"{state.health} ({record.unfit() or _not_held(self, url)})",
-                    server=url,
-                )
-            await self.ledger.changed(remaining)
+            return ledger.record(url).health == "healthy"
+
+        if await ledger.wait_until(admitted, deadline):
+            return ledger.snapshot(url)
+        state, record = ledger.snapshot(url), ledger.record(url)
+        raise GenerationError(
+            f"server {url} was not admitted within {timeout:g} s: it is "
+            f"{state.health} ({record.unfit() or _not_held(self, url)})",
+            server=url,
+        )
 
     def watch(self, source: object, *, every: float = 5.0) -> asyncio.Task[None]:
         """Keep the fleet's servers in step with ``source``, every ``every`` seconds,
