@@ -51,7 +51,7 @@ from asyncsync._http.transport import Transport
 from asyncsync._wire import control as wire
 from asyncsync._wire import draft as draft_wire
 from asyncsync._wire import lora as lora_wire
-from asyncsync._wire.control import WeightComparison, normalize_url
+from asyncsync._wire.control import WeightComparison, normalize_url, plan_models
 from asyncsync._wire.draft import DraftModel
 from asyncsync._wire.generation import (
     GenerationRequest,
@@ -820,9 +820,8 @@ class Fleet:
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[list[str]]:
         """``GET /v1/models`` on every target: the served model and loaded adapters."""
-        return await self._control.fan(
-            "models", lambda _p, _u: lora_wire.plan_models(), targets, require
-        )
+        plan = plan_models().project(lambda entries: [m.id for m in entries])
+        return await self._control.fan("models", lambda _p, _u: plan, targets, require)
 
     async def lora_limits(
         self, *, targets: _Targets = None, require: Require | None = None
