@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
@@ -50,7 +51,7 @@ from asyncsync._http.transport import Transport
 from asyncsync._wire import control as wire
 from asyncsync._wire import draft as draft_wire
 from asyncsync._wire import lora as lora_wire
-from asyncsync._wire.control import WeightComparison, normalize_url
+from asyncsync._wire.control import WeightComparison, normalize_url, plan_models
 from asyncsync._wire.draft import DraftModel
 from asyncsync._wire.generation import (
     GenerationRequest,
@@ -350,8 +351,7 @@ class Fleet:
     async def _close_when_idle(self, client: AsyncVLLMClient) -> None:
         """Close a removed server's client once the requests admitted there are done."""
         record = client.endpoint.record
-        while record.outstanding > 0:
-            await self.ledger.changed()
+        await self.ledger.wait_until(lambda: record.outstanding == 0, None)
         self._retiring.discard(client)
         await client.aclose()
 
@@ -368,23 +368,22 @@ class Fleet:
         the fleet. For a server just added, restarted or left dirty by a failed round,
         it returns once the publisher caught it up."""
         url = normalize_url(url)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if url not in self.ledger:
+        ledger = self.ledger
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def admitted() -> bool:
+            if url not in ledger:
                 raise KeyError(f"server {url} is not in the fleet")
-            record = self.ledger.record(url)
-            if record.health == "healthy":
-                return self.ledger.snapshot(url)
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                state = self.ledger.snapshot(url)
-                raise GenerationError(
-                    f"server {url} was not admitted within {timeout:g} s: it is "
-                    f"{state.health} ({record.unfit() or _not_held(self, url)})",
-                    server=url,
-                )
-            await self.ledger.changed(remaining)
+            return ledger.record(url).health == "healthy"
+
+        if await ledger.wait_until(admitted, deadline):
+            return ledger.snapshot(url)
+        state, record = ledger.snapshot(url), ledger.record(url)
+        raise GenerationError(
+            f"server {url} was not admitted within {timeout:g} s: it is "
+            f"{state.health} ({record.unfit() or _not_held(self, url)})",
+            server=url,
+        )
 
     def watch(self, source: object, *, every: float = 5.0) -> asyncio.Task[None]:
         """Keep the fleet's servers in step with ``source``, every ``every`` seconds,
@@ -821,9 +820,8 @@ class Fleet:
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[list[str]]:
         """``GET /v1/models`` on every target: the served model and loaded adapters."""
-        return await self._control.fan(
-            "models", lambda _p, _u: lora_wire.plan_models(), targets, require
-        )
+        plan = plan_models().project(lambda entries: [m.id for m in entries])
+        return await self._control.fan("models", lambda _p, _u: plan, targets, require)
 
     async def lora_limits(
         self, *, targets: _Targets = None, require: Require | None = None

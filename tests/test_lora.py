@@ -4,6 +4,7 @@ and the LoRA routes' parsers."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,8 +14,8 @@ import asyncsync as az
 from asyncsync._core.ledger import Ledger
 from asyncsync._fleet.adapters import served_name, skipped
 from asyncsync._publish.lora_adapter import check_adapter, resolve_adapter, write_adapter
-from asyncsync._wire.control import Malformed
-from asyncsync._wire.lora import _parse_limits, _parse_models
+from asyncsync._wire.control import Call, Malformed, ModelEntry, context_length, plan_models
+from asyncsync._wire.lora import _parse_limits
 from asyncsync.testing import FakeVLLMServer
 
 HIDDEN, RANK = 32, 4
@@ -175,10 +176,28 @@ def test_uses_in_flight_are_counted() -> None:
     assert not ledger.adapter_in_use("p", "v1")
 
 
+def test_one_models_plan_projected_at_each_call_site() -> None:
+    """``GET /v1/models`` is planned once; a projection is the same request (route,
+    retries, deadline, expected shape) whose answer is the part a caller needs, and the
+    route's parser still refuses a malformed answer first."""
+    plan = plan_models()
+    names = plan.project(lambda entries: [m.id for m in entries])
+    length = plan.project(context_length)
+    for projected in (names, length):
+        for field in dataclasses.fields(Call):
+            if field.name != "parse":
+                assert getattr(projected, field.name) == getattr(plan, field.name)
+    answer = {"data": [{"id": "m", "max_model_len": 256}, {"id": "p@v1"}]}
+    assert plan.parse(answer) == [ModelEntry("m", 256), ModelEntry("p@v1", None)]
+    assert names.parse(answer) == ["m", "p@v1"]
+    assert length.parse(answer) == 256
+    assert length.parse({"data": [{"id": "m"}]}) is None
+    for projected in (plan, names, length):
+        with pytest.raises(Malformed):
+            projected.parse({"data": [{"name": "m"}]})
+
+
 def test_lora_route_parsers() -> None:
-    assert _parse_models({"data": [{"id": "m"}, {"id": "p@v1"}]}) == ["m", "p@v1"]
-    with pytest.raises(Malformed):
-        _parse_models({"data": [{"name": "m"}]})
     limits = _parse_limits(
         {
             "vllm_config": {"lora_config": {"max_lora_rank": 8, "max_loras": 2}},

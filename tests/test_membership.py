@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -180,6 +181,92 @@ def test_writing_a_snapshot_warns_with_the_transition_and_applies_it() -> None:
     assert rec.weight_version == "v7"
     with pytest.raises(AttributeError):
         state.nothing = 1  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------- the ledger's one waiting loop
+@pytest.mark.asyncio
+async def test_wait_until_returns_a_true_answer_at_once_without_waiting() -> None:
+    """A predicate already true is answered in the same step, even past the deadline
+    (the caller acts on what it saw: nothing can change in between)."""
+    ledger = Ledger()
+    rec = ledger.join("http://a")
+    asked: list[int] = []
+
+    def holding() -> str | None:
+        asked.append(1)
+        return rec.url if rec.health == "healthy" else None
+
+    assert await ledger.wait_until(holding, None) == "http://a"
+    assert await ledger.wait_until(holding, time.monotonic() - 1) == "http://a"
+    assert len(asked) == 2
+    assert not ledger._waiters  # never waited
+
+
+@pytest.mark.asyncio
+async def test_wait_until_asks_again_after_each_change_until_true() -> None:
+    ledger = Ledger()
+    rec = ledger.join("http://a")
+    asked: list[bool] = []
+
+    def clean() -> bool:
+        asked.append(not rec.dirty)
+        return not rec.dirty
+
+    ledger.marked([rec.url], dirty=True)
+    waiting = asyncio.create_task(ledger.wait_until(clean, time.monotonic() + 60))
+    await wait_until(lambda: len(ledger._waiters) == 1)
+    ledger.host_known(rec.url, "host-1")  # a change that leaves it dirty: asked, waits on
+    await wait_until(lambda: len(asked) == 2 and len(ledger._waiters) == 1)
+    assert not waiting.done()
+    ledger.marked([rec.url], dirty=False)
+    assert await waiting is True
+    assert asked == [False, False, True]
+    assert not ledger._waiters
+
+
+@pytest.mark.asyncio
+async def test_wait_until_returns_the_last_false_answer_once_the_deadline_passed() -> None:
+    """The caller raises its own error from the last answer: it is returned as it was
+    (here ``0`` and ``None``) once the deadline has passed, and not before."""
+    ledger = Ledger()
+    ledger.join("http://a")
+    asked: list[float] = []
+
+    def never() -> int:
+        asked.append(time.monotonic())
+        return 0
+
+    deadline = time.monotonic() + 0.05
+    assert await ledger.wait_until(never, deadline) == 0
+    assert time.monotonic() >= deadline
+    assert len(asked) >= 2  # at once, and again when the wait for a change ran out
+    assert await ledger.wait_until(lambda: None, time.monotonic()) is None
+    assert not ledger._waiters
+
+
+@pytest.mark.asyncio
+async def test_wait_until_propagates_what_the_predicate_raises_and_cancellation() -> None:
+    ledger = Ledger()
+    rec = ledger.join("http://a")
+
+    def present() -> bool:
+        if rec.url not in ledger:
+            raise KeyError(rec.url)
+        return False
+
+    gone = asyncio.create_task(ledger.wait_until(present, None))
+    await wait_until(lambda: len(ledger._waiters) == 1)
+    ledger.retire(rec.url)
+    with pytest.raises(KeyError):
+        await gone
+
+    ledger.join("http://b")
+    cancelled = asyncio.create_task(ledger.wait_until(lambda: False, None))
+    await wait_until(lambda: len(ledger._waiters) == 1)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert not ledger._waiters  # nothing left behind for the next change to wake
 
 
 # ---------------------------------------------------------------- fleets of fakes

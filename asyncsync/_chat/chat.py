@@ -84,9 +84,8 @@ from asyncsync._wire.chat import (
     chat_turn,
     derender_body,
     plan_chat,
-    plan_models,
 )
-from asyncsync._wire.control import ModelEntry
+from asyncsync._wire.control import ModelEntry, plan_models
 from asyncsync._wire.generation import client_spans
 
 if TYPE_CHECKING:

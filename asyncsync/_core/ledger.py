@@ -10,7 +10,8 @@ A `Ledger` holds, privately:
 - the session table (session id -> server) and the caches of the layers above (the
   chat layer's per-server routes and sessions);
 - the change signal that everything waiting on a server's state (admission, version
-  gates, the background probes, the catch-up) wakes on.
+  gates, the background probes, the catch-up) wakes on; `Ledger.wait_until` is the one
+  loop that waits on it for a condition until a deadline.
 
 Everyone else reads: frozen `ServerState` snapshots (``snapshot``), the records
 themselves inside the package (routing reads them on its hot path, never writes), the
@@ -368,6 +369,27 @@ class Ledger:
             pass
         finally:
             self._waiters.discard(fut)
+
+    async def wait_until(self, predicate: Callable[[], T], deadline: float | None) -> T:
+        """``predicate()``, asked now and again after each change, until it answers
+        something true, which is returned; once ``deadline`` (a `time.monotonic` time;
+        None: no limit) has passed, its last answer (false: ``None``, ``False``, ...)
+        is returned instead, for the caller to raise its own error. What ``predicate``
+        raises propagates, and so does cancellation. The answer is returned in the
+        step that asked for it (no await between), so the caller can act on what the
+        predicate saw: admission counts a request on the server it chose.
+
+        The one waiting loop of the package: admission (`Dispatcher.admit`, a router's
+        admission), `Fleet.ready` and `Fleet.wait_for_version` wait through it.
+        """
+        while True:
+            answer = predicate()
+            if answer:
+                return answer
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return answer
+            await self.changed(remaining)
 
     def _signal(self) -> None:
         if self._waiters:

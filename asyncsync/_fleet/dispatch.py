@@ -25,6 +25,7 @@ from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import AsyncSyncError, GenerationAborted, GenerationError
 from asyncsync._core.ledger import ServerRecord
+from asyncsync._core.state import Reason
 from asyncsync._fleet import adapters
 from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import StalenessStats, choose, contradicts, staleness_of
@@ -65,7 +66,12 @@ class Dispatcher:
         limit = limit if send.admission_timeout is None else send.admission_timeout
         # time.monotonic(), not the loop's clock: no loop lookup on this hot path.
         deadline = None if limit is None else time.monotonic() + limit
-        while True:
+        skipped: dict[str, Reason] = {}
+        pinned: str | None = None
+
+        def eligible() -> ServerRecord | None:
+            """The server to admit on now, if any (and why the others were skipped)."""
+            nonlocal skipped, pinned
             pinned = ledger.session_server(session_id) if session_id is not None else None
             records = ledger.records()
             lacking = None
@@ -78,18 +84,18 @@ class Dispatcher:
             )  # fmt: skip
             if lacking:
                 skipped.update(lacking)
-            if record is not None:
-                ledger.admitted(record, session_id)
-                return record
-            if not records or all(r.url in exclude for r in records):
+            if record is None and (not records or all(r.url in exclude for r in records)):
                 why = "the fleet is empty" if not records else "every server failed"
                 raise GenerationError(f"no server to generate on: {why}")
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                detail = ", ".join(f"{u} ({r})" for u, r in skipped.items())
-                pin = f"; session {session_id!r} is pinned to {pinned}" if pinned else ""
-                raise GenerationError(f"no eligible server within {limit:g} s: {detail}{pin}")
-            await ledger.changed(remaining)
+            return record
+
+        record = await ledger.wait_until(eligible, deadline)
+        if record is None:
+            detail = ", ".join(f"{u} ({r})" for u, r in skipped.items())
+            pin = f"; session {session_id!r} is pinned to {pinned}" if pinned else ""
+            raise GenerationError(f"no eligible server within {limit:g} s: {detail}{pin}")
+        ledger.admitted(record, session_id)
+        return record
 
     def engine(self, record: ServerRecord) -> GenerationEngine:
         """The generation engine that serves a request admitted on ``record``."""

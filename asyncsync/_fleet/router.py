@@ -61,19 +61,20 @@ class RouterDispatcher(Dispatcher):
         limit = self.policy.admission_timeout
         limit = limit if send.admission_timeout is None else send.admission_timeout
         deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            updating = [r.url for r in self.ledger.records() if r.updating]
-            if not updating:
-                record = self.router.endpoint.record
-                self.router.endpoint.ledger.admitted(record)
-                return record
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise GenerationError(
-                    f"no generation through the router within {limit:g} s: a round holds "
-                    f"{', '.join(updating)} mid-update"
-                )
-            await self.ledger.changed(remaining)
+        updating: list[str] = []
+
+        def idle() -> bool:
+            updating[:] = [r.url for r in self.ledger.records() if r.updating]
+            return not updating
+
+        if not await self.ledger.wait_until(idle, deadline):
+            raise GenerationError(
+                f"no generation through the router within {limit:g} s: a round holds "
+                f"{', '.join(updating)} mid-update"
+            )
+        record = self.router.endpoint.record
+        self.router.endpoint.ledger.admitted(record)
+        return record
 
     def engine(self, record: ServerRecord) -> GenerationEngine:
         return self.router.generator

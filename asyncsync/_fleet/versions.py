@@ -3,7 +3,7 @@ concurrency limit."""
 
 from __future__ import annotations
 
-import asyncio
+import time
 
 from asyncsync._core.errors import GenerationError
 from asyncsync._core.ledger import Ledger
@@ -33,19 +33,19 @@ async def wait_for_version(
     need = len(urls) if count is None else count
     if not 1 <= need <= max(len(urls), 1):
         raise ValueError(f"count must be between 1 and {len(urls)}, got {count!r}")
-    loop = asyncio.get_running_loop()
-    deadline = None if timeout is None else loop.time() + timeout
-    while True:
-        ready = [u for u in urls if u in ledger and holds(ledger, u, version)]
-        if len(ready) >= need:
-            return ready
-        remaining = None if deadline is None else deadline - loop.time()
-        if remaining is not None and remaining <= 0:
-            raise GenerationError(
-                f"only {len(ready)} of {need} server(s) reached version {version!r} "
-                f"within {timeout:g} s"
-            )
-        await ledger.changed(remaining)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ready: list[str] = []
+
+    def reached() -> bool:
+        ready[:] = [u for u in urls if u in ledger and holds(ledger, u, version)]
+        return len(ready) >= need
+
+    if not await ledger.wait_until(reached, deadline):
+        raise GenerationError(
+            f"only {len(ready)} of {need} server(s) reached version {version!r} "
+            f"within {timeout:g} s"
+        )
+    return ready
 
 
 def check_limit(limit: int | None) -> None:

