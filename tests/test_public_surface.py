@@ -40,6 +40,7 @@ UPDATE_ENV = "ASYNCSYNC_UPDATE_SURFACE"
 MODULES: dict[str, str | None] = {
     "asyncsync": None,
     "asyncsync.backends": None,
+    "asyncsync.backends.contract": None,
     "asyncsync.blocking": None,
     "asyncsync.metrics": None,
     "asyncsync.testing": None,
