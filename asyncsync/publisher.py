@@ -419,6 +419,12 @@ class AsyncWeightPublisher:
         if verify is not None and verify.checksum:
             await check_checksum_route(self.fleet, targets)
         await self._backend.prepare(self.fleet, targets)
+        if self._initialized:
+            # Servers this publisher never reached (joined since its init, or missed it):
+            # set up like restarted ones (an init, a group) before the round's send.
+            joined = [url for url in targets if url not in self._identities]
+            if joined:
+                self._restarted(joined, "new to this publisher")
         draft = target == "draft"
         if catch_up:  # the published weights again, outside any delta chain
             chain, source, checkpoints = None, *await self._checked(weights, targets)
@@ -618,10 +624,11 @@ class AsyncWeightPublisher:
                 weights, version, "keep", True, None, urls, None, 1, catch_up=True
             )
 
-    def _restarted(self, urls: list[str]) -> None:
-        """A round's probe found ``urls`` restarted since this publisher reached them:
-        the backend sets them up again, the delta chain forgets their mirrors."""
-        logger.info("publish: %s restarted since the last round", ", ".join(urls))
+    def _restarted(self, urls: list[str], why: str = "restarted since the last round") -> None:
+        """A round's probe found ``urls`` restarted since this publisher reached them (or
+        they are new to it): the backend sets them up again, the delta chain forgets
+        their mirrors."""
+        logger.info("publish: %s %s", ", ".join(urls), why)
         self._backend.servers_restarted(urls)
         if self._chain is not None:
             for url in urls:

@@ -23,6 +23,7 @@ longer lists them) get them loaded again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -281,7 +282,10 @@ class LoraRounds:
                 ", ".join(str(d) for d in self.dirs.values()),
             )
         elif self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+            # off the loop, in the publisher's worker thread, like every file operation
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, functools.partial(shutil.rmtree, self._root, ignore_errors=True)
+            )
 
 
 class _Loaded:

@@ -80,6 +80,9 @@ class AutoBackend(TrainerBackend):
         )  # fmt: skip
         #: server URL -> the transport chosen for it (set before each round)
         self.transports: dict[str, Transport] = {}
+        #: servers new since the init (restarted, or joined): a server of the ``auto``
+        #: engine reads gloo until an init names shm, so its first shm round inits it
+        self._shm_init_due: set[str] = set()
         self._pool: ThreadPoolExecutor | None = None
 
     async def prepare(self, fleet: Fleet, targets: Sequence[str]) -> None:
@@ -91,7 +94,11 @@ class AutoBackend(TrainerBackend):
         )
 
     def servers_restarted(self, urls: Sequence[str]) -> None:
+        """New processes (restarted, or servers this publisher never reached): a gloo one
+        is in no group (the next send forms one with it); an shm one has had no init,
+        which its next shm round sends first."""
         self.gloo.servers_restarted([u for u in urls if self.transports.get(u) == "gloo"])
+        self._shm_init_due.update(urls)
 
     def collective_servers(self, urls: Iterable[str]) -> frozenset[str]:
         return frozenset(url for url in urls if self.transports.get(url) == "gloo")
@@ -116,6 +123,7 @@ class AutoBackend(TrainerBackend):
 
     def init(self, client: SyncFleetClient) -> None:
         shm, gloo = self._split(client.servers())
+        self._shm_init_due.difference_update(shm)
         if shm:
             client.lane(shm).init_weight_transfer_engine(self.shm.init_info())
         if gloo:
@@ -137,6 +145,10 @@ class AutoBackend(TrainerBackend):
         if client is None:  # another rank: iterate in lockstep, send nothing
             return self.shm.send(source, None, control)
         shm, gloo = self._split(client.servers())
+        due = [url for url in shm if url in self._shm_init_due]
+        if due:  # before anything else reaches them (a lane's calls keep their order)
+            client.lane(due).init_weight_transfer_engine(self.shm.init_info())
+            self._shm_init_due.difference_update(due)
         if not gloo:
             return self.shm.send(source, client, control)
         if not shm:
