@@ -181,3 +181,34 @@ def test_a_mixed_round_regroups_only_for_its_collective_servers() -> None:
     assert round_.regroup
     assert round_.lost() == [here, far]
     assert round_.live == [there]
+
+
+@pytest.mark.asyncio
+async def test_auto_inits_a_server_that_joined_after_its_first_round() -> None:
+    """A server of the ``auto`` engine reads gloo until an init names shm: one that joins
+    the fleet after the publisher's init (added, or a restarted actor under a new URL)
+    gets the shm init before anything else of its first round, and exactly once."""
+    weights = {"w": torch.arange(8, dtype=torch.float32)}
+    async with AsyncExitStack() as stack:
+        first, joiner = [
+            await stack.enter_async_context(FakeVLLMServer(server_info=True)) for _ in range(2)
+        ]
+        fleet = await stack.enter_async_context(az.Fleet([first.url]))
+        publisher = await stack.enter_async_context(az.AsyncWeightPublisher(fleet, backend="auto"))
+        await publisher.publish(weights, version="v1")
+        assert [r.path for r in first.requests_to("/init_weight_transfer_engine")] != []
+        await fleet.add_server(joiner.url)
+        report = await publisher.publish(weights, version="v2")
+        assert report.servers == [first.url, joiner.url]
+        routes = [
+            r.path
+            for r in joiner.requests
+            if r.path in ("/init_weight_transfer_engine", "/start_weight_update")
+        ]
+        assert routes == ["/init_weight_transfer_engine", "/start_weight_update"]
+        init = joiner.requests_to("/init_weight_transfer_engine")[0].json["init_info"]
+        assert "trainer_pid" in init  # shm's init: the engine now reads shm
+        # The next round sends no init again, to either server.
+        await publisher.publish(weights, version="v3")
+        assert len(joiner.requests_to("/init_weight_transfer_engine")) == 1
+        assert len(first.requests_to("/init_weight_transfer_engine")) == 1
