@@ -153,7 +153,7 @@ def soak(session: nox.Session) -> None:
 
 
 #: The chaos run's length in seconds (``nox -s chaos``); the default ``tests`` session
-#: runs the same test for a minute.
+#: runs the same test for 30 s.
 CHAOS_SECONDS = "300"
 
 
@@ -162,7 +162,7 @@ def chaos(session: nox.Session) -> None:
     """The chaos run, not a default session: a 5-minute RL loop on two local servers
     while a chaos task kills, restarts, freezes, removes and adds them at random
     (``tests/test_membership_vllm.py -m chaos``; ``ASYNCSYNC_CHAOS_SECONDS`` and
-    ``ASYNCSYNC_CHAOS_SEED`` set it). ``nox -s tests`` runs it for a minute."""
+    ``ASYNCSYNC_CHAOS_SEED`` set it). ``nox -s tests`` runs it for 30 s."""
     install_with_server(session, "test")
     env = {
         **server_env(),

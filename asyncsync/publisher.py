@@ -644,6 +644,12 @@ class AsyncWeightPublisher:
         # Servers that missed it dropped out; the backends' sends init again for a
         # changed set of servers (a new group), so a later round reaches them.
         self._initialized = True
+        # The servers it reached are known to this publisher from now on, whatever the
+        # round's end (a failed or cancelled first round leaves them set up).
+        ledger = self.fleet.ledger if self.fleet is not None else None
+        for url in round_.live:
+            if ledger is not None and url in ledger:
+                self._identities.setdefault(url, ledger.record(url).identity)
 
 
 class _SendJob:

@@ -12,7 +12,7 @@ removed), on fixed ports so that a restarted one is the same fleet member.
 - A server removed mid-generation: the request in flight finishes there; new ones go
   to the other.
 - The chaos run (``-m chaos``; ``nox -s chaos`` runs it for 5 minutes, the default
-  session for a minute): an RL loop while a chaos task kills, restarts, freezes, removes
+  session for 30 s): an RL loop while a chaos task kills, restarts, freezes, removes
   and adds servers at random. Every answer's per-token versions are ones the fleet
   published, within ``max_staleness``; nothing hangs; no round is lost; the final greedy
   output of every server equals the trainer's; nothing is left in /dev/shm.
@@ -53,7 +53,7 @@ TIMEOUTS = az.Timeouts(connect=5, control=15, update=5, generate=120)
 #: What may take a server start (under load) and a catch-up after it.
 SETTLE = SERVER_STARTUP_TIMEOUT + 120.0
 #: The chaos run's length: ``ASYNCSYNC_CHAOS_SECONDS`` (``nox -s chaos``: 300).
-CHAOS_SECONDS = float(os.environ.get("ASYNCSYNC_CHAOS_SECONDS", "60"))
+CHAOS_SECONDS = float(os.environ.get("ASYNCSYNC_CHAOS_SECONDS", "30"))
 
 
 class Servers:
