@@ -253,8 +253,14 @@ async def test_killed_trainer_leaves_nothing_behind(
             report = await publisher.publish(model, version="recovered")
         assert report.version == "recovered"
         starts = [s.error for s in log.sent if s.op == "start_weight_update"]
-        assert [error is None for error in starts] == [False, True], starts
-        assert is_stale_round_error(starts[0]), starts  # refused: the old round is open
+        # The first start is refused (the old round is open); after the abort a start
+        # goes through. A start between them may meet a connection the server dropped
+        # (seen once in CI: ServerDisconnectedError), which the round sends again.
+        assert starts, "no start was sent"
+        assert starts[-1] is None, starts
+        assert len(starts) >= 2, starts
+        assert all(error is not None for error in starts[:-1]), starts
+        assert is_stale_round_error(starts[0]), starts
         tokens = await _greedy(fleet, big_server.url, 6)
         await asyncio.to_thread(check_greedy, model, PROMPT, tokens, max_new_tokens=6)
     assert mapped_anywhere(f"asyncsync-{proc.pid}-") == []  # its memory is freed
