@@ -50,7 +50,7 @@ from asyncsync._generation.engine import CompletionStream
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._wire.chat import ChatRequestError
 from asyncsync._wire.control import WeightComparison
-from asyncsync._wire.generation import (
+from asyncsync._wire.generation.options import (
     GenerateOptions,
     RequestOptions,
     RoutedGenerateOptions,

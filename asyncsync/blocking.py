@@ -46,7 +46,7 @@ from asyncsync._fleet.hosts import members_of
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._publish.catchup import CatchUpLike
-from asyncsync._wire.generation import Tokenizer
+from asyncsync._wire.generation.options import Tokenizer
 from asyncsync.backends import BackendOptions, TrainerApi
 from asyncsync.client import DEFAULT_RETRY
 

@@ -29,7 +29,7 @@ from asyncsync._http.transport import Endpoint, Transport
 from asyncsync._wire import control as wire
 from asyncsync._wire import draft as draft_wire
 from asyncsync._wire.control import Call, WeightComparison, normalize_url, protocol_for_version
-from asyncsync._wire.generation import (
+from asyncsync._wire.generation.options import (
     GenerateOptions,
     RequestOptions,
     check_model_size,

@@ -53,7 +53,7 @@ from asyncsync._wire import draft as draft_wire
 from asyncsync._wire import lora as lora_wire
 from asyncsync._wire.control import WeightComparison, normalize_url, plan_models
 from asyncsync._wire.draft import DraftModel
-from asyncsync._wire.generation import (
+from asyncsync._wire.generation.options import (
     GenerationRequest,
     RoutedGenerateOptions,
     RoutedOptions,

@@ -38,7 +38,7 @@ OPTIONAL = {"vllm", "ray", "peft", "transformers", "torch", "zstandard", "openai
 SIGNALS = {
     "asyncsync._http.h1._BadAnswer": "the lean HTTP pool's parse failure; the pool maps it",
     "asyncsync._wire.control.Malformed": "a parser's; the transport maps it (ProtocolError)",
-    "asyncsync._wire.generation.StreamFailed": "a stream's error event; GenerationError",
+    "asyncsync._wire.generation.stream.StreamFailed": "a stream's error event; GenerationError",
     "asyncsync._publish.round._Regroup": "the round sends again, or fails (PublishError)",
     "asyncsync.backends.contract.RoundCancelled": (
         "a backend's stop at a chunk boundary; the caller gets its CancelledError"

@@ -20,13 +20,9 @@ from asyncsync._core.errors import ServerError
 from asyncsync._http.transport import parse_answer as parse_control
 from asyncsync._wire import control as wire
 from asyncsync._wire.control import Malformed
-from asyncsync._wire.generation import (
-    COMPLETIONS_ROUTE,
-    GENERATE_ROUTE,
-    StreamAssembler,
-    StreamFailed,
-    parse_answer,
-)
+from asyncsync._wire.generation.bodies import parse_answer
+from asyncsync._wire.generation.options import COMPLETIONS_ROUTE, GENERATE_ROUTE
+from asyncsync._wire.generation.stream import StreamAssembler, StreamFailed
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

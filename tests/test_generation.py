@@ -16,15 +16,14 @@ from aiohttp import web
 
 import asyncsync as az
 from asyncsync._wire.control import Call, Malformed
-from asyncsync._wire.generation import (
-    COMPLETIONS_ROUTE,
-    GENERATE_ROUTE,
+from asyncsync._wire.generation.bodies import (
     parse_answer,
     parse_legacy_logprobs,
     parse_prompt_logprobs,
     parse_spans,
     retokenize,
 )
+from asyncsync._wire.generation.options import COMPLETIONS_ROUTE, GENERATE_ROUTE
 from asyncsync.testing import FakeVLLMServer, Fault
 from asyncsync.testing._fake import FakeLM
 from tests.waiting import wait_until
@@ -141,7 +140,8 @@ async def test_request_body_on_each_route(fake32: FakeVLLMServer) -> None:
 )
 def test_every_option_lands_in_its_field_and_in_the_body(kwargs: dict[str, Any]) -> None:
     from asyncsync._core import encoding as _json
-    from asyncsync._wire.generation import request_body, split_options
+    from asyncsync._wire.generation.bodies import request_body
+    from asyncsync._wire.generation.options import split_options
 
     req, send = split_options(kwargs, n=2)
     sampling: dict[str, Any] = {"n": 2, "max_tokens": 16, "temperature": 1.0}
@@ -166,7 +166,7 @@ def test_every_option_lands_in_its_field_and_in_the_body(kwargs: dict[str, Any])
 
 
 def test_options_are_validated_and_misplaced_ones_named() -> None:
-    from asyncsync._wire.generation import split_options
+    from asyncsync._wire.generation.options import split_options
 
     req, _ = split_options({"temperature": 1})
     assert req.temperature == 1
@@ -212,7 +212,7 @@ def test_fleet_and_client_take_the_same_generation_options() -> None:
 
 
 def test_prompt_checks_name_the_offending_position() -> None:
-    from asyncsync._wire.generation import check_prompt, check_prompts
+    from asyncsync._wire.generation.options import check_prompt, check_prompts
 
     assert check_prompt([0, 5, 511], vocab_size=512) == [0, 5, 511]
     with pytest.raises(ValueError, match=r"ids\[2\] = 512 is outside .*vocab_size=512"):

@@ -202,7 +202,9 @@ def test_features_are_read_from_the_answers() -> None:
 def test_one_choice_for_n_names_the_older_generate_route() -> None:
     """vLLM 0.27.1's /inference/v1/generate answers n=2 with one choice (seen for real;
     fixed in 0.29): refused, never taken as a complete answer, and the error says why."""
-    from asyncsync._wire.generation import GENERATE_ROUTE, Malformed, parse_answer
+    from asyncsync._wire.control import Malformed
+    from asyncsync._wire.generation.bodies import parse_answer
+    from asyncsync._wire.generation.options import GENERATE_ROUTE
 
     with pytest.raises(Malformed) as info:
         parse_answer(GENERATE_027, GENERATE_ROUTE, 2, None)

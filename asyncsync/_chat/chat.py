@@ -86,7 +86,7 @@ from asyncsync._wire.chat import (
     plan_chat,
 )
 from asyncsync._wire.control import ModelEntry, plan_models
-from asyncsync._wire.generation import client_spans
+from asyncsync._wire.generation.bodies import client_spans
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._core.completion import Completion
-from asyncsync._wire.generation import check_prompt
+from asyncsync._wire.generation.options import check_prompt
 
 if TYPE_CHECKING:
     from asyncsync.client import AsyncVLLMClient

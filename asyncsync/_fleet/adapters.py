@@ -22,7 +22,7 @@ from asyncsync._core.errors import GenerationAborted, GenerationError
 from asyncsync._core.ledger import Ledger, ServerRecord
 from asyncsync._core.state import Reason
 from asyncsync._generation.engine import GenerationEngine
-from asyncsync._wire.generation import GenerationRequest, SendOptions
+from asyncsync._wire.generation.options import GenerationRequest, SendOptions
 
 __all__ = ["bind", "served_name", "skipped", "tag"]
 

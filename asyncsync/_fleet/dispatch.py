@@ -31,7 +31,7 @@ from asyncsync._fleet.members import Members
 from asyncsync._fleet.routing import StalenessStats, choose, contradicts, staleness_of
 from asyncsync._generation.engine import CompletionStream, GenerationEngine
 from asyncsync._http.transport import never_sent
-from asyncsync._wire.generation import GenerationRequest, SendOptions
+from asyncsync._wire.generation.options import GenerationRequest, SendOptions
 
 __all__ = ["Dispatcher", "RoutingPolicy"]
 

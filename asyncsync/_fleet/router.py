@@ -34,7 +34,7 @@ from asyncsync._fleet.routing import contradicts
 from asyncsync._generation.engine import GenerationEngine
 from asyncsync._generation.served import ServedLookup
 from asyncsync._http.transport import Endpoint
-from asyncsync._wire.generation import GenerationRequest, SendOptions
+from asyncsync._wire.generation.options import GenerationRequest, SendOptions
 from asyncsync.client import AsyncVLLMClient
 
 __all__ = ["RouterDispatcher", "ServersBehind"]

@@ -46,15 +46,8 @@ from asyncsync._wire.control import (
     generate_keeps_all_choices,
     stream_drops_silent_aborts,
 )
-from asyncsync._wire.generation import (
+from asyncsync._wire.generation.bodies import (
     ABSENT,
-    COMPLETIONS_ROUTE,
-    GENERATE_ROUTE,
-    GenerationRequest,
-    SendOptions,
-    StreamAssembler,
-    StreamFailed,
-    Tokenizer,
     client_spans,
     completions_from,
     parse_answer,
@@ -63,6 +56,14 @@ from asyncsync._wire.generation import (
     request_body,
     retokenize,
 )
+from asyncsync._wire.generation.options import (
+    COMPLETIONS_ROUTE,
+    GENERATE_ROUTE,
+    GenerationRequest,
+    SendOptions,
+    Tokenizer,
+)
+from asyncsync._wire.generation.stream import StreamAssembler, StreamFailed
 
 __all__ = ["CompletionStream", "GenerationEngine", "StreamLease", "check_aborted", "run_all"]
 
