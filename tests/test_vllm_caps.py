@@ -1,4 +1,4 @@
-"""Capability probing (asyncsync/_wire/caps.py): the engine contract read from vLLM's
+"""Capability probing (asyncsync/_vllm/caps.py): the engine contract read from vLLM's
 base class, the server options read from vLLM's own parser, a running server's features
 read from its answers; what is missing is named in a typed error."""
 
@@ -18,8 +18,8 @@ import pytest
 
 import asyncsync as az
 from asyncsync import UnsupportedVLLMError
-from asyncsync._wire import caps
-from asyncsync._wire.caps import (
+from asyncsync._vllm import caps
+from asyncsync._vllm.caps import (
     ProbeError,
     ServerFeatures,
     ServerOptions,
@@ -163,7 +163,7 @@ def test_failed_probe_names_the_command_and_shows_its_output(
     with pytest.raises(ProbeError, match="exited with 1") as info:
         probe_server_options(python)
     assert "No module named vllm" in str(info.value)
-    assert "asyncsync._wire.caps" in str(info.value)
+    assert "asyncsync._vllm.caps" in str(info.value)
     assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
 
 

@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncsync._core.errors import ProtocolError
-from asyncsync._wire.caps import installed_trainer_api
+from asyncsync._vllm.caps import installed_trainer_api
 from asyncsync.backends.contract import RoundCancelled, SendControl, TrainerApi, TrainerBackend
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ Trainer and servers share the GPUs: the trainer hands the servers CUDA IPC handl
 its tensors (or to a packed staging buffer) and each server's workers open them and load
 the weights, with no copy over a network. The servers run vLLM's built-in engine
 (``--weight-transfer-config '{"backend": "ipc"}'``); the trainer side is vLLM's too, in
-whichever API the installed vLLM offers (`asyncsync._wire.caps.installed_trainer_api`):
+whichever API the installed vLLM offers (`asyncsync._vllm.caps.installed_trainer_api`):
 ``WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(...), client=...,
 source=...)`` then ``send_weights()`` (vLLM 0.28 and later), or the static
 ``IPCWeightTransferEngine.trainer_send_weights(iterator, IPCTrainerSendWeightsArgs(

@@ -2,7 +2,7 @@
 
 The servers run vLLM's built-in engine (``--weight-transfer-config
 '{"backend": "nccl"}'``); the trainer side is vLLM's too, in whichever API the installed
-vLLM offers (`asyncsync._wire.caps.installed_trainer_api`):
+vLLM offers (`asyncsync._vllm.caps.installed_trainer_api`):
 
 - ``"engine"`` (vLLM 0.28 and later): ``WeightTransferTrainerFactory.trainer_init(
   NCCLTrainerInitInfo(...), client=..., source=...)``, then ``engine.send_weights()``

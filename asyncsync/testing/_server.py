@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from asyncsync._core.errors import AsyncSyncError
-from asyncsync._wire.caps import ProbeError, ServerOptions, probe_server_options, server_flags
+from asyncsync._vllm.caps import ProbeError, ServerOptions, probe_server_options, server_flags
 
 __all__ = ["BACKEND_NAMES", "LocalVLLMServer", "ServerStartError", "remove_ring_buffers"]
 

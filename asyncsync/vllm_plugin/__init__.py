@@ -30,7 +30,7 @@ __all__ = [
 logger = logging.getLogger("asyncsync.vllm_plugin")
 
 
-#: The ``asyncsync_shm`` adapter for each engine contract (``asyncsync._wire.caps``).
+#: The ``asyncsync_shm`` adapter for each engine contract (``asyncsync._vllm.caps``).
 ADAPTERS = {
     "worker-owns-round": ("asyncsync.vllm_plugin.engine_v023", "ShmWeightTransferEngineV023"),
     "engine-owns-round": ("asyncsync.vllm_plugin.engine_v032", "ShmWeightTransferEngine"),
@@ -45,7 +45,7 @@ def engine_for_this_vllm() -> tuple[str, str]:
     as ``(config, parallel_config, model)``, 0.25 and later as ``(config, vllm_config,
     device, model)``. An unknown contract raises `UnsupportedVLLMError`.
     """
-    from asyncsync._wire.caps import installed_engine_contract
+    from asyncsync._vllm.caps import installed_engine_contract
 
     return ADAPTERS[installed_engine_contract()]
 

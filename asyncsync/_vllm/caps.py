@@ -307,7 +307,7 @@ def _write_cached(path: Path, options: ServerOptions) -> None:
 
 
 def _run_probe(python: str) -> ServerOptions:
-    cmd = [python, "-m", "asyncsync._wire.caps"]
+    cmd = [python, "-m", "asyncsync._vllm.caps"]
     try:
         done = subprocess.run(
             cmd, check=False, capture_output=True, text=True, timeout=PROBE_TIMEOUT
@@ -326,7 +326,7 @@ def _run_probe(python: str) -> ServerOptions:
 
 
 def _print_server_options() -> None:
-    """The probe itself (``python -m asyncsync._wire.caps``): builds the parser the
+    """The probe itself (``python -m asyncsync._vllm.caps``): builds the parser the
     server builds, and prints every option string it accepts."""
     import importlib
 
