@@ -38,6 +38,7 @@ from asyncsync._publish.checkpoint import Checkpoints, served_checkpoints
 from asyncsync._publish.delta import ChainRound, DeltaChain, chain_round
 from asyncsync._publish.draft import DraftRound, DraftRounds, Target, check_target
 from asyncsync._publish.lora import LoraRounds
+from asyncsync._publish.options import RoundOptions, servers_needed
 from asyncsync._publish.progress import ProgressFn, progress_reporter
 from asyncsync._publish.round import (
     InitCalls,
@@ -341,8 +342,13 @@ class AsyncWeightPublisher:
         Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
         version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        _check_round(version, self._published(target, verify), pause)
-        checks = as_verify(verify, weights)
+        check_target(target, verify=verify)  # before verify is read: a draft takes none
+        options = RoundOptions(
+            pause=pause, reset_prefix_cache=reset_prefix_cache, progress=progress,
+            verify=as_verify(verify, weights), min_servers=min_servers, delta=delta,
+            target=target,
+        )  # fmt: skip
+        _check_version(version, self._published(options.target))
         catching_up = self._catch_up is not None and self._catch_up.running
         if self._lock.locked() and self.if_busy == "raise" and not catching_up:
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -357,10 +363,7 @@ class AsyncWeightPublisher:
                     return await self._non_sender(weights, version)
                 if check_finite:
                     weights = await finite(weights, self._executor)
-                targets = self._targets(targets)
-                need = _need(min_servers, targets)
-                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
-                return await self._publish(weights, version, *args)
+                return await self._publish(weights, version, self._targets(targets), options)
 
     @property
     def draft_version(self) -> str | None:
@@ -370,10 +373,8 @@ class AsyncWeightPublisher:
             return None
         return self.fleet.ledger.current("draft")
 
-    def _published(self, target: object, verify: object) -> tuple[str, ...]:
-        """The versions a round into ``target`` must differ from (``target`` and
-        ``verify`` checked first)."""
-        check_target(target, verify=verify)
+    def _published(self, target: Target) -> tuple[str, ...]:
+        """The versions a round into ``target`` must differ from."""
         if self.fleet is None or not self.is_sender:
             return () if self._version is None else (self._version,)
         return self.fleet.ledger.history("draft" if target == "draft" else "main").versions
@@ -402,20 +403,10 @@ class AsyncWeightPublisher:
             return await verify_now(self.fleet, urls, resolve(weights), checks, self._executor)
 
     async def _publish(
-        self,
-        weights: WeightsLike,
-        version: str,
-        pause: PauseMode | None,
-        reset_prefix_cache: bool,
-        progress: bool | ProgressFn | None,
-        targets: list[str],
-        verify: Verify | None,
-        need: int,
-        delta: bool = False,
-        target: Target = "main",
-        catch_up: bool = False,
+        self, weights: WeightsLike, version: str, targets: list[str], options: RoundOptions
     ) -> PublishReport:
         assert self.fleet is not None  # rank 0's
+        need, verify, catch_up = options.need(targets), options.verify, options.catch_up
         if verify is not None and verify.checksum:
             await check_checksum_route(self.fleet, targets)
         await self._backend.prepare(self.fleet, targets)
@@ -425,16 +416,16 @@ class AsyncWeightPublisher:
             joined = [url for url in targets if url not in self._identities]
             if joined:
                 self._restarted(joined, "new to this publisher")
-        draft = target == "draft"
+        draft = options.target == "draft"
         if catch_up:  # the published weights again, outside any delta chain
             chain, source, checkpoints = None, *await self._checked(weights, targets)
         else:
             chain, source, checkpoints = await self._prepared(
-                weights, targets, version, delta, draft
+                weights, targets, version, options.delta, draft
             )
         await self._ask_ceiling(targets)
         reporter, bar = progress_reporter(
-            progress, source.total_bytes if source is not None else None, version
+            options.progress, source.total_bytes if source is not None else None, version
         )
         # The trainer's digests are taken as the tensors are packed (streams included).
         digests = TrainerDigests(verify.dtype) if verify is not None and verify.checksum else None
@@ -443,8 +434,8 @@ class AsyncWeightPublisher:
         # collectives, an FSDP all-gather, would wait for rank 0 forever).
         resendable = (source is None or source.reiterable) and self.world_size == 1
         round_ = (DraftRound if draft else PublishRound)(
-            self.fleet, targets, version=version, need=need, pause=pause,
-            reset_prefix_cache=reset_prefix_cache, abort_info=self._backend.abort_info(),
+            self.fleet, targets, version=version, need=need, pause=options.pause,
+            reset_prefix_cache=options.reset_prefix_cache, abort_info=self._backend.abort_info(),
             published_version=self.draft_version if draft else self.version,
             collective=self._backend.collective_servers(targets),
             resendable=resendable, verify=verify, digests=digests, catch_up=catch_up,
@@ -552,7 +543,7 @@ class AsyncWeightPublisher:
             if self._closed or self.fleet is None or not self.is_sender:
                 raise ClosedError("publish_lora needs an open publisher of rank 0 (with the fleet)")
             urls = self._targets(targets)
-            need = _need(min_servers, urls)
+            need = servers_needed(min_servers, urls)
             self._lora = self._lora or LoraRounds(self.fleet, self._executor)
             return await self._lora.publish(
                 name, adapter, version=version, targets=urls, need=need, config=config,
@@ -620,9 +611,8 @@ class AsyncWeightPublisher:
             logger.info("catching up %s to %r", ", ".join(urls), version)
             # paused: a request sent to it directly (not admitted: it is stale) waits for
             # the round, instead of meeting a model mid-update (vLLM-CPU's worker dies)
-            return await self._publish(
-                weights, version, "keep", True, None, urls, None, 1, catch_up=True
-            )
+            options = RoundOptions(pause="keep", catch_up=True)
+            return await self._publish(weights, version, urls, options)
 
     def _restarted(self, urls: list[str], why: str = "restarted since the last round") -> None:
         """A round's probe found ``urls`` restarted since this publisher reached them (or
@@ -747,28 +737,13 @@ def _from_keywords(
     return dataclasses.replace(options, **keywords), api
 
 
-def _check_round(version: object, published: Sequence[str], pause: object) -> None:
+def _check_version(version: object, published: Sequence[str]) -> None:
     if not isinstance(version, str) or not version:
         raise ValueError(f"version must be a non-empty string, got {version!r}")
     if version in published:
         raise ValueError(
             f"version {version!r} is already published; every round needs a new version"
         )
-    if pause not in (None, "keep", "wait", "abort"):
-        raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {pause!r}")
-
-
-def _need(min_servers: object, targets: Sequence[str]) -> int:
-    """How many of ``targets`` a round needs (``min_servers``), or ValueError."""
-    if min_servers == "all":
-        return len(targets)
-    if not isinstance(min_servers, int) or isinstance(min_servers, bool) or min_servers < 1:
-        raise ValueError(f"min_servers must be an int >= 1 or 'all', got {min_servers!r}")
-    if min_servers > len(targets):
-        raise ValueError(
-            f"min_servers={min_servers} but the round targets {len(targets)} server(s)"
-        )
-    return min_servers
 
 
 def _check_arguments(

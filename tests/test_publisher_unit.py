@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import asyncsync as az
+from asyncsync._publish.options import RoundOptions
 from asyncsync._publish.progress import Progress, progress_enabled
 from asyncsync._publish.round import is_stale_round_error
 from asyncsync._publish.weights import resolve
@@ -32,6 +33,39 @@ async def test_publish_rejects_bad_version_and_pause() -> None:
             await pub.publish({}, version="")
         with pytest.raises(ValueError, match="pause must be"):
             await pub.publish({}, version="v", pause="forever")  # type: ignore[arg-type]
+
+
+def test_round_options_are_checked_once_when_built() -> None:
+    options = RoundOptions(pause="keep", min_servers="all", delta=True)
+    assert options.need(["a", "b", "c"]) == 3
+    assert RoundOptions(min_servers=2).need(["a", "b"]) == 2
+    with pytest.raises(ValueError, match=r"min_servers=3 but the round targets 2 server\(s\)"):
+        RoundOptions(min_servers=3).need(["a", "b"])
+    with pytest.raises(AttributeError):
+        options.delta = False  # type: ignore[misc]  # frozen
+    bad: list[tuple[dict[str, object], type[Exception], str]] = [
+        ({"pause": "forever"}, ValueError, "pause must be"),
+        ({"min_servers": 0}, ValueError, "min_servers must be an int >= 1 or 'all', got 0"),
+        ({"min_servers": True}, ValueError, "min_servers must be an int"),
+        ({"min_servers": "most"}, ValueError, "min_servers must be an int"),
+        ({"delta": "yes"}, TypeError, "delta must be a bool, got 'yes'"),
+        ({"reset_prefix_cache": None}, TypeError, "reset_prefix_cache must be a bool"),
+        ({"target": "eagle"}, ValueError, "target must be 'main' or 'draft'"),
+        ({"target": "draft", "verify": az.Verify(checksum=True)}, ValueError, "takes no verify"),
+        ({"catch_up": True, "delta": True}, ValueError, "a catch-up round resends"),
+    ]
+    for kwargs, error, message in bad:
+        with pytest.raises(error, match=message):
+            RoundOptions(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_publish_refuses_bad_round_options_before_the_round() -> None:
+    async with az.AsyncWeightPublisher(None, rank=1, world_size=2) as pub:
+        with pytest.raises(ValueError, match="min_servers must be"):
+            await pub.publish({}, version="v", min_servers=0)
+        with pytest.raises(TypeError, match="delta must be a bool"):
+            await pub.publish({}, version="v", delta="yes")  # type: ignore[arg-type]
 
 
 def test_sources_describe_themselves() -> None:
