@@ -92,7 +92,7 @@ class Fleet:
 
     Every control method fans out to the targeted servers at once, waits until each
     answered or failed, and returns a `FleetResult` of per-server
-    `Outcome` objects. Whether a failure raises is the partial-failure policy
+    `CallOutcome` objects. Whether a failure raises is the partial-failure policy
     ``require`` (per fleet, overridable per call): ``"all"`` (default) raises
     `FleetError` when any server failed, ``"any"`` only when all did,
     ``"none"`` never. Either way every outcome is kept, and `servers` is updated.

@@ -50,9 +50,9 @@ from asyncsync._publish.round import (
 from asyncsync._publish.verify import (
     DigestTap,
     TrainerDigests,
-    Verification,
     Verify,
     VerifyLike,
+    VerifyResult,
     as_verify,
     check_checksum_route,
     verify_now,
@@ -87,8 +87,8 @@ __all__ = [
     "AsyncWeightPublisher",
     "PublishReport",
     "ServerOutcome",
-    "Verification",
     "Verify",
+    "VerifyResult",
     "WeightsLike",
 ]
 
@@ -384,14 +384,14 @@ class AsyncWeightPublisher:
         *,
         how: VerifyLike = "checksum",
         targets: Sequence[str] | None = None,
-    ) -> dict[str, Verification]:
+    ) -> dict[str, VerifyResult]:
         """Check what the (targeted) servers hold now against ``weights``, without
         publishing: ``how`` takes what ``publish(..., verify=...)`` takes. The trainer's
         digests are taken in the worker thread (the weights are read once). A server
         that does not match is marked dirty in the fleet (generation avoids it until a
-        round succeeds there) and its `Verification` lists what differed. When some
+        round succeeds there) and its `VerifyResult` lists what differed. When some
         server could not be checked, one `FleetError` carries every server's result
-        (``outcomes``: a `Verification` or the error), after the mismatched ones were
+        (``outcomes``: a `VerifyResult` or the error), after the mismatched ones were
         marked. Runs between rounds (it waits for a running ``publish``)."""
         checks = as_verify(how, weights)
         assert checks is not None

@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from asyncsync._core.errors import AsyncSyncError, PublishError, WeightsModifiedError
-from asyncsync._publish.verify import Verification
+from asyncsync._publish.verify import VerifyResult
 
 __all__ = ["SECONDS_ORDER", "Phase", "PublishReport", "ServerOutcome", "cause", "publish_error"]
 
@@ -122,7 +122,7 @@ class PublishReport:
     params: int
     seconds: dict[str, float]
     outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
-    verified: dict[str, Verification] = field(default_factory=dict)
+    verified: dict[str, VerifyResult] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
     delta: Any = None
