@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol, Self, TypeVar
 
 import asyncsync as az
 from asyncsync._core.completion import Completion, TokenDelta
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.portal import (
     Facade,
     blocking_method,
@@ -463,13 +464,21 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
     @property
     def backend(self) -> str:
-        """The registered backend's name."""
+        """The backend's name in asyncsync's registry (``"shm"``...; the servers'
+        engine is `vllm_backend`)."""
         return self._async.backend
 
     @property
+    def vllm_backend(self) -> str:
+        """The weight-transfer engine the servers must run, by vLLM's registered name:
+        see `asyncsync.AsyncWeightPublisher.vllm_backend`."""
+        return self._async.vllm_backend
+
+    @property
     def backend_name(self) -> str:
-        """The vLLM ``--weight-transfer-config`` backend the servers must run."""
-        return self._async.backend_name
+        """Deprecated: `vllm_backend`."""
+        warn_deprecated("WeightPublisher.backend_name", "WeightPublisher.vllm_backend")
+        return self._async.vllm_backend
 
     @property
     def options(self) -> BackendOptions:

@@ -153,7 +153,8 @@ class AsyncWeightPublisher:
         self.fleet = fleet
         #: the backend's options (`asyncsync.backends.Shm`, ...)
         self.options = options
-        #: the registered backend's name
+        #: the backend's name in asyncsync's registry (``"shm"``, ``"gloo"``...; the
+        #: servers' engine is `vllm_backend`)
         self.backend = name
         self.if_busy = if_busy
         self._own_executor = executor is None
@@ -217,9 +218,17 @@ class AsyncWeightPublisher:
         return self._backend.is_sender
 
     @property
-    def backend_name(self) -> str:
-        """The vLLM ``--weight-transfer-config`` backend the servers must run."""
+    def vllm_backend(self) -> str:
+        """The weight-transfer engine the servers must run, by vLLM's registered name
+        (``--weight-transfer-config '{"backend": ...}'``: ``"asyncsync_shm"`` for the
+        ``"shm"`` `backend`)."""
         return self._backend.server_backend
+
+    @property
+    def backend_name(self) -> str:
+        """Deprecated: `vllm_backend`."""
+        warn_deprecated("AsyncWeightPublisher.backend_name", "AsyncWeightPublisher.vllm_backend")
+        return self.vllm_backend
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> AsyncWeightPublisher:
