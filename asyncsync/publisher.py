@@ -172,7 +172,7 @@ class AsyncWeightPublisher:
         self._lora: LoraRounds | None = None
         #: the record of a delta chain (`publish(..., delta=True)`), made on first use
         self._chain: DeltaChain | None = None
-        #: the rounds into the servers' draft model (``target="draft"``): own version, chain
+        #: the rounds into the servers' draft model (``model="draft"``): own version, chain
         self._draft = DraftRounds()
         #: the process identity each server had when this publisher last reached it
         self._identities: dict[str, str | None] = {}
@@ -320,7 +320,8 @@ class AsyncWeightPublisher:
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
         delta: bool = False,
-        target: Target = "main",
+        model: Target = "main",
+        target: Target | None = None,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
@@ -345,12 +346,15 @@ class AsyncWeightPublisher:
         forward pass) or a `Verify`. A server that does not match drops out at
         ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
         (shm, gloo) sends only what changed since the version every target acknowledged
-        (else a full round; docs/delta.md). ``target="draft"``: the draft model (docs/draft.md).
+        (else a full round; docs/delta.md). ``model="draft"``: the servers' speculative draft
+        model instead of the served one (docs/draft.md); ``target=`` is its deprecated
+        spelling.
 
         Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
         version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        _check_round(version, self._published(target, verify), pause)
+        model = _model_keyword(model, target)
+        _check_round(version, self._published(model, verify), pause)
         checks = as_verify(verify, weights)
         catching_up = self._catch_up is not None and self._catch_up.running
         if self._lock.locked() and self.if_busy == "raise" and not catching_up:
@@ -368,13 +372,13 @@ class AsyncWeightPublisher:
                     weights = await finite(weights, self._executor)
                 targets = self._targets(targets)
                 need = _need(min_servers, targets)
-                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, target)
+                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, model)
                 return await self._publish(weights, version, *args)
 
     @property
     def draft_version(self) -> str | None:
         """The last version published into the servers' draft model
-        (``publish(..., target="draft")``), None before the first."""
+        (``publish(..., model="draft")``), None before the first."""
         if self.fleet is None or not self.is_sender:
             return None
         return self.fleet.ledger.current("draft")
@@ -531,7 +535,7 @@ class AsyncWeightPublisher:
         self.last_report = report
         _hooks.published(report)
         # servers that lost their adapters get them again (a draft round drops none)
-        if self._lora is not None and report.target == "main":
+        if self._lora is not None and report.model == "main":
             await self._lora.after_base_round(report.servers)
         return report
 
@@ -754,6 +758,21 @@ def _from_keywords(
         f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
     )
     return dataclasses.replace(options, **keywords), api
+
+
+def _model_keyword(model: Target, target: Target | None) -> Target:
+    """``publish``'s ``model``, or its deprecated spelling ``target=`` (one letter from
+    ``targets=``, the servers) with a DeprecationWarning."""
+    if target is None:
+        return model
+    warn_deprecated(
+        "AsyncWeightPublisher.publish(..., target=...)",
+        "AsyncWeightPublisher.publish(..., model=...)",
+        stacklevel=4,
+    )
+    if model not in ("main", target):
+        raise TypeError(f"publish got model={model!r} and target={target!r}: pass model= only")
+    return target
 
 
 def _check_round(version: object, published: Sequence[str], pause: object) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import AsyncSyncError, PublishError, WeightsModifiedError
 from asyncsync._publish.verify import VerifyResult
 
@@ -103,7 +104,7 @@ class PublishReport:
             was sent again to the others in a new group; else 1.
         delta: a round of ``publish(..., delta=True)``: whether it was a delta or a full
             one and what changed (a ``DeltaStats``); None otherwise.
-        target: what the round loaded into: ``"main"`` (the served model) or
+        model: what the round loaded into: ``"main"`` (the served model) or
             ``"draft"`` (its speculative draft model; ``version`` is then the draft's,
             and the servers' served versions did not change).
         ceiling_gb_per_s: the rate the hardware allows this transport, in GB/s: shm
@@ -126,9 +127,15 @@ class PublishReport:
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
     delta: Any = None
-    target: str = "main"
+    model: str = "main"
     ceiling_gb_per_s: float | None = None
     ceiling_basis: str | None = None
+
+    @property
+    def target(self) -> str:
+        """Deprecated: `model`."""
+        warn_deprecated("PublishReport.target", "PublishReport.model")
+        return self.model
 
     @property
     def never_reached(self) -> list[str]:
@@ -160,7 +167,7 @@ class PublishReport:
         never = self.never_reached
         lost = ", ".join(f"{u} (never reached)" if u in never else u for u in self.lost)
         lost = f"; lost {lost}" if lost else ""
-        into = " (draft model)" if self.target == "draft" else ""
+        into = " (draft model)" if self.model == "draft" else ""
         limit = ""
         if self.efficiency is not None and self.ceiling_gb_per_s is not None:
             limit = (
