@@ -445,13 +445,21 @@ class Fleet:
         ``fleet.where(lambda s: s.health == "healthy")``."""
         return [s.url for s in self.ledger.snapshots() if predicate(s)]
 
-    def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
-        """Mark servers (all when None) dirty, or clean with ``dirty=False`` (drafts too)."""
-        self.ledger.marked(self._members.resolve(urls), dirty=dirty)
+    def mark_dirty(self, urls: _Targets = None, *, dirty: bool | None = None) -> None:
+        """Mark servers (all when None) dirty: they serve nothing until a round reaches
+        them (`mark_clean` undoes it). ``dirty=False`` is the deprecated spelling of
+        `mark_clean`."""
+        if dirty is not None:
+            warn_deprecated(
+                f"Fleet.mark_dirty(urls, dirty={dirty!r})",
+                "Fleet.mark_clean(urls)" if not dirty else "Fleet.mark_dirty(urls)",
+            )
+        self.ledger.marked(self._members.resolve(urls), dirty=dirty is None or dirty)
 
     def mark_clean(self, urls: _Targets = None) -> None:
-        """Mark servers (all when None) clean: in sync again, not mid-update."""
-        self.mark_dirty(urls, dirty=False)
+        """Mark servers (all when None) clean: in sync again, not mid-update; the
+        served model and the draft model both."""
+        self.ledger.marked(self._members.resolve(urls), dirty=False)
 
     def mark_published(self, urls: _Targets, version: str | None) -> None:
         """Record a finished round on servers (all when None): clean, not updating,
