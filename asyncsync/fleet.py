@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import aiohttp
 
@@ -67,6 +67,9 @@ from asyncsync._wire.generation import (
 )
 from asyncsync._wire.lora import LoraLimits
 from asyncsync.client import DEFAULT_RETRY, AsyncVLLMClient
+
+if TYPE_CHECKING:  # openai is optional (the asyncsync[openai] extra)
+    from openai import AsyncOpenAI
 
 __all__ = ["Fleet"]
 
@@ -566,7 +569,7 @@ class Fleet:
         return await resolve_hosts(self._members, urls)
 
     # ------------------------------------------------------------------ chat
-    def openai(self, session: Any, **options: Any) -> Any:
+    def openai(self, session: Any, **options: Any) -> AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
         in-process (an httpx transport, no socket): for agent code that takes a client
         object. ``session``: a `ChatSession`, or a session id (the fleet's own session
