@@ -62,7 +62,7 @@ from asyncsync._wire.generation import (
     check_model_size,
     check_prompt,
     check_prompts,
-    deprecated_n,
+    refuse_n,
     split_options,
 )
 from asyncsync._wire.lora import LoraLimits
@@ -613,13 +613,6 @@ class Fleet:
             "vllm_version", lambda _p, _u: wire.plan_version(), targets, require
         )
 
-    async def version(
-        self, *, targets: _Targets = None, require: Require | None = None
-    ) -> FleetResult[str]:
-        """Deprecated: `vllm_version`."""
-        warn_deprecated("Fleet.version()", "Fleet.vllm_version()")
-        return await self.vllm_version(targets=targets, require=require)
-
     async def pause(
         self, mode: PauseMode | None = None, *, clear_cache: bool | None = None,
         targets: _Targets = None, require: Require | None = None,
@@ -868,9 +861,9 @@ class Fleet:
         `staleness`. Aborted requests raise `GenerationAborted`
         with the partial tokens (retryable).
         """
-        n = deprecated_n(options, "Fleet")
-        out = await self._generate(prompt_token_ids, n, options, "generate")
-        return out[0] if n == 1 else out  # type: ignore[return-value]  # deprecated n > 1
+        refuse_n(options, "Fleet")
+        (out,) = await self._generate(prompt_token_ids, 1, options, "generate")
+        return out
 
     async def generate_n(
         self, prompt_token_ids: Sequence[int], *, n: int,

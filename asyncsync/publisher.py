@@ -24,9 +24,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Never
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.collector import collections_paused
@@ -119,9 +119,9 @@ class AsyncWeightPublisher:
             returns the published weights again (called in the worker thread), or
             ``"off"``. A host copy costs up to two model's bytes of trainer memory
             (docs/publishing.md#catch-up).
-        deprecated_options: 0.1's ``buffer_bytes=...``, ``zero_copy=...`` and the other
-            backend options as keywords (use the typed options), and ``api=`` (which
-            trainer-engine style drives a round: internal since 0.2). Each warns.
+        removed: no keyword is taken here: 0.1's backend options as keywords
+            (``buffer_bytes=...``, ``zero_copy=...``) and ``api=`` were removed in 0.2.0;
+            each is a TypeError naming its replacement (``backend=Shm(buffer_bytes=...)``).
 
     Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for the
     weight-sync routes: init, start, each chunk's fan-out, finish and the weight checker;
@@ -140,11 +140,11 @@ class AsyncWeightPublisher:
         if_busy: Literal["wait", "raise"] = "wait",
         catch_up: CatchUpLike = "auto",
         _api: TrainerApi = "engine",
-        **deprecated_options: Any,
+        **removed: Never,
     ) -> None:
         name, options = options_for(backend)  # an unknown name is the first error
-        if deprecated_options:
-            options, _api = _from_keywords(name, options, _api, deprecated_options)
+        if removed:
+            _refuse_keywords(name, options, removed)
         _check_arguments(fleet, rank, world_size, _api, if_busy)
         check_catch_up(catch_up)
         self._backend: TrainerBackend = create_backend(
@@ -732,16 +732,14 @@ async def _non_sender_round(
     )
 
 
-def _from_keywords(
-    name: str, options: BackendOptions, api: TrainerApi, keywords: dict[str, Any]
-) -> tuple[BackendOptions, TrainerApi]:
-    """0.1's backend options as keywords of the publisher, and its public ``api=``: the
-    typed options they mean, each with a DeprecationWarning."""
+def _refuse_keywords(name: str, options: BackendOptions, keywords: Mapping[str, object]) -> None:
+    """0.1's backend options as keywords of the publisher, and its public ``api=``, both
+    removed in 0.2.0: a TypeError naming the typed option to pass instead."""
     if "api" in keywords:
-        api = keywords.pop("api")
-        warn_deprecated("AsyncWeightPublisher(api=...)", "the default (api is internal)")
-    if not keywords:
-        return options, api
+        raise TypeError(
+            "AsyncWeightPublisher(api=...) was removed in 0.2.0: the trainer-engine style "
+            "is the installed vLLM's (publisher.api says which); drop the keyword"
+        )
     cls = type(options)
     # the built-in options are exported by asyncsync.backends, wherever they are defined
     where = "asyncsync.backends" if cls.__module__.startswith("asyncsync.") else cls.__module__
@@ -753,11 +751,10 @@ def _from_keywords(
             f"backend {name!r} got unknown option(s) {', '.join(unknown)}; it takes: {takes}"
         )
     spelled = ", ".join(f"{k}=..." for k in keywords)
-    warn_deprecated(
-        f"AsyncWeightPublisher(..., {spelled})",
-        f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
+    raise TypeError(
+        f"AsyncWeightPublisher(..., {spelled}) was removed in 0.2.0: the backend's options "
+        f"are typed, pass backend={where}.{cls.__name__}({spelled})"
     )
-    return dataclasses.replace(options, **keywords), api
 
 
 def _model_keyword(model: Target, target: Target | None) -> Target:
