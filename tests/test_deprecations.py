@@ -83,6 +83,18 @@ def test_publisher_backend_name_is_vllm_backend() -> None:
         assert publisher.backend_name == "asyncsync_shm"
 
 
+def test_blocking_publisher_backend_name_is_vllm_backend() -> None:
+    publisher = asyncsync.blocking.WeightPublisher(None, rank=1, world_size=2)
+    try:
+        assert publisher.vllm_backend == "asyncsync_shm"
+        with pytest.warns(DeprecationWarning, match=r"WeightPublisher\.vllm_backend"):
+            assert publisher.backend_name == "asyncsync_shm"
+        with pytest.raises(TypeError, match=r"backend=asyncsync\.backends\.Shm\(zero_copy"):
+            asyncsync.blocking.WeightPublisher(None, rank=1, world_size=2, zero_copy=True)  # type: ignore[call-arg]
+    finally:
+        publisher.close()
+
+
 def test_publish_report_target_is_model() -> None:
     report = az.PublishReport("v1", [], 0, 0, 0, {}, model="draft")
     with pytest.warns(DeprecationWarning, match=r"PublishReport\.target.*PublishReport\.model"):
