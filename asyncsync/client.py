@@ -306,7 +306,7 @@ class AsyncVLLMClient:
     async def start_draft_weight_update(self) -> None:
         """``POST /start_draft_weight_update`` (vLLM >= 0.32, a server running a
         speculative draft model): the update that follows loads into the draft model.
-        Low level: ``publish(..., model="draft")`` runs a draft round."""
+        Low level: ``publish(..., into="draft")`` runs a draft round."""
         protocol = await self.protocol()
         await self._run(draft_wire.plan_start_draft_weight_update(protocol, self.base_url))
 

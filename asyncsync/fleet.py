@@ -740,7 +740,7 @@ class Fleet:
         """``POST /start_draft_weight_update`` on every target (vLLM >= 0.32, a server
         running a speculative draft model): an update whose chunks load into the draft
         model; marks the started servers ``updating``. Low level: a round of
-        ``publish(..., model="draft")`` runs it."""
+        ``publish(..., into="draft")`` runs it."""
         return await self._control.fan(
             "start_draft_weight_update",
             draft_wire.plan_start_draft_weight_update,

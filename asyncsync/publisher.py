@@ -172,7 +172,7 @@ class AsyncWeightPublisher:
         self._lora: LoraRounds | None = None
         #: the record of a delta chain (`publish(..., delta=True)`), made on first use
         self._chain: DeltaChain | None = None
-        #: the rounds into the servers' draft model (``model="draft"``): own version, chain
+        #: the rounds into the servers' draft model (``into="draft"``): own version, chain
         self._draft = DraftRounds()
         #: the process identity each server had when this publisher last reached it
         self._identities: dict[str, str | None] = {}
@@ -320,7 +320,7 @@ class AsyncWeightPublisher:
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
         delta: bool = False,
-        model: Target = "main",
+        into: Target = "main",
         target: Target | None = None,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
@@ -346,15 +346,15 @@ class AsyncWeightPublisher:
         forward pass) or a `Verify`. A server that does not match drops out at
         ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
         (shm, gloo) sends only what changed since the version every target acknowledged
-        (else a full round; docs/delta.md). ``model="draft"``: the servers' speculative draft
+        (else a full round; docs/delta.md). ``into="draft"``: the servers' speculative draft
         model instead of the served one (docs/draft.md); ``target=`` is its deprecated
         spelling.
 
         Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
         version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        model = _model_keyword(model, target)
-        _check_round(version, self._published(model, verify), pause)
+        into = _into_keyword(into, target)
+        _check_round(version, self._published(into, verify), pause)
         checks = as_verify(verify, weights)
         catching_up = self._catch_up is not None and self._catch_up.running
         if self._lock.locked() and self.if_busy == "raise" and not catching_up:
@@ -372,13 +372,13 @@ class AsyncWeightPublisher:
                     weights = await finite(weights, self._executor)
                 targets = self._targets(targets)
                 need = _need(min_servers, targets)
-                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, model)
+                args = (pause, reset_prefix_cache, progress, targets, checks, need, delta, into)
                 return await self._publish(weights, version, *args)
 
     @property
     def draft_version(self) -> str | None:
         """The last version published into the servers' draft model
-        (``publish(..., model="draft")``), None before the first."""
+        (``publish(..., into="draft")``), None before the first."""
         if self.fleet is None or not self.is_sender:
             return None
         return self.fleet.ledger.current("draft")
@@ -535,7 +535,7 @@ class AsyncWeightPublisher:
         self.last_report = report
         _hooks.published(report)
         # servers that lost their adapters get them again (a draft round drops none)
-        if self._lora is not None and report.model == "main":
+        if self._lora is not None and report.into == "main":
             await self._lora.after_base_round(report.servers)
         return report
 
@@ -757,18 +757,18 @@ def _refuse_keywords(name: str, options: BackendOptions, keywords: Mapping[str, 
     )
 
 
-def _model_keyword(model: Target, target: Target | None) -> Target:
-    """``publish``'s ``model``, or its deprecated spelling ``target=`` (one letter from
+def _into_keyword(into: Target, target: Target | None) -> Target:
+    """``publish``'s ``into``, or its deprecated spelling ``target=`` (one letter from
     ``targets=``, the servers) with a DeprecationWarning."""
     if target is None:
-        return model
+        return into
     warn_deprecated(
         "AsyncWeightPublisher.publish(..., target=...)",
-        "AsyncWeightPublisher.publish(..., model=...)",
+        "AsyncWeightPublisher.publish(..., into=...)",
         stacklevel=4,
     )
-    if model not in ("main", target):
-        raise TypeError(f"publish got model={model!r} and target={target!r}: pass model= only")
+    if into not in ("main", target):
+        raise TypeError(f"publish got into={into!r} and target={target!r}: pass into= only")
     return target
 
 

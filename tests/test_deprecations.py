@@ -95,15 +95,15 @@ def test_blocking_publisher_backend_name_is_vllm_backend() -> None:
         publisher.close()
 
 
-def test_publish_report_target_is_model() -> None:
-    report = az.PublishReport("v1", [], 0, 0, 0, {}, model="draft")
-    with pytest.warns(DeprecationWarning, match=r"PublishReport\.target.*PublishReport\.model"):
+def test_publish_report_target_is_into() -> None:
+    report = az.PublishReport("v1", [], 0, 0, 0, {}, into="draft")
+    with pytest.warns(DeprecationWarning, match=r"PublishReport\.target.*PublishReport\.into"):
         assert report.target == "draft"
 
 
 @pytest.mark.asyncio
-async def test_publish_target_keyword_is_model(fake: FakeVLLMServer) -> None:
-    """``target=`` still reaches the round as ``model=`` (here a draft round, refused
+async def test_publish_target_keyword_is_into(fake: FakeVLLMServer) -> None:
+    """``target=`` still reaches the round as ``into=`` (here a draft round, refused
     before anything is sent: the fake has no ``/server_info``), and warns."""
     async with (
         az.Fleet([fake.url]) as fleet,
@@ -111,15 +111,15 @@ async def test_publish_target_keyword_is_model(fake: FakeVLLMServer) -> None:
     ):
         weights = {"w": torch.ones(4)}
         with (
-            pytest.warns(DeprecationWarning, match=r"publish\(\.\.\., target=\.\.\.\).*model="),
+            pytest.warns(DeprecationWarning, match=r"publish\(\.\.\., target=\.\.\.\).*into="),
             pytest.raises(az.ProtocolError, match="/server_info"),  # a draft round's check
         ):
             await publisher.publish(weights, version="d1", target="draft")
         with (
-            pytest.warns(DeprecationWarning, match="model="),
-            pytest.raises(TypeError, match="pass model= only"),
+            pytest.warns(DeprecationWarning, match="into="),
+            pytest.raises(TypeError, match="pass into= only"),
         ):
-            await publisher.publish(weights, version="d1", model="draft", target="main")
+            await publisher.publish(weights, version="d1", into="draft", target="main")
         assert not any(r.path.endswith("weight_update") for r in fake.requests)
 
 

@@ -104,7 +104,7 @@ class PublishReport:
             was sent again to the others in a new group; else 1.
         delta: a round of ``publish(..., delta=True)``: whether it was a delta or a full
             one and what changed (a ``DeltaStats``); None otherwise.
-        model: what the round loaded into: ``"main"`` (the served model) or
+        into: what the round loaded into: ``"main"`` (the served model) or
             ``"draft"`` (its speculative draft model; ``version`` is then the draft's,
             and the servers' served versions did not change).
         ceiling_gb_per_s: the rate the hardware allows this transport, in GB/s: shm
@@ -127,15 +127,15 @@ class PublishReport:
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
     delta: Any = None
-    model: str = "main"
+    into: str = "main"
     ceiling_gb_per_s: float | None = None
     ceiling_basis: str | None = None
 
     @property
     def target(self) -> str:
-        """Deprecated: `model`."""
-        warn_deprecated("PublishReport.target", "PublishReport.model")
-        return self.model
+        """Deprecated: `into`."""
+        warn_deprecated("PublishReport.target", "PublishReport.into")
+        return self.into
 
     @property
     def never_reached(self) -> list[str]:
@@ -167,7 +167,7 @@ class PublishReport:
         never = self.never_reached
         lost = ", ".join(f"{u} (never reached)" if u in never else u for u in self.lost)
         lost = f"; lost {lost}" if lost else ""
-        into = " (draft model)" if self.model == "draft" else ""
+        draft = " (draft model)" if self.into == "draft" else ""
         limit = ""
         if self.efficiency is not None and self.ceiling_gb_per_s is not None:
             limit = (
@@ -175,7 +175,7 @@ class PublishReport:
                 f"({_rate(self.ceiling_gb_per_s)}: {self.ceiling_basis or 'given'})"
             )
         return (
-            f"published {self.version!r}{into} to {len(self.servers)} server(s){lost}: "
+            f"published {self.version!r}{draft} to {len(self.servers)} server(s){lost}: "
             f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)}"
             f"{limit} ({phases})"
         )
