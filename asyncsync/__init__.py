@@ -44,7 +44,7 @@ from asyncsync._core.errors import (
 from asyncsync._core.loop import run
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import Timeouts
-from asyncsync._core.types import FleetResult, Outcome
+from asyncsync._core.types import CallOutcome, FleetResult
 from asyncsync._fleet.routing import StalenessStats
 from asyncsync._generation.engine import CompletionStream
 from asyncsync._http.retry import RetryPolicy
@@ -64,8 +64,8 @@ from asyncsync.publisher import (
     AsyncWeightPublisher,
     PublishReport,
     ServerOutcome,
-    Verification,
     Verify,
+    VerifyResult,
 )
 
 __version__ = "0.2.0"
@@ -77,6 +77,7 @@ __all__ = [
     "AsyncSyncError",
     "AsyncVLLMClient",
     "AsyncWeightPublisher",
+    "CallOutcome",
     "ChatDelta",
     "ChatFallbackWarning",
     "ChatGateway",
@@ -99,7 +100,6 @@ __all__ = [
     "GenerationError",
     "IncompatibleWeightsError",
     "Lineage",
-    "Outcome",
     "PrefixReport",
     "PromptScores",
     "ProtocolError",
@@ -122,8 +122,8 @@ __all__ = [
     "Trajectory",
     "UnstablePrefixError",
     "UnsupportedVLLMError",
-    "Verification",
     "Verify",
+    "VerifyResult",
     "WeightComparison",
     "WeightMismatchError",
     "WeightVersionSpan",
@@ -134,11 +134,14 @@ __all__ = [
     "share_weights",
 ]
 
-#: Spellings of 0.1 kept for one release (each access warns with the new name).
+#: Old spellings kept for one release (each access warns with the new name).
 _DEPRECATED: dict[str, tuple[str, _Any]] = {
     "ServerUnavailable": ("ServerUnavailableError", ServerUnavailableError),
     "UnsupportedVLLM": ("UnsupportedVLLMError", UnsupportedVLLMError),
     "WeightMismatch": ("WeightMismatchError", WeightMismatchError),
+    # renamed in 0.2.0, so that a name says one thing (CHANGELOG.md "Renamed")
+    "Outcome": ("CallOutcome", CallOutcome),
+    "Verification": ("VerifyResult", VerifyResult),
 }
 
 

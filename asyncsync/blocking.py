@@ -28,10 +28,11 @@ import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self, TypeVar
+from typing import Any, Literal, Never, Protocol, Self, TypeVar
 
 import asyncsync as az
 from asyncsync._core.completion import Completion, TokenDelta
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.portal import (
     Facade,
     blocking_method,
@@ -197,10 +198,8 @@ class VLLMClient(_Closing[az.AsyncVLLMClient]):
         return self._async.max_model_len
 
     vllm_version = blocking_method(az.AsyncVLLMClient.vllm_version)
-    server_version = blocking_method(az.AsyncVLLMClient.server_version)
     protocol = blocking_method(az.AsyncVLLMClient.protocol)
     health = blocking_method(az.AsyncVLLMClient.health)
-    version = blocking_method(az.AsyncVLLMClient.version)
     pause = blocking_method(az.AsyncVLLMClient.pause)
     resume = blocking_method(az.AsyncVLLMClient.resume)
     is_paused = blocking_method(az.AsyncVLLMClient.is_paused)
@@ -378,7 +377,6 @@ class Fleet(_Closing[az.Fleet]):
     # ------------------------------------------------------------------ control
     health = blocking_method(az.Fleet.health)
     vllm_version = blocking_method(az.Fleet.vllm_version)
-    version = blocking_method(az.Fleet.version)
     pause = blocking_method(az.Fleet.pause)
     resume = blocking_method(az.Fleet.resume)
     is_paused = blocking_method(az.Fleet.is_paused)
@@ -425,7 +423,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
         if_busy: Literal["wait", "raise"] = "wait",
         catch_up: CatchUpLike = "auto",
         _api: TrainerApi = "engine",
-        **deprecated_options: Any,
+        **removed: Never,
     ) -> None:
         self._portal = shared_portal()
         self.fleet = fleet
@@ -434,7 +432,7 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
             functools.partial(
                 az.AsyncWeightPublisher, None if fleet is None else fleet._async,
                 backend=backend, executor=executor, rank=rank, world_size=world_size,
-                if_busy=if_busy, catch_up=catch_up, _api=_api, **deprecated_options,
+                if_busy=if_busy, catch_up=catch_up, _api=_api, **removed,
             )
         )  # fmt: skip
         self._track()
@@ -463,13 +461,21 @@ class WeightPublisher(_Closing[az.AsyncWeightPublisher]):
 
     @property
     def backend(self) -> str:
-        """The registered backend's name."""
+        """The backend's name in asyncsync's registry (``"shm"``...; the servers'
+        engine is `vllm_backend`)."""
         return self._async.backend
 
     @property
+    def vllm_backend(self) -> str:
+        """The weight-transfer engine the servers must run, by vLLM's registered name:
+        see `asyncsync.AsyncWeightPublisher.vllm_backend`."""
+        return self._async.vllm_backend
+
+    @property
     def backend_name(self) -> str:
-        """The vLLM ``--weight-transfer-config`` backend the servers must run."""
-        return self._async.backend_name
+        """Deprecated: `vllm_backend`."""
+        warn_deprecated("WeightPublisher.backend_name", "WeightPublisher.vllm_backend")
+        return self._async.vllm_backend
 
     @property
     def options(self) -> BackendOptions:

@@ -3,7 +3,7 @@
 A facade: the routes' wire format is `asyncsync._wire.control`, sending is
 `asyncsync._http.transport`, generation is `asyncsync._generation.engine`, and what is known
 about the server lives in its `ServerState`. ``GET /version`` is read
-once per client (`AsyncVLLMClient.server_version`) and decides which generation of
+once per client (`AsyncVLLMClient.vllm_version`) and decides which generation of
 vLLM's RL protocol is spoken (0.23 or 0.32 payloads).
 """
 
@@ -17,7 +17,6 @@ import aiohttp
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.completion import Completion, PromptScores
-from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.ledger import Ledger
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
@@ -35,7 +34,7 @@ from asyncsync._wire.generation.options import (
     check_model_size,
     check_prompt,
     check_prompts,
-    deprecated_n,
+    refuse_n,
     split_options,
 )
 
@@ -201,18 +200,13 @@ class AsyncVLLMClient:
         now with ``refresh=True``. (The weights' version is `weight_version`.)"""
         if refresh:
             return await self._run(wire.plan_version())
-        return await self.endpoint.server_version()
-
-    async def server_version(self) -> str:
-        """Deprecated: `vllm_version`."""
-        warn_deprecated("AsyncVLLMClient.server_version()", "vllm_version()")
-        return await self.vllm_version()
+        return await self.endpoint.vllm_version()
 
     async def protocol(self) -> ProtocolGeneration:
         """The RL protocol generation the server speaks (``"0.23"`` or ``"0.32"``)."""
         record = self.endpoint.record
         if record.protocol is None:
-            await self.endpoint.server_version()
+            await self.endpoint.vllm_version()
         assert record.protocol is not None
         return record.protocol
 
@@ -221,11 +215,6 @@ class AsyncVLLMClient:
         """``GET /health``: returns when the server is healthy, raises otherwise
         (``ServerError`` with HTTP 503 when vLLM's engine is dead)."""
         await self._run(wire.plan_health())
-
-    async def version(self) -> str:
-        """Deprecated: `vllm_version` with ``refresh=True``."""
-        warn_deprecated("AsyncVLLMClient.version()", "vllm_version(refresh=True)")
-        return await self.vllm_version(refresh=True)
 
     async def pause(
         self, mode: PauseMode | None = None, *, clear_cache: bool | None = None
@@ -317,7 +306,7 @@ class AsyncVLLMClient:
     async def start_draft_weight_update(self) -> None:
         """``POST /start_draft_weight_update`` (vLLM >= 0.32, a server running a
         speculative draft model): the update that follows loads into the draft model.
-        Low level: ``publish(..., target="draft")`` runs a draft round."""
+        Low level: ``publish(..., into="draft")`` runs a draft round."""
         protocol = await self.protocol()
         await self._run(draft_wire.plan_start_draft_weight_update(protocol, self.base_url))
 
@@ -350,9 +339,9 @@ class AsyncVLLMClient:
         completion (``source="client"``). Raises `GenerationAborted`
         (with the partial tokens) when the server aborted the request.
         """
-        n = deprecated_n(options, "AsyncVLLMClient")
-        out = await self._generate(prompt_token_ids, n, options)
-        return out[0] if n == 1 else out  # type: ignore[return-value]  # deprecated n > 1
+        refuse_n(options, "AsyncVLLMClient")
+        (out,) = await self._generate(prompt_token_ids, 1, options)
+        return out
 
     async def generate_n(
         self, prompt_token_ids: Sequence[int], *, n: int, **options: Unpack[GenerateOptions]

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import aiohttp
 
@@ -62,11 +62,14 @@ from asyncsync._wire.generation.options import (
     check_model_size,
     check_prompt,
     check_prompts,
-    deprecated_n,
+    refuse_n,
     split_options,
 )
 from asyncsync._wire.lora import LoraLimits
 from asyncsync.client import DEFAULT_RETRY, AsyncVLLMClient
+
+if TYPE_CHECKING:  # openai is optional (the asyncsync[openai] extra)
+    from openai import AsyncOpenAI
 
 __all__ = ["Fleet"]
 
@@ -92,7 +95,7 @@ class Fleet:
 
     Every control method fans out to the targeted servers at once, waits until each
     answered or failed, and returns a `FleetResult` of per-server
-    `Outcome` objects. Whether a failure raises is the partial-failure policy
+    `CallOutcome` objects. Whether a failure raises is the partial-failure policy
     ``require`` (per fleet, overridable per call): ``"all"`` (default) raises
     `FleetError` when any server failed, ``"any"`` only when all did,
     ``"none"`` never. Either way every outcome is kept, and `servers` is updated.
@@ -445,13 +448,21 @@ class Fleet:
         ``fleet.where(lambda s: s.health == "healthy")``."""
         return [s.url for s in self.ledger.snapshots() if predicate(s)]
 
-    def mark_dirty(self, urls: _Targets = None, *, dirty: bool = True) -> None:
-        """Mark servers (all when None) dirty, or clean with ``dirty=False`` (drafts too)."""
-        self.ledger.marked(self._members.resolve(urls), dirty=dirty)
+    def mark_dirty(self, urls: _Targets = None, *, dirty: bool | None = None) -> None:
+        """Mark servers (all when None) dirty: they serve nothing until a round reaches
+        them (`mark_clean` undoes it). ``dirty=False`` is the deprecated spelling of
+        `mark_clean`."""
+        if dirty is not None:
+            warn_deprecated(
+                f"Fleet.mark_dirty(urls, dirty={dirty!r})",
+                "Fleet.mark_clean(urls)" if not dirty else "Fleet.mark_dirty(urls)",
+            )
+        self.ledger.marked(self._members.resolve(urls), dirty=dirty is None or dirty)
 
     def mark_clean(self, urls: _Targets = None) -> None:
-        """Mark servers (all when None) clean: in sync again, not mid-update."""
-        self.mark_dirty(urls, dirty=False)
+        """Mark servers (all when None) clean: in sync again, not mid-update; the
+        served model and the draft model both."""
+        self.ledger.marked(self._members.resolve(urls), dirty=False)
 
     def mark_published(self, urls: _Targets, version: str | None) -> None:
         """Record a finished round on servers (all when None): clean, not updating,
@@ -558,7 +569,7 @@ class Fleet:
         return await resolve_hosts(self._members, urls)
 
     # ------------------------------------------------------------------ chat
-    def openai(self, session: Any, **options: Any) -> Any:
+    def openai(self, session: Any, **options: Any) -> AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` whose requests reach a chat session of this fleet
         in-process (an httpx transport, no socket): for agent code that takes a client
         object. ``session``: a `ChatSession`, or a session id (the fleet's own session
@@ -601,13 +612,6 @@ class Fleet:
         return await self._control.fan(
             "vllm_version", lambda _p, _u: wire.plan_version(), targets, require
         )
-
-    async def version(
-        self, *, targets: _Targets = None, require: Require | None = None
-    ) -> FleetResult[str]:
-        """Deprecated: `vllm_version`."""
-        warn_deprecated("Fleet.version()", "Fleet.vllm_version()")
-        return await self.vllm_version(targets=targets, require=require)
 
     async def pause(
         self, mode: PauseMode | None = None, *, clear_cache: bool | None = None,
@@ -736,7 +740,7 @@ class Fleet:
         """``POST /start_draft_weight_update`` on every target (vLLM >= 0.32, a server
         running a speculative draft model): an update whose chunks load into the draft
         model; marks the started servers ``updating``. Low level: a round of
-        ``publish(..., target="draft")`` runs it."""
+        ``publish(..., into="draft")`` runs it."""
         return await self._control.fan(
             "start_draft_weight_update",
             draft_wire.plan_start_draft_weight_update,
@@ -857,9 +861,9 @@ class Fleet:
         `staleness`. Aborted requests raise `GenerationAborted`
         with the partial tokens (retryable).
         """
-        n = deprecated_n(options, "Fleet")
-        out = await self._generate(prompt_token_ids, n, options, "generate")
-        return out[0] if n == 1 else out  # type: ignore[return-value]  # deprecated n > 1
+        refuse_n(options, "Fleet")
+        (out,) = await self._generate(prompt_token_ids, 1, options, "generate")
+        return out
 
     async def generate_n(
         self, prompt_token_ids: Sequence[int], *, n: int,

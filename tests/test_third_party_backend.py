@@ -207,7 +207,7 @@ async def test_a_backend_written_from_public_names_publishes_exact_weights() -> 
     ):
         backend = InlineBackend.created[-1]
         assert backend.max_chunk_bytes == 400
-        assert publisher.backend_name == SERVER_BACKEND
+        assert publisher.vllm_backend == SERVER_BACKEND
 
         report = await publisher.publish(weights, version="v1")
 
@@ -256,7 +256,7 @@ async def test_the_registered_name_selects_the_backend_with_its_default_options(
         az.Fleet([fake.url]) as fleet,
         az.AsyncWeightPublisher(fleet, backend="inline") as publisher,
     ):
-        assert publisher.backend_name == SERVER_BACKEND
+        assert publisher.vllm_backend == SERVER_BACKEND
         assert InlineBackend.created[-1].max_chunk_bytes == Inline().max_chunk_bytes
         weights = model()
         report = await publisher.publish(weights, version="v1")

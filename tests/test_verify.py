@@ -21,7 +21,7 @@ import torch
 
 import asyncsync as az
 from asyncsync import blocking
-from asyncsync._publish.verify import Verification, compare_checksums
+from asyncsync._publish.verify import VerifyResult, compare_checksums
 from asyncsync.testing import FakeVLLMServer, Fault
 from asyncsync.testing._fake import FakeLM
 from tests.publish_fakes import ShmWorker, receiving_fakes, round_calls
@@ -177,14 +177,14 @@ def test_tensor_parallel_shards_are_unseen_replicas_compared() -> None:
         f"dp0:pp0:pcp0:tp0:{bias}": "0" * 64,  # two equal shards of a zero bias
         f"dp0:pp0:pcp0:tp1:{bias}": "0" * 64,
     }
-    result = Verification("http://server")
+    result = VerifyResult("http://server")
     compare_checksums(result, checksums, expected)
     assert result.checked == [norm]
     assert result.unseen == [head, bias, "model.extra.weight"]
     assert result.ok
     replicas = {f"dp{i}:pp0:pcp0:tp0:{norm}": "n" * 64 for i in range(2)}
     replicas["dp1:pp0:pcp0:tp0:" + norm] = "x" * 64  # one data-parallel replica differs
-    mismatch = Verification("http://server")
+    mismatch = VerifyResult("http://server")
     compare_checksums(mismatch, replicas, expected)
     assert mismatch.mismatched == [norm]
     assert mismatch.problems == ["checksum differs for 1 parameter(s): model.norm.weight"]

@@ -16,6 +16,8 @@ from asyncsync._chat.gateway import ChatAPI
 from asyncsync.fleet import register_chat_client
 
 if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
     from asyncsync.fleet import Fleet
 
 __all__ = ["openai_client"]
@@ -73,7 +75,7 @@ def _transport(api: ChatAPI, session_id: str) -> Any:
     return SessionTransport()
 
 
-def openai_client(fleet: Fleet, session: str | ChatSession, **options: Any) -> Any:
+def openai_client(fleet: Fleet, session: str | ChatSession, **options: Any) -> AsyncOpenAI:
     """An ``openai.AsyncOpenAI`` talking to ``session`` (a `ChatSession`, or the id of
     the fleet's own session of that id, created on first use: `ChatSession.of`).
     ``options`` go to ``AsyncOpenAI`` (``max_retries``, ``timeout``...)."""

@@ -1,6 +1,6 @@
 """Deprecated spellings kept for one release: each warns once per call site with a
-`DeprecationWarning` naming its replacement (docs/errors.md lists them; CHANGELOG.md
-says when they go)."""
+`DeprecationWarning` naming its replacement (CHANGELOG.md lists them under Renamed and
+Deprecated, and says when they go; `tests/test_deprecations.py` tests every one)."""
 
 from __future__ import annotations
 

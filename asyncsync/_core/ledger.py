@@ -833,8 +833,8 @@ class Ledger:
         self._changed(recs)
 
     def marked(self, urls: Iterable[str], *, dirty: bool) -> None:
-        """``Fleet.mark_dirty``: dirty is the served model's weights; clean is both
-        models (the served one and its draft), and no update active."""
+        """``Fleet.mark_dirty`` and ``mark_clean``: dirty is the served model's weights;
+        clean is both models (the served one and its draft), and no update active."""
         recs = [self._records[u] for u in urls]
         for rec in recs:
             if dirty:

@@ -16,8 +16,8 @@ from asyncsync._core.errors import AsyncSyncError, FleetError
 __all__ = [
     "PAUSE_MODES",
     "REQUIRE",
+    "CallOutcome",
     "FleetResult",
-    "Outcome",
     "PauseMode",
     "Phase",
     "ProtocolGeneration",
@@ -73,8 +73,10 @@ def check_require(require: str) -> Require:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome(Generic[T]):
-    """One server's result of a fleet call: a value or an error, and how long it took."""
+class CallOutcome(Generic[T]):
+    """One server's result of one fleet call (a `FleetResult` holds one per server): a
+    value or an error, and how long it took. (A publish round's per-server outcome is
+    `ServerOutcome`.) Was ``Outcome`` before 0.2.0."""
 
     url: str
     value: T | None = None
@@ -93,13 +95,13 @@ class Outcome(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True)
-class FleetResult(Mapping[str, Outcome[T]]):
+class FleetResult(Mapping[str, CallOutcome[T]]):
     """Per-server outcomes of one fleet call, keyed by URL in fleet order."""
 
     operation: str
-    outcomes: dict[str, Outcome[T]] = field(default_factory=dict)
+    outcomes: dict[str, CallOutcome[T]] = field(default_factory=dict)
 
-    def __getitem__(self, url: str) -> Outcome[T]:
+    def __getitem__(self, url: str) -> CallOutcome[T]:
         return self.outcomes[url]
 
     def __iter__(self) -> Iterator[str]:

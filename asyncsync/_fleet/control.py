@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from asyncsync._core.errors import ProtocolError, ServerError
-from asyncsync._core.types import FleetResult, Outcome, Require, check_require
+from asyncsync._core.types import CallOutcome, FleetResult, Require, check_require
 from asyncsync._fleet.fanout import Plan, fan_out
 from asyncsync._fleet.members import Members
 from asyncsync._fleet.monitor import probe
@@ -84,14 +84,14 @@ class FleetControl:
             self.ledger.published_by_hand(version, result.succeeded)
 
 
-def _rejected(outcome: Outcome[Any]) -> Outcome[Any]:
+def _rejected(outcome: CallOutcome[Any]) -> CallOutcome[Any]:
     """The outcome of an update sent to be rejected: an HTTP error answer means the
     server dropped its active update (success); a 2xx or no answer is a failure."""
     error = outcome.error
     if isinstance(error, ServerError) and error.status is not None:
-        return Outcome(outcome.url, value=None, seconds=outcome.seconds)
+        return CallOutcome(outcome.url, value=None, seconds=outcome.seconds)
     if error is None:
-        return Outcome(
+        return CallOutcome(
             outcome.url,
             error=ProtocolError(
                 "the server accepted an update that was sent to be rejected "

@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 
 from asyncsync._core.errors import AsyncSyncError, ProtocolError
 from asyncsync._core.timeouts import Timeouts
-from asyncsync._core.types import FleetResult, Outcome, Phase, ProtocolGeneration
+from asyncsync._core.types import CallOutcome, FleetResult, Phase, ProtocolGeneration
 from asyncsync._fleet.members import Members
 from asyncsync._wire.control import Call
 
@@ -66,7 +66,7 @@ async def fan_out(
 ) -> FleetResult[T]:
     """Send ``op`` to every server in ``urls`` concurrently and wait for all of them.
 
-    Each server's failure is its `Outcome`; nothing is raised for it
+    Each server's failure is its `CallOutcome`; nothing is raised for it
     here. Each server's endpoint reports its answer to the ledger as it arrives; a call
     cancelled in flight leaves a server that was mid-update dirty (`Ledger.cancelled`).
     ``at_least``: the call's deadline is at least this many seconds (a call whose
@@ -76,10 +76,10 @@ async def fan_out(
     loop = asyncio.get_running_loop()
     ledger = members.ledger
 
-    async def one(url: str) -> Outcome[T]:
+    async def one(url: str) -> CallOutcome[T]:
         if url not in members:  # removed since the call was planned: nothing sent
             gone = AsyncSyncError("removed from the fleet", server=url)
-            return Outcome(url, error=gone, seconds=0.0)
+            return CallOutcome(url, error=gone, seconds=0.0)
         client = members.client(url)
         record = client.endpoint.record
         started = loop.time()
@@ -94,10 +94,10 @@ async def fan_out(
             ledger.cancelled(record, op)
             raise
         except Exception as exc:  # each server's failure is its outcome
-            return Outcome(url, error=exc, seconds=loop.time() - started)
+            return CallOutcome(url, error=exc, seconds=loop.time() - started)
         finally:
             ledger.call_ended(record)
-        return Outcome(url, value=value, seconds=loop.time() - started)
+        return CallOutcome(url, value=value, seconds=loop.time() - started)
 
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(one(url), name=f"asyncsync:{op}:{url}") for url in urls]

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from asyncsync._core.errors import AsyncSyncError
 from asyncsync._core.ledger import Ledger, ServerRecord
-from asyncsync._core.types import FleetResult, Outcome
+from asyncsync._core.types import CallOutcome, FleetResult
 from asyncsync._fleet.fanout import fan_out
 from asyncsync._fleet.members import Members
 from asyncsync._wire import control as wire
@@ -69,7 +69,7 @@ async def probe(members: Members, urls: list[str]) -> FleetResult[None]:
             elif _not_served(found.error):
                 ledger.identified(record, None)  # no identity to read: none to compare
             else:
-                outcomes[url] = Outcome(url, error=found.error, seconds=found.seconds)
+                outcomes[url] = CallOutcome(url, error=found.error, seconds=found.seconds)
     for url, outcome in outcomes.items():
         record = _record(members, url)
         if outcome.error is not None and record is not None:

@@ -158,7 +158,7 @@ class GenerationEngine:
         if send.timeout is not None:
             timeouts = timeouts.with_generate(send.timeout)
         if send.route == "auto" and req.n > 1:
-            await self.endpoint.server_version()  # route_for depends on it
+            await self.endpoint.vllm_version()  # route_for depends on it
         path = self.route_for(send.route, req.n)
         while True:
             if prompt_logprobs is None:
@@ -226,7 +226,7 @@ class GenerationEngine:
             await served.learn()
         served.check(prompt)
         if route == "auto" and req.n > 1:
-            await self.endpoint.server_version()  # route_for depends on it
+            await self.endpoint.vllm_version()  # route_for depends on it
         path = self.route_for(route, req.n)
         while True:
             call = _generation_call(path, req.n, req.logprobs, True)
@@ -505,7 +505,7 @@ class CompletionStream:
             # way of saying "aborted" when the abort brought no new tokens (its version is
             # read once per server, under the stream's deadline)
             try:
-                version = engine.state.vllm_version or await engine.endpoint.server_version()
+                version = engine.state.vllm_version or await engine.endpoint.vllm_version()
             except AsyncSyncError:
                 version = None  # unknown: the stream is reported as malformed
             silent = stream_drops_silent_aborts(version)

@@ -225,7 +225,7 @@ class Endpoint:
         self._after_server_error = False
         self._version_lock = asyncio.Lock()
 
-    async def server_version(self) -> str:
+    async def vllm_version(self) -> str:
         """The server's vLLM version (``GET /version``, read once; its protocol
         generation recorded with it)."""
         rec = self.record

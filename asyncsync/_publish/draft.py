@@ -1,4 +1,4 @@
-"""Draft-model rounds: ``publish(weights, *, version, target="draft")``.
+"""Draft-model rounds: ``publish(weights, *, version, into="draft")``.
 
 A server running speculative decoding with a draft model (``--speculative-config
 '{"method": "draft_model", "model": DIR, ...}'``) holds two models; vLLM 0.32 updates
@@ -73,7 +73,7 @@ class DraftRound(PublishRound):
 
     def report(self, stats: SendStats, total: float) -> PublishReport:
         report = super().report(stats, total)
-        report.target = "draft"
+        report.into = "draft"
         return report
 
 
@@ -113,14 +113,14 @@ class DraftRounds:
 
 
 def check_target(target: object, *, verify: object) -> None:
-    """``target`` is ``"main"`` or ``"draft"``; a draft round takes no ``verify``
+    """``publish``'s ``into`` is ``"main"`` or ``"draft"``; a draft round takes no ``verify``
     (vLLM's ``/weight_checker`` and a greedy probe see the served model only)."""
     if target not in TARGETS:
-        raise ValueError(f"target must be 'main' or 'draft', got {target!r}")
+        raise ValueError(f"into must be 'main' or 'draft', got {target!r}")
     if target == "draft" and verify is not None:
         raise ValueError(
             "verify= checks the served model (/weight_checker, greedy probes), not a "
-            "draft model: publish(target='draft') takes no verify"
+            "draft model: publish(into='draft') takes no verify"
         )
 
 
@@ -134,7 +134,7 @@ async def draft_checkpoints(fleet: Fleet, urls: Sequence[str], executor: Executo
         if protocol != "0.32":
             raise UnsupportedVLLMError(
                 client.server_state.vllm_version or "0.23",
-                f"{DRAFT_START_ROUTE} (publish(target='draft'))",
+                f"{DRAFT_START_ROUTE} (publish(into='draft'))",
                 server=url,
             )
     found = await fleet.draft_models(targets=urls, require="none")

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.errors import AsyncSyncError, PublishError, WeightsModifiedError
-from asyncsync._publish.verify import Verification
+from asyncsync._publish.verify import VerifyResult
 
 __all__ = ["SECONDS_ORDER", "Phase", "PublishReport", "ServerOutcome", "cause", "publish_error"]
 
@@ -103,7 +104,7 @@ class PublishReport:
             was sent again to the others in a new group; else 1.
         delta: a round of ``publish(..., delta=True)``: whether it was a delta or a full
             one and what changed (a ``DeltaStats``); None otherwise.
-        target: what the round loaded into: ``"main"`` (the served model) or
+        into: what the round loaded into: ``"main"`` (the served model) or
             ``"draft"`` (its speculative draft model; ``version`` is then the draft's,
             and the servers' served versions did not change).
         ceiling_gb_per_s: the rate the hardware allows this transport, in GB/s: shm
@@ -122,13 +123,19 @@ class PublishReport:
     params: int
     seconds: dict[str, float]
     outcomes: dict[str, ServerOutcome] = field(default_factory=dict)
-    verified: dict[str, Verification] = field(default_factory=dict)
+    verified: dict[str, VerifyResult] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
     attempts: int = 1
     delta: Any = None
-    target: str = "main"
+    into: str = "main"
     ceiling_gb_per_s: float | None = None
     ceiling_basis: str | None = None
+
+    @property
+    def target(self) -> str:
+        """Deprecated: `into`."""
+        warn_deprecated("PublishReport.target", "PublishReport.into")
+        return self.into
 
     @property
     def never_reached(self) -> list[str]:
@@ -160,7 +167,7 @@ class PublishReport:
         never = self.never_reached
         lost = ", ".join(f"{u} (never reached)" if u in never else u for u in self.lost)
         lost = f"; lost {lost}" if lost else ""
-        into = " (draft model)" if self.target == "draft" else ""
+        draft = " (draft model)" if self.into == "draft" else ""
         limit = ""
         if self.efficiency is not None and self.ceiling_gb_per_s is not None:
             limit = (
@@ -168,7 +175,7 @@ class PublishReport:
                 f"({_rate(self.ceiling_gb_per_s)}: {self.ceiling_basis or 'given'})"
             )
         return (
-            f"published {self.version!r}{into} to {len(self.servers)} server(s){lost}: "
+            f"published {self.version!r}{draft} to {len(self.servers)} server(s){lost}: "
             f"{self.bytes / 1e6:.1f} MB in {self.chunks} chunk(s), {_rate(self.gb_per_s)}"
             f"{limit} ({phases})"
         )

@@ -45,7 +45,7 @@ from asyncsync._core.errors import (
     ServerTimeout,
     ServerUnavailableError,
 )
-from asyncsync._core.types import FleetResult, Outcome
+from asyncsync._core.types import CallOutcome, FleetResult
 from asyncsync._http.transport import never_sent
 from asyncsync._publish.bridge import RoundClient
 from asyncsync._publish.report import (
@@ -55,7 +55,7 @@ from asyncsync._publish.report import (
     ServerOutcome,
     publish_error,
 )
-from asyncsync._publish.verify import TrainerDigests, Verification, Verify, verify_servers
+from asyncsync._publish.verify import TrainerDigests, Verify, VerifyResult, verify_servers
 from asyncsync.backends.contract import InitInfo, RoundCancelled, SendStats, UpdateInfo
 
 if TYPE_CHECKING:
@@ -272,7 +272,7 @@ class PublishRound(InitCalls):
         self.attempts = 1
         self.verify = verify
         self.digests = digests
-        self.verified: dict[str, Verification] = {}
+        self.verified: dict[str, VerifyResult] = {}
         self.catch_up = catch_up
         self.identities = dict(identities or {})
         self.on_probed = on_probed
@@ -484,11 +484,11 @@ class PublishRound(InitCalls):
     ) -> FleetResult[None]:
         expected = self.digests.expected() if self.digests is not None else {}
         results = await verify_servers(self.fleet, live, verify, expected, executor)
-        self.verified = {url: r for url, r in results.items() if isinstance(r, Verification)}
-        outcomes: dict[str, Outcome[None]] = {}
+        self.verified = {url: r for url, r in results.items() if isinstance(r, VerifyResult)}
+        outcomes: dict[str, CallOutcome[None]] = {}
         for url, found in results.items():
             error = found if isinstance(found, Exception) else (None if found.ok else found.error())
-            outcomes[url] = Outcome(url, error=error)
+            outcomes[url] = CallOutcome(url, error=error)
         return FleetResult("verify", outcomes)
 
     # ------------------------------------------------------------------ who is left

@@ -35,7 +35,7 @@ from asyncsync._core.errors import (
     UnsupportedVLLMError,
     WeightMismatchError,
 )
-from asyncsync._core.types import Outcome
+from asyncsync._core.types import CallOutcome
 from asyncsync._publish.weights import WeightsLike
 from asyncsync.backends.contract import WeightSource
 
@@ -54,9 +54,9 @@ __all__ = [
     "DigestTap",
     "Probe",
     "TrainerDigests",
-    "Verification",
     "Verify",
     "VerifyLike",
+    "VerifyResult",
     "as_verify",
     "compare_checksums",
     "score_probe",
@@ -87,7 +87,8 @@ FUSED_PARAMETERS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Verify:
-    """What to check after a round (``publish(..., verify=Verify(...))``).
+    """What to check after a round (``publish(..., verify=Verify(...))``); each
+    server's answer is a `VerifyResult`.
 
     Args:
         checksum: compare vLLM's ``/weight_checker`` checksums with the trainer's
@@ -256,8 +257,10 @@ def _parameter_name(key: str) -> str:
 
 
 @dataclass
-class Verification:
-    """What verification found on one server.
+class VerifyResult:
+    """What verification found on one server: the result of a `Verify` request
+    (``PublishReport.verified``, `AsyncWeightPublisher.verify`). Was ``Verification``
+    before 0.2.0.
 
     Attributes:
         url: the server.
@@ -289,7 +292,7 @@ class Verification:
 
 
 def compare_checksums(
-    result: Verification, checksums: Mapping[str, str], expected: Mapping[str, str]
+    result: VerifyResult, checksums: Mapping[str, str], expected: Mapping[str, str]
 ) -> None:
     """Compare one server's ``/weight_checker`` checksums with the trainer's digests.
 
@@ -349,7 +352,7 @@ def _logits(probe: Probe, ids: list[int]) -> torch.Tensor:
 
 
 def score_probe(
-    result: Verification,
+    result: VerifyResult,
     probe: Probe | Callable[[list[int]], Any],
     prompt_index: int,
     prompt: Sequence[int],
@@ -394,12 +397,12 @@ async def verify_servers(
     verify: Verify,
     expected: Mapping[str, str],
     executor: Executor,
-) -> dict[str, Verification | Exception]:
-    """Check every target at once: a `Verification` per server, or the error
+) -> dict[str, VerifyResult | Exception]:
+    """Check every target at once: a `VerifyResult` per server, or the error
     that kept it from being checked (no ``/weight_checker``, no answer...)."""
 
-    async def one(url: str) -> Verification | Exception:
-        result = Verification(url)
+    async def one(url: str) -> VerifyResult | Exception:
+        result = VerifyResult(url)
         if url not in fleet:
             return AsyncSyncError("removed from the fleet", server=url)
         try:
@@ -420,7 +423,7 @@ async def verify_servers(
 
 
 async def _probe(
-    fleet: Fleet, url: str, verify: Verify, result: Verification, executor: Executor
+    fleet: Fleet, url: str, verify: Verify, result: VerifyResult, executor: Executor
 ) -> None:
     """Greedy generations of every prompt on ``url``, scored in the worker thread."""
     loop = asyncio.get_running_loop()
@@ -456,7 +459,7 @@ async def check_checksum_route(fleet: Fleet, targets: Sequence[str]) -> None:
 
 async def verify_now(
     fleet: Fleet, urls: list[str], source: WeightSource, checks: Verify, executor: Executor
-) -> dict[str, Verification]:
+) -> dict[str, VerifyResult]:
     """`AsyncWeightPublisher.verify`: the trainer's digests of ``source`` (taken in the
     worker thread), then every server checked; mismatched servers are marked dirty
     before anything is raised, and servers that could not be checked raise one
@@ -470,7 +473,7 @@ async def verify_now(
         expected = digests.expected()
     found = await verify_servers(fleet, urls, checks, expected, executor)
     # Every server that does not match is marked first, whatever else failed.
-    fleet.mark_dirty([url for url, r in found.items() if isinstance(r, Verification) and not r.ok])
+    fleet.mark_dirty([url for url, r in found.items() if isinstance(r, VerifyResult) and not r.ok])
     errors = {url: r for url, r in found.items() if isinstance(r, Exception)}
     if errors:
         raise FleetError(
@@ -479,8 +482,8 @@ async def verify_now(
             list(errors.values()),
             operation="verify",
             outcomes={
-                url: Outcome(url, error=r) if isinstance(r, Exception) else Outcome(url, r)
+                url: CallOutcome(url, error=r) if isinstance(r, Exception) else CallOutcome(url, r)
                 for url, r in found.items()
             },
         )
-    return {url: r for url, r in found.items() if isinstance(r, Verification)}
+    return {url: r for url, r in found.items() if isinstance(r, VerifyResult)}

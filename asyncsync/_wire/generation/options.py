@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple, TypedDict
 
-from asyncsync._core.deprecation import warn_deprecated
 from asyncsync._core.types import Route
 
 __all__ = [
@@ -32,7 +31,7 @@ __all__ = [
     "check_model_size",
     "check_prompt",
     "check_prompts",
-    "deprecated_n",
+    "refuse_n",
     "split_options",
 ]
 
@@ -193,19 +192,14 @@ class SendOptions(NamedTuple):
 _DEFAULT_SEND = SendOptions()
 
 
-def deprecated_n(options: Any, owner: str) -> int:
-    """0.1's ``generate(prompt, n=k)``: take ``n`` out of ``options`` with a
-    DeprecationWarning naming ``generate_n`` (1 when not given). ``generate`` then returns
-    a list for ``n > 1`` as 0.1 did, for this release only."""
-    if "n" not in options:
-        return 1
-    n = options.pop("n")
-    warn_deprecated(
-        f"{owner}.generate(..., n=...)", f"{owner}.generate_n(..., n=...)", stacklevel=4
-    )
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
-    return n
+def refuse_n(options: Mapping[str, Any], owner: str) -> None:
+    """``generate`` returns one completion: 0.1's ``generate(prompt, n=k)`` (removed in
+    0.2.0) is a TypeError naming ``generate_n``."""
+    if "n" in options:
+        raise TypeError(
+            f"{owner}.generate() takes no n= (removed in 0.2.0): several samples of one "
+            f"prompt are {owner}.generate_n(prompt, n=...), a list of n completions"
+        )
 
 
 def split_options(
