@@ -307,8 +307,9 @@ UPDATE_WEIGHT_VERSION = Route(
     "update_weight_version", "POST", "/update_weight_version", _update_weight_version, None,
     '{"success": true, "new_version": str}', retry="never", timeout="control", since="0.32",
     doc="""``POST /update_weight_version``: set the version without loading weights
-        (vLLM >= 0.32); it is recorded as the server's version (on a fleet, published
-        once every target set it).""",
+        (vLLM >= 0.32). A client records it as its server's version; a fleet, once
+        every target set it, publishes it (`Fleet.current_version`) and records it on
+        them. A server a publish round holds is left to the round.""",
 )  # fmt: skip
 
 WEIGHT_CHECKSUMS = Route(
@@ -386,11 +387,12 @@ UPDATE_WEIGHTS = Route(
 FINISH_WEIGHT_UPDATE = Route(
     "finish_weight_update", "POST", "/finish_weight_update", _finish_weight_update,
     _parse_message, _MESSAGE, retry="never", timeout="update", by_protocol=True,
-    doc="""``POST /finish_weight_update``. On success the server is clean (on failure
-        ``dirty``) and holds ``weight_version``: vLLM >= 0.32 is sent it and stores it,
-        on 0.23 it is recorded here (`weight_version`). A fleet publishes the version
-        (`Fleet.current_version`) when every target finished, unless a publish round
-        holds them (the round records its version itself, once it has decided).""",
+    doc="""``POST /finish_weight_update``. On success the server is clean, on failure
+        ``dirty``. vLLM >= 0.32 is sent ``weight_version`` and stores it; on 0.23 only
+        asyncsync records it (`weight_version`). A client records it as its server's
+        version; a fleet, when every target finished, publishes it
+        (`Fleet.current_version`) and records it on them, unless a publish round holds
+        them (the round records its version itself, once it has decided).""",
 )  # fmt: skip
 
 SHUTDOWN_WEIGHT_TRANSFER_ENGINE: Route[[], None] = Route(
