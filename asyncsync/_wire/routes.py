@@ -90,7 +90,7 @@ class Route(Generic[P, T]):
     timeout: Phase
     doc: str
     #: ``"0.32"``: servers of the 0.23 protocol lack the route (a ProtocolError per server).
-    since: ProtocolGeneration | None = None
+    since: Literal["0.32"] | None = None
     #: The body or parser depends on the server's protocol generation, which the client
     #: then learns first (``GET /version``, once). Other routes are built the same way
     #: for every generation.
@@ -109,7 +109,7 @@ class Route(Generic[P, T]):
     ) -> Call[T]:
         """The `Call` for a server of ``protocol`` at ``server``, with these arguments
         (a route that does not `needs_protocol` is built the same for any ``protocol``)."""
-        if self.since == "0.32":
+        if self.since is not None:
             _needs_current(self.path, protocol, server)
         body = self.build(protocol, server, *args, **kwargs)
         parse = body.parse if body.parse is not None else self.parse
