@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeVar, Unpack
+from typing import Any, Literal, ParamSpec, TypeVar, Unpack
 
 import aiohttp
 
@@ -26,7 +26,7 @@ from asyncsync._generation.served import ServedLookup
 from asyncsync._http.retry import NO_RETRY, RetryPolicy
 from asyncsync._http.transport import Endpoint, Transport
 from asyncsync._wire import control as wire
-from asyncsync._wire import draft as draft_wire
+from asyncsync._wire import routes
 from asyncsync._wire.control import Call, WeightComparison, normalize_url, protocol_for_version
 from asyncsync._wire.generation.options import (
     GenerateOptions,
@@ -37,10 +37,12 @@ from asyncsync._wire.generation.options import (
     refuse_n,
     split_options,
 )
+from asyncsync._wire.routes import Route
 
 __all__ = ["DEFAULT_RETRY", "AsyncVLLMClient"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: Retries for idempotent calls when the caller does not choose a policy.
 DEFAULT_RETRY = RetryPolicy()
@@ -216,111 +218,89 @@ class AsyncVLLMClient:
         (``ServerError`` with HTTP 503 when vLLM's engine is dead)."""
         await self._run(wire.plan_health())
 
+    async def _route(self, route: Route[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        """Send a control route of the table (`asyncsync._wire.routes`) to the server,
+        after learning its protocol generation where the call depends on it."""
+        protocol = await self.protocol() if route.needs_protocol else "0.32"
+        return await self._run(route.plan(protocol, self.base_url, *args, **kwargs))
+
+    # Each method below is the route of the same name in `asyncsync._wire.routes`: its
+    # docstring comes from there (``@routes.X.describes``), and `Fleet` has the same.
+    @routes.PAUSE.describes
     async def pause(
         self, mode: PauseMode | None = None, *, clear_cache: bool | None = None
     ) -> None:
-        """``POST /pause?mode=...``: stop scheduling. ``mode`` (required): ``abort`` drops
-        in-flight requests, ``wait`` drains them, ``keep`` freezes them until `resume`.
-        ``clear_cache`` is deprecated upstream and only sent when given."""
-        await self._run(wire.plan_pause(pause_mode(mode, "AsyncVLLMClient"), clear_cache))
+        await self._route(routes.PAUSE, pause_mode(mode, "AsyncVLLMClient"), clear_cache)
 
+    @routes.RESUME.describes
     async def resume(self) -> None:
-        """``POST /resume``."""
-        await self._run(wire.plan_resume())
+        await self._route(routes.RESUME)
 
+    @routes.IS_PAUSED.describes
     async def is_paused(self) -> bool:
-        """``GET /is_paused``."""
-        return await self._run(wire.plan_is_paused())
+        return await self._route(routes.IS_PAUSED)
 
+    @routes.ABORT_REQUESTS.describes
     async def abort_requests(self, request_ids: Sequence[str] | None = None) -> int:
-        """``POST /abort_requests``: abort the given requests (all when None), without
-        pausing. Returns the number of requests aborted."""
-        return await self._run(wire.plan_abort_requests(request_ids))
+        return await self._route(routes.ABORT_REQUESTS, request_ids)
 
+    @routes.WEIGHT_INFO.describes
     async def weight_info(self) -> str:
-        """``GET /weight_info``: the server's weight version (vLLM >= 0.32; starts as
-        ``"default"``). On 0.23 servers use `weight_version`."""
-        return await self._run(wire.plan_weight_info(await self.protocol(), self.base_url))
+        return await self._route(routes.WEIGHT_INFO)
 
+    @routes.UPDATE_WEIGHT_VERSION.describes
     async def update_weight_version(self, new_version: str) -> None:
-        """``POST /update_weight_version``: set the version without loading weights
-        (vLLM >= 0.32)."""
-        protocol = await self.protocol()
-        await self._run(wire.plan_update_weight_version(protocol, new_version, self.base_url))
+        await self._route(routes.UPDATE_WEIGHT_VERSION, new_version)
         self.endpoint.ledger.version_recorded(self.endpoint.record, new_version)
 
+    @routes.WEIGHT_CHECKSUMS.describes
     async def weight_checksums(self) -> dict[str, str]:
-        """``POST /weight_checker {"action": "checksum"}``: a checksum per
-        ``"dp0:pp0:pcp0:tp0:<param>"`` (vLLM >= 0.32)."""
-        return await self._run(wire.plan_weight_checksums(await self.protocol(), self.base_url))
+        return await self._route(routes.WEIGHT_CHECKSUMS)
 
+    @routes.COMPARE_WEIGHTS.describes
     async def compare_weights(self, baseline: Mapping[str, str]) -> WeightComparison:
-        """``POST /weight_checker {"action": "compare", "baseline": ...}`` (vLLM >= 0.32)."""
-        protocol = await self.protocol()
-        return await self._run(wire.plan_compare_weights(protocol, baseline, self.base_url))
+        return await self._route(routes.COMPARE_WEIGHTS, baseline)
 
+    @routes.GET_WORLD_SIZE.describes
     async def get_world_size(self, *, include_dp: bool = True) -> int:
-        """``GET /get_world_size``: TP*PP (times DP when ``include_dp``) worker count."""
-        return await self._run(wire.plan_get_world_size(include_dp))
+        return await self._route(routes.GET_WORLD_SIZE, include_dp)
 
+    @routes.RESET_PREFIX_CACHE.describes
     async def reset_prefix_cache(
         self, *, reset_running_requests: bool = False, reset_external: bool = False
     ) -> bool:
-        """``POST /reset_prefix_cache``. Returns False when vLLM could not reset (blocks
-        still held by running requests); callers may retry. Needed after a weight update:
-        cached KV from old weights is otherwise reused."""
-        protocol = await self.protocol()
-        return await self._run(
-            wire.plan_reset_prefix_cache(protocol, reset_running_requests, reset_external)
-        )
+        return await self._route(routes.RESET_PREFIX_CACHE, reset_running_requests, reset_external)
 
+    @routes.INIT_WEIGHT_TRANSFER_ENGINE.describes
     async def init_weight_transfer_engine(self, init_info: Mapping[str, Any]) -> None:
-        """``POST /init_weight_transfer_engine {"init_info": ...}`` (backend specific).
-        For NCCL this must be in flight while the trainer's ``trainer_init`` runs."""
-        await self._run(wire.plan_init_weight_transfer_engine(init_info))
+        await self._route(routes.INIT_WEIGHT_TRANSFER_ENGINE, init_info)
 
+    @routes.START_WEIGHT_UPDATE.describes
     async def start_weight_update(self, *, is_checkpoint_format: bool | None = None) -> None:
-        """``POST /start_weight_update``. vLLM 0.23 gets ``{"is_checkpoint_format": ...}``
-        (default True); vLLM >= 0.32 no body (passing the option there is an error)."""
-        protocol = await self.protocol()
-        await self._run(
-            wire.plan_start_weight_update(protocol, is_checkpoint_format, self.base_url)
-        )
+        await self._route(routes.START_WEIGHT_UPDATE, is_checkpoint_format)
 
+    @routes.UPDATE_WEIGHTS.describes
     async def update_weights(
         self,
         update_info: Mapping[str, Any] | Sequence[Mapping[str, Any]],
         *,
         packed: bool | None = None,
     ) -> None:
-        """``POST /update_weights {"update_info": ...}``: one chunk of weights.
+        await self._route(routes.UPDATE_WEIGHTS, update_info, packed)
 
-        ``update_info`` is the backend's metadata (shapes as lists of ints, dtype names
-        like ``"bfloat16"``; ``torch.Size``/``torch.dtype`` are converted). vLLM >= 0.32
-        also takes a list with one dict per worker rank. ``packed`` is added inside
-        ``update_info`` for vLLM 0.23 servers only.
-        """
-        protocol = await self.protocol()
-        await self._run(wire.plan_update_weights(protocol, update_info, packed, self.base_url))
-
+    @routes.START_DRAFT_WEIGHT_UPDATE.describes
     async def start_draft_weight_update(self) -> None:
-        """``POST /start_draft_weight_update`` (vLLM >= 0.32, a server running a
-        speculative draft model): the update that follows loads into the draft model.
-        Low level: ``publish(..., into="draft")`` runs a draft round."""
-        protocol = await self.protocol()
-        await self._run(draft_wire.plan_start_draft_weight_update(protocol, self.base_url))
+        await self._route(routes.START_DRAFT_WEIGHT_UPDATE)
 
+    @routes.FINISH_WEIGHT_UPDATE.describes
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
-        """``POST /finish_weight_update``. On vLLM >= 0.32 ``weight_version`` is sent and
-        stored by the server; on 0.23 the client records it (`weight_version`)."""
-        await self._run(wire.plan_finish_weight_update(await self.protocol(), weight_version))
+        await self._route(routes.FINISH_WEIGHT_UPDATE, weight_version)
         if weight_version is not None:
             self.endpoint.ledger.version_recorded(self.endpoint.record, weight_version)
 
+    @routes.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.describes
     async def shutdown_weight_transfer_engine(self) -> None:
-        """``POST /shutdown_weight_transfer_engine`` (vLLM >= 0.32; 500 during an update)."""
-        protocol = await self.protocol()
-        await self._run(wire.plan_shutdown_weight_transfer_engine(protocol, self.base_url))
+        await self._route(routes.SHUTDOWN_WEIGHT_TRANSFER_ENGINE)
 
     # -------------------------------------------------------------- generation
     async def generate(

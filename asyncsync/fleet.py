@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, Unpack
 
 import aiohttp
 
@@ -51,6 +51,7 @@ from asyncsync._http.transport import Transport
 from asyncsync._wire import control as wire
 from asyncsync._wire import draft as draft_wire
 from asyncsync._wire import lora as lora_wire
+from asyncsync._wire import routes
 from asyncsync._wire.control import WeightComparison, normalize_url, plan_models
 from asyncsync._wire.draft import DraftModel
 from asyncsync._wire.generation.options import (
@@ -78,6 +79,7 @@ __all__ = ["Fleet"]
 _CloseHook = Callable[[], Awaitable[None] | None]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 _Targets = Iterable[str] | None
 
 #: `Fleet.openai`'s implementation, which lives in the rollout layer above this one
@@ -613,140 +615,132 @@ class Fleet:
             "vllm_version", lambda _p, _u: wire.plan_version(), targets, require
         )
 
+    async def _route(
+        self,
+        route: routes.Route[P, T],
+        targets: _Targets,
+        require: Require | None,
+        /,
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> FleetResult[T]:
+        """A control route of the table (`asyncsync._wire.routes`) on every target at
+        once. A call that does not depend on the protocol generation is planned here,
+        once (bad arguments raise before anything is sent), the others once per
+        generation present."""
+        plan: Plan[T]
+        if route.needs_protocol:
+            plan = lambda p, u: route.plan(p, u, *args, **kwargs)  # noqa: E731
+        else:
+            call = route.plan("0.32", "", *args, **kwargs)
+            plan = lambda _p, _u: call  # noqa: E731
+        return await self._control.fan(route.name, plan, targets, require)
+
+    # Each method below is the route of the same name in `asyncsync._wire.routes`, sent to
+    # every target: its docstring comes from there (``@routes.X.describes``), and
+    # `AsyncVLLMClient` has the same method without ``targets`` and ``require``.
+    @routes.PAUSE.describes
     async def pause(
         self, mode: PauseMode | None = None, *, clear_cache: bool | None = None,
         targets: _Targets = None, require: Require | None = None,
     ) -> FleetResult[None]:  # fmt: skip
-        """``POST /pause?mode=...`` on every target; marks them paused. ``mode`` (required):
-        ``"abort"``, ``"wait"`` or ``"keep"`` (see `AsyncVLLMClient.pause`)."""
-        plan = wire.plan_pause(pause_mode(mode, "Fleet"), clear_cache)
-        return await self._control.fan("pause", lambda _p, _u: plan, targets, require)
+        mode = pause_mode(mode, "Fleet")
+        return await self._route(routes.PAUSE, targets, require, mode, clear_cache)
 
+    @routes.RESUME.describes
     async def resume(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[None]:
-        """``POST /resume`` on every target; marks them not paused."""
-        return await self._control.fan(
-            "resume", lambda _p, _u: wire.plan_resume(), targets, require
-        )
+        return await self._route(routes.RESUME, targets, require)
 
+    @routes.IS_PAUSED.describes
     async def is_paused(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[bool]:
-        """``GET /is_paused`` on every target; records the answers."""
-        return await self._control.fan(
-            "is_paused", lambda _p, _u: wire.plan_is_paused(), targets, require
-        )
+        return await self._route(routes.IS_PAUSED, targets, require)
 
+    @routes.ABORT_REQUESTS.describes
     async def abort_requests(
         self, request_ids: Sequence[str] | None = None, *, targets: _Targets = None,
         require: Require | None = None,
     ) -> FleetResult[int]:  # fmt: skip
-        """``POST /abort_requests`` on every target (all requests when ids is None)."""
-        plan = wire.plan_abort_requests(request_ids)
-        return await self._control.fan("abort_requests", lambda _p, _u: plan, targets, require)
+        return await self._route(routes.ABORT_REQUESTS, targets, require, request_ids)
 
+    @routes.WEIGHT_INFO.describes
     async def weight_info(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[str]:
-        """``GET /weight_info`` on every target (vLLM >= 0.32): each server's version, as
-        it reports it. Taken as the recorded version while nothing is recorded and
-        nothing was published; a version that contradicts the record makes the server
-        suspect (a restart, a server loaded by someone else), then stale unless a probe
-        finds it is the same process holding the recorded version."""
-        return await self._control.fan("weight_info", wire.plan_weight_info, targets, require)
+        return await self._route(routes.WEIGHT_INFO, targets, require)
 
+    @routes.UPDATE_WEIGHT_VERSION.describes
     async def update_weight_version(
         self, new_version: str, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[None]:
-        """``POST /update_weight_version`` on every target (vLLM >= 0.32)."""
-        result: FleetResult[None] = await self._control.fan(
-            "update_weight_version",
-            lambda p, u: wire.plan_update_weight_version(p, new_version, u),
-            targets,
-            require,
-        )
+        route = routes.UPDATE_WEIGHT_VERSION
+        result = await self._route(route, targets, require, new_version)
         self._control.record_if_all(result, new_version)
         return result
 
+    @routes.WEIGHT_CHECKSUMS.describes
     async def weight_checksums(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[dict[str, str]]:
-        """``POST /weight_checker {"action": "checksum"}`` on every target."""
-        return await self._control.fan(
-            "weight_checksums", wire.plan_weight_checksums, targets, require
-        )
+        return await self._route(routes.WEIGHT_CHECKSUMS, targets, require)
 
+    @routes.COMPARE_WEIGHTS.describes
     async def compare_weights(
         self, baseline: Mapping[str, str], *, targets: _Targets = None,
         require: Require | None = None,
     ) -> FleetResult[WeightComparison]:  # fmt: skip
-        """``POST /weight_checker {"action": "compare"}`` on every target."""
-        plan: Plan[WeightComparison] = lambda p, u: wire.plan_compare_weights(p, baseline, u)  # noqa: E731
-        return await self._control.fan("compare_weights", plan, targets, require)
+        return await self._route(routes.COMPARE_WEIGHTS, targets, require, baseline)
 
+    @routes.GET_WORLD_SIZE.describes
     async def get_world_size(
         self, *, include_dp: bool = True, targets: _Targets = None,
         require: Require | None = None,
     ) -> FleetResult[int]:  # fmt: skip
-        """``GET /get_world_size`` on every target."""
-        plan = wire.plan_get_world_size(include_dp)
-        return await self._control.fan("get_world_size", lambda _p, _u: plan, targets, require)
+        return await self._route(routes.GET_WORLD_SIZE, targets, require, include_dp)
 
+    @routes.RESET_PREFIX_CACHE.describes
     async def reset_prefix_cache(
         self, *, reset_running_requests: bool = False, reset_external: bool = False,
         targets: _Targets = None, require: Require | None = None,
     ) -> FleetResult[bool]:  # fmt: skip
-        """``POST /reset_prefix_cache`` on every target. A ``False`` value means that
-        server could not reset now (blocks still held); it is not a failure."""
-        return await self._control.fan(
-            "reset_prefix_cache",
-            lambda p, _u: wire.plan_reset_prefix_cache(p, reset_running_requests, reset_external),
-            targets,
-            require,
+        return await self._route(
+            routes.RESET_PREFIX_CACHE, targets, require, reset_running_requests, reset_external
         )
 
+    @routes.INIT_WEIGHT_TRANSFER_ENGINE.describes
     async def init_weight_transfer_engine(
         self, init_info: Mapping[str, Any] | Callable[[str], Mapping[str, Any]], *,
         targets: _Targets = None, require: Require | None = None,
     ) -> FleetResult[None]:  # fmt: skip
-        """``POST /init_weight_transfer_engine`` on every target. ``init_info`` is one
-        mapping for all, or a function of the server URL (NCCL: per-server rank offset)."""
-        per_server = init_info if callable(init_info) else (lambda _u: init_info)
+        if not callable(init_info):
+            return await self._route(
+                routes.INIT_WEIGHT_TRANSFER_ENGINE, targets, require, init_info
+            )
+        per_server = init_info  # one init_info per server: planned per server
         return await self._control.fan(
-            "init_weight_transfer_engine",
-            lambda _p, u: wire.plan_init_weight_transfer_engine(per_server(u)),
+            routes.INIT_WEIGHT_TRANSFER_ENGINE.name,
+            lambda p, u: routes.INIT_WEIGHT_TRANSFER_ENGINE.plan(p, u, per_server(u)),
             targets,
             require,
-            per_server=callable(init_info),
+            per_server=True,
         )
 
+    @routes.START_WEIGHT_UPDATE.describes
     async def start_weight_update(
         self, *, is_checkpoint_format: bool | None = None, targets: _Targets = None,
         require: Require | None = None,
     ) -> FleetResult[None]:  # fmt: skip
-        """``POST /start_weight_update`` on every target (version-aware body); marks
-        the started servers ``updating``."""
-        return await self._control.fan(
-            "start_weight_update",
-            lambda p, u: wire.plan_start_weight_update(p, is_checkpoint_format, u),
-            targets,
-            require,
-        )
+        route = routes.START_WEIGHT_UPDATE
+        return await self._route(route, targets, require, is_checkpoint_format)
 
+    @routes.START_DRAFT_WEIGHT_UPDATE.describes
     async def start_draft_weight_update(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[None]:
-        """``POST /start_draft_weight_update`` on every target (vLLM >= 0.32, a server
-        running a speculative draft model): an update whose chunks load into the draft
-        model; marks the started servers ``updating``. Low level: a round of
-        ``publish(..., into="draft")`` runs it."""
-        return await self._control.fan(
-            "start_draft_weight_update",
-            draft_wire.plan_start_draft_weight_update,
-            targets,
-            require,
-        )
+        return await self._route(routes.START_DRAFT_WEIGHT_UPDATE, targets, require)
 
     async def draft_models(
         self, *, targets: _Targets = None, require: Require | None = None
@@ -756,52 +750,33 @@ class Fleet:
         plan = draft_wire.plan_server_draft()
         return await self._control.fan("server_info", lambda _p, _u: plan, targets, require)
 
+    @routes.UPDATE_WEIGHTS.describes
     async def update_weights(
         self, update_info: Mapping[str, Any] | Sequence[Mapping[str, Any]], *,
         packed: bool | None = None, targets: _Targets = None, require: Require | None = None,
         expect_failure: bool = False,
     ) -> FleetResult[None]:  # fmt: skip
-        """``POST /update_weights`` on every target, the payload encoded once. A server
-        that fails here after a start is marked ``dirty`` (vLLM drops its active update).
-
-        ``expect_failure=True`` sends an update the servers are meant to reject, to make
-        vLLM clear an active update (a cancelled round): an HTTP error answer is then the
-        successful outcome (the server is no longer ``updating``), while a 2xx answer or
-        a transport failure is a failed one.
-        """
-        plan: Plan[None] = lambda p, u: wire.plan_update_weights(p, update_info, packed, u)  # noqa: E731
+        route = routes.UPDATE_WEIGHTS
         if not expect_failure:
-            return await self._control.fan("update_weights", plan, targets, require)
+            return await self._route(route, targets, require, update_info, packed)
+        plan: Plan[None] = lambda p, u: route.plan(p, u, update_info, packed)  # noqa: E731
         return await self._control.rejected_update(plan, targets, require)
 
+    @routes.FINISH_WEIGHT_UPDATE.describes
     async def finish_weight_update(
         self, weight_version: str | None = None, *, targets: _Targets = None,
         require: Require | None = None,
     ) -> FleetResult[None]:  # fmt: skip
-        """``POST /finish_weight_update`` on every target. On success the server is
-        clean; on failure it is marked ``dirty``. When every target finished,
-        ``weight_version`` is published (`Fleet.current_version`) and recorded on them,
-        unless a publish round holds them (the round records its version itself, once
-        it has decided)."""
-        result: FleetResult[None] = await self._control.fan(
-            "finish_weight_update",
-            lambda p, _u: wire.plan_finish_weight_update(p, weight_version),
-            targets,
-            require,
-        )
+        route = routes.FINISH_WEIGHT_UPDATE
+        result = await self._route(route, targets, require, weight_version)
         self._control.record_if_all(result, weight_version)
         return result
 
+    @routes.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.describes
     async def shutdown_weight_transfer_engine(
         self, *, targets: _Targets = None, require: Require | None = None
     ) -> FleetResult[None]:
-        """``POST /shutdown_weight_transfer_engine`` on every target (vLLM >= 0.32)."""
-        return await self._control.fan(
-            "shutdown_weight_transfer_engine",
-            wire.plan_shutdown_weight_transfer_engine,
-            targets,
-            require,
-        )
+        return await self._route(routes.SHUTDOWN_WEIGHT_TRANSFER_ENGINE, targets, require)
 
     async def load_lora_adapter(
         self, name: str, path: str, *, load_inplace: bool = False, targets: _Targets = None,

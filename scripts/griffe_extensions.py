@@ -1,5 +1,16 @@
 """Griffe extensions for the API reference (loaded by ``mkdocs.yml``'s mkdocstrings
-options): `BlockingFacades`, `CommentDocstrings` and `LiteralBlocks`.
+options): `RouteDocstrings`, `BlockingFacades`, `CommentDocstrings` and `LiteralBlocks`.
+
+**RouteDocstrings.** The control route methods of `AsyncVLLMClient` and `Fleet` take
+their docstring from the routes' table at import time::
+
+    @routes.PAUSE.describes
+    async def pause(self, mode: PauseMode | None = None, ...) -> None: ...
+
+Static analysis sees a method without a docstring. This extension reads the ``doc=``
+string of the table entry the decorator names (``PAUSE = Route(..., doc="...")`` in
+`asyncsync._wire.routes`) and gives it to the method, as ``describes`` does at runtime;
+it runs before `BlockingFacades`, which copies it on to the blocking facades.
 
 **BlockingFacades.** `asyncsync.blocking` builds most facade methods at import time from
 the async classes::
@@ -32,6 +43,7 @@ a fenced code block (Python when it parses as Python) on the site only.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import textwrap
 from typing import Any
@@ -47,6 +59,67 @@ HELPERS = {
     for name in ("blocking_method", "loop_method", "wrapping_method")
 }
 WRAPPING = "asyncsync._core.portal.wrapping_method"
+
+
+ROUTES_MODULE = "asyncsync._wire.routes"
+DESCRIBES = "describes"
+
+
+class RouteDocstrings(griffe.Extension):
+    """``@routes.X.describes`` methods get the ``doc`` of table entry ``X``."""
+
+    def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **_: Any) -> None:
+        if pkg.path != PACKAGE:
+            return
+        for module in _modules(pkg):
+            for cls in module.classes.values():
+                for member in cls.members.values():
+                    if not member.is_alias and member.is_function:
+                        self._describe(member, loader)
+
+    def _describe(self, method: griffe.Function, loader: griffe.GriffeLoader) -> None:
+        for decorator in method.decorators:
+            path = getattr(decorator.value, "canonical_path", "")
+            entry, _, last = path.rpartition(".")
+            if last != DESCRIBES or not entry.startswith(ROUTES_MODULE + "."):
+                continue
+            doc = _route_doc(entry, loader)
+            if doc is None:
+                raise griffe.GriffeError(f"{method.path}: no doc= string in route {entry}")
+            method.docstring = griffe.Docstring(
+                inspect.cleandoc(doc),
+                lineno=method.lineno,
+                endlineno=method.lineno,
+                parent=method,
+            )
+
+
+def _modules(module: griffe.Module) -> list[griffe.Module]:
+    """``module`` and its submodules, all levels down."""
+    found = [module]
+    for sub in module.modules.values():
+        if not sub.is_alias:
+            found += _modules(sub)
+    return found
+
+
+def _route_doc(entry: str, loader: griffe.GriffeLoader) -> str | None:
+    """The ``doc=`` string literal of the table entry at path ``entry``."""
+    parts = entry.split(".")
+    try:
+        obj: Any = loader.modules_collection[parts[0]]
+        for part in parts[1:]:
+            obj = obj.members[part]
+    except KeyError:
+        return None
+    call = getattr(obj, "value", None)
+    if not isinstance(call, griffe.ExprCall):
+        return None
+    for argument in call.arguments:
+        if isinstance(argument, griffe.ExprKeyword) and argument.name == "doc":
+            value = ast.literal_eval(str(argument.value))
+            return value if isinstance(value, str) else None
+    return None
 
 
 class BlockingFacades(griffe.Extension):

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import re
-import typing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -424,82 +422,6 @@ async def test_fanout_is_concurrent() -> None:
     assert all(len(f.requests_to("/pause")) == 1 for f in fakes)
 
 
-# ------------------------------------------------------------------ the fleet's surface
-#: docs/client.md, which says what the fleet offers of the client's methods.
+#: docs/client.md, which says what a closed client and fleet raise (the fleet's surface
+#: beside the client's: tests/test_routes.py).
 CLIENT_DOCS = Path(__file__).resolve().parents[1] / "docs" / "client.md"
-#: The generation methods: routed to one server (routing options), not fanned out.
-GENERATION_METHODS = {"generate", "generate_n", "generate_batch", "stream", "score"}
-#: What a route method adds to the client's arguments: where to send, what must succeed.
-FAN_OUT_ARGS = {"targets", "require"}
-#: The routing options a generation method may add (as keywords or in ``**options``).
-ROUTING_ARGS = {"session_id", "session_ids", "min_version", "admission_timeout", "lora"}
-#: Deliberate differences, each one stated in docs/client.md (the test checks the names
-#: appear there): a client method the fleet lacks, a client argument a fleet method
-#: lacks, a fleet argument beyond the fan-out and routing ones.
-NOT_ON_THE_FLEET = {"protocol": "per server: fleet.state(url).protocol"}
-FLEET_LACKS = {("vllm_version", "refresh"): "the fleet asks every target each time"}
-FLEET_ADDS = {("update_weights", "expect_failure"): "what a cancelled round sends"}
-
-
-def _methods(cls: type) -> dict[str, Callable[..., Any]]:
-    """The public methods of ``cls`` a user calls (deprecated aliases left out)."""
-    found = {}
-    for name in dir(cls):
-        attr = inspect.getattr_static(cls, name)
-        if name.startswith("_") or not inspect.isfunction(attr):
-            continue
-        if (attr.__doc__ or "").startswith("Deprecated"):
-            continue
-        found[name] = attr
-    return found
-
-
-def _params(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
-    """``fn``'s parameters without ``self``, the keys of an ``**options: Unpack[...]``
-    TypedDict spread out as keyword-only ones."""
-    params = dict(list(inspect.signature(fn).parameters.items())[1:])
-    for name, p in list(params.items()):
-        if p.kind is inspect.Parameter.VAR_KEYWORD:
-            del params[name]
-            hint = typing.get_type_hints(fn, include_extras=True)[name]
-            (options,) = typing.get_args(hint)
-            for key in typing.get_type_hints(options):
-                params[key] = inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY)
-    return params
-
-
-async def test_every_client_method_exists_on_the_fleet() -> None:
-    client, fleet = _methods(az.AsyncVLLMClient), _methods(az.Fleet)
-    assert set(NOT_ON_THE_FLEET) <= set(client), "an exception for a method the client lacks"
-    for name, method in sorted(client.items()):
-        if name in NOT_ON_THE_FLEET:
-            assert name not in fleet, f"Fleet.{name} exists now: drop its exception"
-            continue
-        assert name in fleet, f"AsyncVLLMClient.{name} has no Fleet.{name}"
-        assert inspect.iscoroutinefunction(fleet[name]) == inspect.iscoroutinefunction(method)
-        ours, theirs = _params(fleet[name]), _params(method)
-        for arg, p in theirs.items():
-            if (name, arg) in FLEET_LACKS:
-                assert arg not in ours, f"Fleet.{name} takes {arg} now: drop its exception"
-                continue
-            assert arg in ours, f"Fleet.{name} lacks the client's {arg!r}"
-            q = ours[arg]
-            assert (q.kind, q.default) == (p.kind, p.default), f"Fleet.{name}({arg}): {q} vs {p}"
-        extra = set(ours) - set(theirs) - {arg for (m, arg) in FLEET_ADDS if m == name}
-        if name in GENERATION_METHODS:
-            assert extra <= ROUTING_ARGS, f"Fleet.{name} adds {extra - ROUTING_ARGS}"
-        elif name != "aclose":
-            assert extra == FAN_OUT_ARGS, f"Fleet.{name} adds {extra} (not targets, require)"
-            for arg in FAN_OUT_ARGS:
-                assert ours[arg].kind is inspect.Parameter.KEYWORD_ONLY
-                assert ours[arg].default is None
-
-
-async def test_the_fleets_differences_are_the_documented_ones() -> None:
-    text = " ".join(CLIENT_DOCS.read_text().split())
-    start = text.index("Every route method of the client (the table above) exists on the fleet")
-    passage = text[start : text.index("### Partial failure", start)]
-    names = [*NOT_ON_THE_FLEET, *(arg for _, arg in FLEET_LACKS), *(arg for _, arg in FLEET_ADDS)]
-    names += sorted(GENERATION_METHODS | FAN_OUT_ARGS | ROUTING_ARGS)
-    missing = [n for n in names if f"`{n}" not in passage]
-    assert missing == [], f"docs/client.md's Fleet section does not mention {missing}"

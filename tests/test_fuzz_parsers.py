@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 from asyncsync._core.errors import ServerError
 from asyncsync._http.transport import parse_answer as parse_control
 from asyncsync._wire import control as wire
+from asyncsync._wire import routes
 from asyncsync._wire.control import Malformed
 from asyncsync._wire.generation.bodies import parse_answer
 from asyncsync._wire.generation.options import COMPLETIONS_ROUTE, GENERATE_ROUTE
 from asyncsync._wire.generation.stream import StreamAssembler, StreamFailed
 
+URL = "http://fuzz"
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 json_values = st.recursive(
@@ -68,26 +70,31 @@ def _encode(value: Any) -> bytes:
 CALLS: dict[str, wire.Call[Any]] = {
     "health": wire.plan_health(),
     "version": wire.plan_version(),
-    "pause": wire.plan_pause("wait", None),
-    "resume": wire.plan_resume(),
-    "is_paused": wire.plan_is_paused(),
-    "abort_requests": wire.plan_abort_requests(None),
-    "weight_info": wire.plan_weight_info("0.32"),
-    "update_weight_version": wire.plan_update_weight_version("0.32", "v7"),
-    "weight_checksums": wire.plan_weight_checksums("0.32"),
-    "compare_weights": wire.plan_compare_weights("0.32", {"a": "x"}),
-    "get_world_size": wire.plan_get_world_size(True),
-    "reset_prefix_cache 0.32": wire.plan_reset_prefix_cache("0.32", False, False),
-    "reset_prefix_cache 0.23": wire.plan_reset_prefix_cache("0.23", False, False),
-    "init_weight_transfer_engine": wire.plan_init_weight_transfer_engine({"x": 1}),
-    "start_weight_update 0.32": wire.plan_start_weight_update("0.32", None),
-    "start_weight_update 0.23": wire.plan_start_weight_update("0.23", None),
-    "update_weights 0.32": wire.plan_update_weights("0.32", {"x": 1}, None),
-    "update_weights 0.23": wire.plan_update_weights("0.23", {"x": 1}, None),
-    "finish_weight_update 0.32": wire.plan_finish_weight_update("0.32", "v7"),
-    "finish_weight_update 0.23": wire.plan_finish_weight_update("0.23", None),
-    "shutdown_weight_transfer_engine": wire.plan_shutdown_weight_transfer_engine("0.32"),
+    "pause": routes.PAUSE.plan("0.32", URL, "wait", None),
+    "resume": routes.RESUME.plan("0.32", URL),
+    "is_paused": routes.IS_PAUSED.plan("0.32", URL),
+    "abort_requests": routes.ABORT_REQUESTS.plan("0.32", URL, None),
+    "weight_info": routes.WEIGHT_INFO.plan("0.32", URL),
+    "update_weight_version": routes.UPDATE_WEIGHT_VERSION.plan("0.32", URL, "v7"),
+    "weight_checksums": routes.WEIGHT_CHECKSUMS.plan("0.32", URL),
+    "compare_weights": routes.COMPARE_WEIGHTS.plan("0.32", URL, {"a": "x"}),
+    "get_world_size": routes.GET_WORLD_SIZE.plan("0.32", URL, True),
+    "reset_prefix_cache 0.32": routes.RESET_PREFIX_CACHE.plan("0.32", URL, False, False),
+    "reset_prefix_cache 0.23": routes.RESET_PREFIX_CACHE.plan("0.23", URL, False, False),
+    "init_weight_transfer_engine": routes.INIT_WEIGHT_TRANSFER_ENGINE.plan("0.32", URL, {"x": 1}),
+    "start_weight_update 0.32": routes.START_WEIGHT_UPDATE.plan("0.32", URL, None),
+    "start_weight_update 0.23": routes.START_WEIGHT_UPDATE.plan("0.23", URL, None),
+    "start_draft_weight_update": routes.START_DRAFT_WEIGHT_UPDATE.plan("0.32", URL),
+    "update_weights 0.32": routes.UPDATE_WEIGHTS.plan("0.32", URL, {"x": 1}, None),
+    "update_weights 0.23": routes.UPDATE_WEIGHTS.plan("0.23", URL, {"x": 1}, None),
+    "finish_weight_update 0.32": routes.FINISH_WEIGHT_UPDATE.plan("0.32", URL, "v7"),
+    "finish_weight_update 0.23": routes.FINISH_WEIGHT_UPDATE.plan("0.23", URL, None),
+    "shutdown_weight_transfer_engine": routes.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.plan("0.32", URL),
 }
+
+
+def test_every_route_of_the_table_is_fuzzed() -> None:
+    assert set(routes.ROUTES) <= {name.split()[0] for name in CALLS}
 
 
 def _parses_or_server_error(call: wire.Call[Any], body: bytes) -> tuple[bool, Any]:

@@ -107,13 +107,15 @@ def test_timeouts_validation_and_phases() -> None:
 
 
 def _planned_calls() -> list[tuple[str, str, str, bool]]:
-    """Every ``Call(op, method, route, ...)`` asyncsync plans, read from its source:
+    """Every ``Call(op, method, route, ...)`` asyncsync plans, read from its source, and
+    every route of the control routes' table (`asyncsync._wire.routes`):
     (file, method, route, idempotent)."""
     import ast
     import importlib
     from pathlib import Path
 
     import asyncsync
+    from asyncsync._wire import routes
 
     package = Path(asyncsync.__file__).parent
     found = []
@@ -124,6 +126,8 @@ def _planned_calls() -> list[tuple[str, str, str, bool]]:
             if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Call"):
                 continue
             method, route = node.args[1], node.args[2]
+            if isinstance(method, ast.Attribute):  # Route.plan: the table's, below
+                continue
             if isinstance(route, ast.Name):  # a module constant such as MODELS_ROUTE
                 parts = path.relative_to(package.parent).with_suffix("").parts
                 module = module or importlib.import_module(".".join(parts))
@@ -135,6 +139,10 @@ def _planned_calls() -> list[tuple[str, str, str, bool]]:
             )
             rel = str(path.relative_to(package))
             found.append((rel, ast.literal_eval(method), str(value), idempotent))
+    found += [  # the control routes' table: one Call for all
+        ("_wire/routes.py", r.method, r.path, r.retry == "idempotent")
+        for r in routes.ROUTES.values()
+    ]
     return found
 
 

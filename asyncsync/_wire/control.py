@@ -1,8 +1,11 @@
 """vLLM's RL control routes as data: planned calls, payloads and response parsers.
 
-Pure wire knowledge, no I/O: each ``plan_*`` function turns a route's arguments (and the
-protocol generation the server speaks) into a `Call`, which carries the method,
-route, deadline phase, JSON payload and the parser of the 2xx answer. A fleet plans and
+Pure wire knowledge, no I/O: a `Call` carries the method, route, deadline phase, JSON
+payload and the parser of the 2xx answer. The control routes that `AsyncVLLMClient`
+and `Fleet` both serve are described once each in `asyncsync._wire.routes` (its
+`Route.plan` makes their calls, with the parsers below); the routes with one caller are
+planned here by ``plan_*`` functions (health, version, identity, a router's workers,
+the served model, ``/v1/models``). A fleet plans and
 encodes a call once per protocol generation and sends the same bytes to every server;
 `asyncsync._http.transport` sends it.
 
@@ -21,14 +24,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from asyncsync._core import encoding as _json
 from asyncsync._core.errors import ProtocolError, UnsupportedVLLMError
-from asyncsync._core.types import PAUSE_MODES, PauseMode, Phase, ProtocolGeneration
+from asyncsync._core.types import Phase, ProtocolGeneration
 from asyncsync._wire.served import ServedModel, describe_payload, parse_described
 
 __all__ = [
@@ -286,7 +289,8 @@ def _reset_cache_parser(protocol: ProtocolGeneration) -> Any:
 
 # ------------------------------------------------------------------------- plans
 # Each plan is a pure function of the protocol generation and the arguments, so a fleet
-# plans (and encodes) a call once per generation and sends the same bytes to every server.
+# plans (and encodes) a call once per generation and sends the same bytes to every server
+# (the table's routes: asyncsync._wire.routes).
 
 _MESSAGE = '{"message": str}'
 
@@ -349,202 +353,6 @@ def plan_list_workers() -> Call[list[str]]:
         "list_workers", "GET", "/list_workers", "control", _parse_workers,
         '{"urls": [str, ...]}', idempotent=True,
         not_found_hint="is this a vllm-router? (it lists its workers at /list_workers)",
-    )  # fmt: skip
-
-
-def plan_pause(mode: PauseMode, clear_cache: bool | None) -> Call[None]:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-    params: tuple[tuple[str, str], ...] = (("mode", mode),)
-    if clear_cache is not None:
-        params += (("clear_cache", "true" if clear_cache else "false"),)
-    return Call(
-        "pause", "POST", "/pause", "control", _status_parser("paused"),
-        '{"status": "paused"}', params=params,
-    )  # fmt: skip
-
-
-def plan_resume() -> Call[None]:
-    return Call(
-        "resume", "POST", "/resume", "control", _status_parser("resumed"),
-        '{"status": "resumed"}',
-    )  # fmt: skip
-
-
-def plan_is_paused() -> Call[bool]:
-    return Call(
-        "is_paused", "GET", "/is_paused", "control", _parse_is_paused,
-        '{"is_paused": bool}', idempotent=True,
-    )  # fmt: skip
-
-
-def plan_abort_requests(request_ids: Sequence[str] | None) -> Call[int]:
-    if isinstance(request_ids, str):
-        raise TypeError("request_ids must be a sequence of ids, not one string")
-    payload: dict[str, Any] = {} if request_ids is None else {"request_ids": list(request_ids)}
-    return Call(
-        "abort_requests", "POST", "/abort_requests", "control", _parse_aborted,
-        '{"status": "aborted", "aborted": int}', payload=payload,
-        not_found_hint="on vLLM 0.23 /abort_requests exists only with --tokens-only; "
-        "vLLM >= 0.32 always serves it",
-    )  # fmt: skip
-
-
-def plan_weight_info(protocol: ProtocolGeneration, server: str | None = None) -> Call[str]:
-    _needs_current("/weight_info", protocol, server)
-    return Call(
-        "weight_info", "GET", "/weight_info", "control", _parse_weight_version,
-        '{"weight_version": str}', idempotent=True,
-    )  # fmt: skip
-
-
-def plan_update_weight_version(
-    protocol: ProtocolGeneration, new_version: str, server: str | None = None
-) -> Call[None]:
-    _needs_current("/update_weight_version", protocol, server)
-    check_version_arg(new_version)
-    return Call(
-        "update_weight_version", "POST", "/update_weight_version", "control",
-        _version_parser(new_version), '{"success": true, "new_version": str}',
-        payload={"new_version": new_version},
-    )  # fmt: skip
-
-
-def plan_weight_checksums(
-    protocol: ProtocolGeneration, server: str | None = None
-) -> Call[dict[str, str]]:
-    _needs_current("/weight_checker", protocol, server)
-    return Call(
-        "weight_checksums", "POST", "/weight_checker", "update", _parse_checksums,
-        '{"checksums": {str: str}}', payload={"action": "checksum"},
-    )  # fmt: skip
-
-
-def plan_compare_weights(
-    protocol: ProtocolGeneration, baseline: Mapping[str, str], server: str | None = None
-) -> Call[WeightComparison]:
-    _needs_current("/weight_checker", protocol, server)
-    return Call(
-        "compare_weights", "POST", "/weight_checker", "update", _parse_comparison,
-        '{"match": bool, "mismatches": [str]}',
-        payload={"action": "compare", "baseline": dict(baseline)},
-    )  # fmt: skip
-
-
-def plan_get_world_size(include_dp: bool) -> Call[int]:
-    return Call(
-        "get_world_size", "GET", "/get_world_size", "control", _parse_world_size,
-        '{"world_size": int}', params=(("include_dp", "true" if include_dp else "false"),),
-        idempotent=True,
-    )  # fmt: skip
-
-
-def plan_reset_prefix_cache(
-    protocol: ProtocolGeneration, reset_running_requests: bool, reset_external: bool
-) -> Call[bool]:
-    params: tuple[tuple[str, str], ...] = ()
-    if reset_running_requests:
-        params += (("reset_running_requests", "true"),)
-    if reset_external:
-        params += (("reset_external", "true"),)
-    return Call(
-        "reset_prefix_cache", "POST", "/reset_prefix_cache", "control",
-        _reset_cache_parser(protocol), '{"success": bool}', params=params,
-        json_response=False,
-    )  # fmt: skip
-
-
-def plan_init_weight_transfer_engine(init_info: Mapping[str, Any]) -> Call[None]:
-    if not isinstance(init_info, Mapping):
-        raise TypeError(f"init_info must be a mapping, got {type(init_info).__name__}")
-    return Call(
-        "init_weight_transfer_engine", "POST", "/init_weight_transfer_engine", "update",
-        _parse_message, _MESSAGE, payload={"init_info": init_info},
-    )  # fmt: skip
-
-
-def plan_start_weight_update(
-    protocol: ProtocolGeneration, is_checkpoint_format: bool | None, server: str | None = None
-) -> Call[None]:
-    if protocol == "0.23":
-        payload: Any = {
-            "is_checkpoint_format": True if is_checkpoint_format is None else is_checkpoint_format
-        }
-    else:
-        if is_checkpoint_format is not None:
-            raise ProtocolError(
-                "is_checkpoint_format is a vLLM 0.23 option; vLLM >= 0.32 takes no body on "
-                "/start_weight_update",
-                server=server,
-                route="/start_weight_update",
-            )
-        payload = NO_BODY
-    return Call(
-        "start_weight_update", "POST", "/start_weight_update", "update", _parse_message,
-        _MESSAGE, payload=payload,
-    )  # fmt: skip
-
-
-def plan_update_weights(
-    protocol: ProtocolGeneration,
-    update_info: Mapping[str, Any] | Sequence[Mapping[str, Any]],
-    packed: bool | None,
-    server: str | None = None,
-) -> Call[None]:
-    route = "/update_weights"
-    info: Any
-    if isinstance(update_info, Mapping):
-        info = update_info
-    elif isinstance(update_info, (list, tuple)):
-        if not all(isinstance(item, Mapping) for item in update_info):
-            raise TypeError("update_info list items must be mappings (one per worker rank)")
-        if protocol == "0.23":
-            raise ProtocolError(
-                "a per-rank update_info list needs vLLM >= 0.32; vLLM 0.23 takes one dict",
-                server=server,
-                route=route,
-            )
-        info = list(update_info)
-    else:
-        raise TypeError(
-            f"update_info must be a mapping or a list of mappings, got {type(update_info).__name__}"
-        )
-    if packed is not None:
-        if protocol == "0.32":
-            raise ProtocolError(
-                "packed belongs in init_info on vLLM >= 0.32 (an update_info with 'packed' "
-                "is rejected there); pass packed only to vLLM 0.23 servers",
-                server=server,
-                route=route,
-            )
-        info = {**info, "packed": packed}
-    return Call(
-        "update_weights", "POST", route, "update", _parse_message, _MESSAGE,
-        payload={"update_info": info},
-    )  # fmt: skip
-
-
-def plan_finish_weight_update(
-    protocol: ProtocolGeneration, weight_version: str | None
-) -> Call[None]:
-    if weight_version is not None:
-        check_version_arg(weight_version)
-    payload: Any = NO_BODY
-    if protocol == "0.32" and weight_version is not None:
-        payload = {"weight_version": weight_version}
-    return Call(
-        "finish_weight_update", "POST", "/finish_weight_update", "update", _parse_message,
-        _MESSAGE, payload=payload,
-    )  # fmt: skip
-
-
-def plan_shutdown_weight_transfer_engine(
-    protocol: ProtocolGeneration, server: str | None = None
-) -> Call[None]:
-    _needs_current("/shutdown_weight_transfer_engine", protocol, server)
-    return Call(
-        "shutdown_weight_transfer_engine", "POST", "/shutdown_weight_transfer_engine",
-        "update", _parse_message, _MESSAGE,
     )  # fmt: skip
 
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncsync._core.types import ProtocolGeneration
-from asyncsync._wire.control import _MESSAGE, Call, Malformed, _needs_current, _parse_message
+from asyncsync._wire.control import Call, Malformed
 
-__all__ = ["DRAFT_START_ROUTE", "DraftModel", "plan_server_draft", "plan_start_draft_weight_update"]
+__all__ = ["DRAFT_START_ROUTE", "DraftModel", "plan_server_draft"]
 
 DRAFT_START_ROUTE = "/start_draft_weight_update"
 
@@ -73,14 +72,4 @@ def plan_server_draft() -> Call[DraftModel]:
         "server_info", "GET", "/server_info", "update", _parse_draft,
         '{"vllm_config": {"speculative_config": ...}}', params=(("config_format", "json"),),
         idempotent=True,
-    )  # fmt: skip
-
-
-def plan_start_draft_weight_update(
-    protocol: ProtocolGeneration, server: str | None = None
-) -> Call[None]:
-    _needs_current(DRAFT_START_ROUTE, protocol, server)
-    return Call(
-        "start_draft_weight_update", "POST", DRAFT_START_ROUTE, "update", _parse_message,
-        _MESSAGE, not_found_hint="vLLM >= 0.32 serves it (in dev mode)",
     )  # fmt: skip
