@@ -359,9 +359,9 @@ class AsyncWeightPublisher:
         options = RoundOptions(
             pause=pause, reset_prefix_cache=reset_prefix_cache, progress=progress,
             verify=as_verify(verify, weights), min_servers=min_servers, delta=delta,
-            target=into,
+            into=into,
         )  # fmt: skip
-        _check_version(version, self._published(options.target))
+        _check_version(version, self._published(options.into))
         catching_up = self._catch_up is not None and self._catch_up.running
         if self._lock.locked() and self.if_busy == "raise" and not catching_up:
             raise RuntimeError("a publish is already running (if_busy='raise')")
@@ -429,7 +429,7 @@ class AsyncWeightPublisher:
             joined = [url for url in targets if url not in self._identities]
             if joined:
                 self._restarted(joined, "new to this publisher")
-        draft = options.target == "draft"
+        draft = options.into == "draft"
         if catch_up:  # the published weights again, outside any delta chain
             chain, source, checkpoints = None, *await self._checked(weights, targets)
         else:

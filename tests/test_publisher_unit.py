@@ -50,8 +50,8 @@ def test_round_options_are_checked_once_when_built() -> None:
         ({"min_servers": "most"}, ValueError, "min_servers must be an int"),
         ({"delta": "yes"}, TypeError, "delta must be a bool, got 'yes'"),
         ({"reset_prefix_cache": None}, TypeError, "reset_prefix_cache must be a bool"),
-        ({"target": "eagle"}, ValueError, "target must be 'main' or 'draft'"),
-        ({"target": "draft", "verify": az.Verify(checksum=True)}, ValueError, "takes no verify"),
+        ({"into": "eagle"}, ValueError, "into must be 'main' or 'draft'"),
+        ({"into": "draft", "verify": az.Verify(checksum=True)}, ValueError, "takes no verify"),
         ({"catch_up": True, "delta": True}, ValueError, "a catch-up round resends"),
     ]
     for kwargs, error, message in bad:

@@ -30,7 +30,7 @@ class RoundOptions:
         verify: the checks every server passes once it finished (None: none).
         min_servers: how many targets the round needs (``"all"``: every one).
         delta: send only what changed since the version every target acknowledged.
-        target: the main model or the speculative draft model.
+        into: the main model or the speculative draft model.
         catch_up: the round resends the published weights to stale servers (the main
             model, whole, checked by no one: never a caller's round).
 
@@ -44,11 +44,11 @@ class RoundOptions:
     verify: Verify | None = None
     min_servers: int | Literal["all"] = 1
     delta: bool = False
-    target: Target = "main"
+    into: Target = "main"
     catch_up: bool = False
 
     def __post_init__(self) -> None:
-        check_target(self.target, verify=self.verify)
+        check_target(self.into, verify=self.verify)
         if self.pause not in PAUSE_MODES:
             raise ValueError(f"pause must be None, 'keep', 'wait' or 'abort', got {self.pause!r}")
         min_servers = self.min_servers
@@ -60,7 +60,7 @@ class RoundOptions:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
-        if self.catch_up and (self.delta or self.target != "main" or self.verify is not None):
+        if self.catch_up and (self.delta or self.into != "main" or self.verify is not None):
             raise ValueError(
                 "a catch-up round resends the main model's published weights whole: "
                 "no delta, draft target or verify"
