@@ -57,6 +57,7 @@ from asyncsync._wire.generation.options import (
     RoutedOptions,
     SamplingOptions,
 )
+from asyncsync._wire.generation.sampling import Sampling, SamplingFields
 from asyncsync.backends._shm_zerocopy import share_weights
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
@@ -110,6 +111,8 @@ __all__ = [
     "RetryPolicy",
     "RoutedGenerateOptions",
     "RoutedOptions",
+    "Sampling",
+    "SamplingFields",
     "SamplingOptions",
     "ServerError",
     "ServerOutcome",
