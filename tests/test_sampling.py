@@ -1,15 +1,21 @@
-"""`asyncsync.Sampling`: checked when built, printable, replaceable, hashable."""
+"""`asyncsync.Sampling`: checked when built, printable, replaceable, hashable; and every
+generation method of the client, the fleet and the blocking facades takes it as
+``sampling=`` or as flat keywords, sending the same body either way."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import typing
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 import asyncsync as az
+from asyncsync import blocking
+from asyncsync.testing import FakeVLLMServer, RecordedRequest
 
 # --------------------------------------------------------------------- the value
 
@@ -143,3 +149,169 @@ def test_equal_values_are_equal_and_hash_alike() -> None:
     assert len({a, b, az.Sampling()}) == 2
     assert a != a.replace(seed=1)
     assert az.Sampling() == az.Sampling(max_tokens=16, temperature=1.0)
+
+
+# --------------------------------------------------------------------- the methods
+PROMPT = [1, 2, 3]
+SAMPLING = az.Sampling(max_tokens=3, temperature=0.0, logprobs=1, seed=7, stop_token_ids=[9])
+FIELDS: dict[str, Any] = {
+    "max_tokens": 3, "temperature": 0.0, "logprobs": 1, "seed": 7, "stop_token_ids": [9]
+}  # fmt: skip
+
+
+class Bodies:
+    """The generation bodies a fake received (its ``on_request``), taken in turns."""
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+
+    def __call__(self, request: RecordedRequest) -> None:
+        if request.method == "POST" and "generate" in request.path:
+            self.got.append(request.json)
+
+    def take(self) -> list[Any]:
+        out, self.got = self.got, []
+        return out
+
+    def sent(self) -> list[Any]:
+        out = self.take()
+        assert out, "nothing was sent"
+        assert all(b["sampling_params"]["max_tokens"] == 3 for b in out)
+        return out
+
+
+async def _async_calls(target: Any) -> AsyncIterator[tuple[str, Callable[..., Any]]]:
+    """Each generation method of ``target`` (a client or a fleet), as a coroutine
+    function of ``(sampling, **fields)``."""
+
+    async def generate(s: Any, **kw: Any) -> Any:
+        return await target.generate(PROMPT, s, **kw)
+
+    async def generate_n(s: Any, **kw: Any) -> Any:
+        return await target.generate_n(PROMPT, s, n=2, **kw)
+
+    async def generate_batch(s: Any, **kw: Any) -> Any:
+        return await target.generate_batch([PROMPT, PROMPT], s, **kw)
+
+    async def stream(s: Any, **kw: Any) -> Any:
+        async with target.stream(PROMPT, s, **kw) as st:
+            async for _ in st:
+                pass
+        return st.completion
+
+    for name, call in (
+        ("generate", generate),
+        ("generate_n", generate_n),
+        ("generate_batch", generate_batch),
+        ("stream", stream),
+    ):
+        yield name, call
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("on", ["client", "fleet"])
+async def test_sampling_and_keywords_send_the_same_body(on: str) -> None:
+    bodies = Bodies()
+    async with (
+        FakeVLLMServer(on_request=bodies) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+        az.Fleet([fake.url]) as fleet,
+    ):
+        target = client if on == "client" else fleet
+        async for name, call in _async_calls(target):
+            bodies.take()
+            by_value = await call(SAMPLING)
+            with_value = bodies.sent()
+            by_keywords = await call(None, **FIELDS)
+            with_keywords = bodies.sent()
+            assert with_value == with_keywords, name
+            for body in with_value:
+                params = body["sampling_params"]
+                assert params["max_tokens"] == 3, name
+                assert params["temperature"] == 0.0, name
+                assert params["logprobs"] == 1, name
+                assert params["stop_token_ids"] == [9], name
+                assert params["seed"] == 7, name
+            assert type(by_value) is type(by_keywords), name
+
+
+@pytest.mark.asyncio
+async def test_a_field_both_in_sampling_and_as_a_keyword_is_refused() -> None:
+    bodies = Bodies()
+    async with (
+        FakeVLLMServer(on_request=bodies) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+        az.Fleet([fake.url]) as fleet,
+    ):
+        for target in (client, fleet):
+            async for name, call in _async_calls(target):
+                with pytest.raises(TypeError, match="max_tokens both in sampling="):
+                    await call(SAMPLING, max_tokens=4)
+                with pytest.raises(TypeError, match="did you mean 'temperature'"):
+                    await call(None, temprature=0.0)
+                with pytest.raises(TypeError, match=r"must be an asyncsync\.Sampling"):
+                    await call({"max_tokens": 3})
+                assert not bodies.take(), name
+        with pytest.raises(TypeError, match="routing options belong to Fleet"):
+            await client.generate(PROMPT, session_id="s")  # type: ignore[call-arg]
+        with pytest.raises(ValueError, match="top_p"):
+            await fleet.generate(PROMPT, top_p=0)
+
+
+@pytest.mark.asyncio
+async def test_model_and_request_id_are_request_keywords() -> None:
+    bodies = Bodies()
+    async with (
+        FakeVLLMServer(on_request=bodies) as fake,
+        az.AsyncVLLMClient(fake.url) as client,
+    ):
+        await client.generate(PROMPT, SAMPLING, request_id="r-1", model=fake.model)
+        (body,) = bodies.sent()
+        assert (body["request_id"], body["model"]) == ("r-1", fake.model)
+        assert "model" not in body["sampling_params"]
+        await client.generate(PROMPT, az.Sampling(extra_params={"min_tokens_x": 1}))
+        (body,) = bodies.take()
+        assert body["sampling_params"]["min_tokens_x"] == 1
+
+
+@pytest.fixture
+def fake_portal() -> Iterator[BlockingPortal]:
+    with start_blocking_portal() as portal:
+        yield portal
+
+
+def test_the_blocking_facades_take_sampling_and_keywords(fake_portal: BlockingPortal) -> None:
+    bodies = Bodies()
+    fake = FakeVLLMServer(on_request=bodies)
+    fake_portal.call(fake.start)
+    try:
+        with blocking.VLLMClient(fake.url) as client, blocking.Fleet([fake.url]) as fleet:
+            for target in (client, fleet):
+                for name, call in _blocking_calls(target):
+                    bodies.take()
+                    call(SAMPLING)
+                    with_value = bodies.sent()
+                    call(None, **FIELDS)
+                    assert bodies.sent() == with_value, name
+                    with pytest.raises(TypeError, match="max_tokens both in sampling="):
+                        call(SAMPLING, max_tokens=4)
+    finally:
+        fake_portal.call(fake.stop)
+
+
+def _blocking_calls(target: Any) -> list[tuple[str, Callable[..., Any]]]:
+    """Each generation method of a blocking ``target``, as a function of
+    ``(sampling, **fields)``."""
+    return [
+        ("generate", lambda s, **kw: target.generate(PROMPT, s, **kw)),
+        ("generate_n", lambda s, **kw: target.generate_n(PROMPT, s, n=2, **kw)),
+        ("generate_batch", lambda s, **kw: target.generate_batch([PROMPT], s, **kw)),
+        ("stream", lambda s, **kw: _drain(target.stream(PROMPT, s, **kw))),
+    ]
+
+
+def _drain(stream: Any) -> Any:
+    with stream as s:
+        for _ in s:
+            pass
+    return s.completion
