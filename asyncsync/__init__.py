@@ -50,13 +50,7 @@ from asyncsync._generation.engine import CompletionStream
 from asyncsync._http.retry import RetryPolicy
 from asyncsync._wire.chat import ChatRequestError
 from asyncsync._wire.control import WeightComparison
-from asyncsync._wire.generation.options import (
-    GenerateOptions,
-    RequestOptions,
-    RoutedGenerateOptions,
-    RoutedOptions,
-    SamplingOptions,
-)
+from asyncsync._wire.generation.sampling import Sampling, SamplingFields
 from asyncsync.backends._shm_zerocopy import share_weights
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
@@ -95,7 +89,6 @@ __all__ = [
     "Fleet",
     "FleetError",
     "FleetResult",
-    "GenerateOptions",
     "GenerationAborted",
     "GenerationError",
     "IncompatibleWeightsError",
@@ -105,12 +98,10 @@ __all__ = [
     "ProtocolError",
     "PublishError",
     "PublishReport",
-    "RequestOptions",
     "RetokenizedWarning",
     "RetryPolicy",
-    "RoutedGenerateOptions",
-    "RoutedOptions",
-    "SamplingOptions",
+    "Sampling",
+    "SamplingFields",
     "ServerError",
     "ServerOutcome",
     "ServerState",

@@ -20,7 +20,7 @@ from asyncsync._core.completion import Completion, PromptScores
 from asyncsync._core.ledger import Ledger
 from asyncsync._core.state import ServerState
 from asyncsync._core.timeouts import DEFAULT_TIMEOUTS, Timeouts, check_timeouts
-from asyncsync._core.types import PauseMode, ProtocolGeneration, pause_mode
+from asyncsync._core.types import PauseMode, ProtocolGeneration, Route, pause_mode
 from asyncsync._generation.engine import CompletionStream, GenerationEngine, OneServer, run_all
 from asyncsync._generation.served import ServedLookup
 from asyncsync._http.retry import NO_RETRY, RetryPolicy
@@ -29,15 +29,17 @@ from asyncsync._wire import control as wire
 from asyncsync._wire import routes
 from asyncsync._wire.control import Call, WeightComparison, normalize_url, protocol_for_version
 from asyncsync._wire.generation.options import (
-    GenerateOptions,
-    RequestOptions,
+    SendOptions,
+    Tokenizer,
     check_model_size,
     check_prompt,
     check_prompts,
+    generation_request,
     refuse_n,
-    split_options,
+    resolve_sampling,
+    send_options,
 )
-from asyncsync._wire.routes import Route
+from asyncsync._wire.generation.sampling import Sampling, SamplingFields
 
 __all__ = ["DEFAULT_RETRY", "AsyncVLLMClient"]
 
@@ -218,7 +220,7 @@ class AsyncVLLMClient:
         (``ServerError`` with HTTP 503 when vLLM's engine is dead)."""
         await self._run(wire.plan_health())
 
-    async def _route(self, route: Route[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    async def _route(self, route: routes.Route[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """Send a control route of the table (`asyncsync._wire.routes`) to the server,
         after learning its protocol generation where the call depends on it."""
         protocol = await self.protocol() if route.needs_protocol else "0.32"
@@ -304,63 +306,119 @@ class AsyncVLLMClient:
 
     # -------------------------------------------------------------- generation
     async def generate(
-        self, prompt_token_ids: Sequence[int], **options: Unpack[GenerateOptions]
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
     ) -> Completion:
         """Generate from token ids on this server; the exact sampled ids come back as one
         `Completion` (several samples of one prompt: `generate_n`).
 
-        ``options``: the sampling parameters (``max_tokens=16``, ``temperature=1.0``,
-        ``logprobs``, ``seed``..., any vLLM sampling parameter), ``timeout`` (the
-        generate deadline of this call), ``route`` (``"auto"`` uses
-        ``/inference/v1/generate`` where served, with weight-version spans on vLLM >=
-        0.32, else ``/v1/completions``), ``tokenizer`` (re-tokenize fallback) and
-        ``request_id`` (see `GenerateOptions`). Weight versions not
-        reported by the server come from `weight_version` at admission and
-        completion (``source="client"``). Raises `GenerationAborted`
+        What to sample: ``sampling`` (a `Sampling`) or its fields as keywords
+        (``max_tokens=8, temperature=0.0, logprobs=1``; defaults ``max_tokens=16``,
+        ``temperature=1.0``), not both. ``request_id``: the server-side request id;
+        ``model``: the served model name to ask for; ``timeout``: the generate deadline
+        of this call; ``route``: ``"auto"`` uses ``/inference/v1/generate`` where
+        served, with weight-version spans on vLLM >= 0.32, else ``/v1/completions``;
+        ``tokenizer``: the re-tokenize fallback for servers that return no token ids.
+        Weight versions not reported by the server come from `weight_version` at
+        admission and completion (``source="client"``). Raises `GenerationAborted`
         (with the partial tokens) when the server aborted the request.
         """
-        refuse_n(options, "AsyncVLLMClient")
-        (out,) = await self._generate(prompt_token_ids, 1, options)
+        refuse_n(fields, "AsyncVLLMClient")
+        (out,) = await self._generate(
+            prompt_token_ids, 1, sampling, fields, request_id, model,
+            send_options(timeout=timeout, route=route, tokenizer=tokenizer), "generate",
+        )  # fmt: skip
         return out
 
     async def generate_n(
-        self, prompt_token_ids: Sequence[int], *, n: int, **options: Unpack[GenerateOptions]
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        *,
+        n: int,
+        request_id: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
     ) -> list[Completion]:
         """``n`` samples of one prompt in one request (vLLM's ``n``), always a list of
-        ``n`` `Completion` objects; ``options`` as for `generate`."""
-        return await self._generate(prompt_token_ids, n, options, where="generate_n")
+        ``n`` `Completion` objects; the other arguments as for `generate`."""
+        return await self._generate(
+            prompt_token_ids, n, sampling, fields, request_id, model,
+            send_options(timeout=timeout, route=route, tokenizer=tokenizer), "generate_n",
+        )  # fmt: skip
 
     async def _generate(
         self,
         prompt_token_ids: Sequence[int],
         n: int,
-        options: Mapping[str, Any],
-        where: str = "generate",
+        sampling: Sampling | None,
+        fields: Mapping[str, Any],
+        request_id: str | None,
+        model: str | None,
+        send: SendOptions,
+        where: str,
     ) -> list[Completion]:
-        req, send = split_options(options, n=n, where=where)
+        chosen = resolve_sampling(sampling, fields, where=where)
+        req = generation_request(chosen, n=n, request_id=request_id, model=model)
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         out = await self.generator.generate(prompt, req, send)
         _hooks.generated(out)
         return out
 
     async def generate_batch(
-        self, prompts: Sequence[Sequence[int]], *, n: int = 1, **options: Unpack[RequestOptions]
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling | None = None,
+        *,
+        n: int = 1,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
     ) -> list[list[Completion]]:
         """Generate for many prompts at once (concurrent requests); one list of ``n``
         completions per prompt, in prompt order. Any failure cancels the rest and
-        raises (an ``ExceptionGroup`` is unwrapped when only one request failed)."""
-        req, send = split_options(options, n=n, where="generate_batch")
+        raises (an ``ExceptionGroup`` is unwrapped when only one request failed). The
+        arguments as for `generate`."""
+        chosen = resolve_sampling(sampling, fields, where="generate_batch")
+        req = generation_request(chosen, n=n, model=model)
+        send = send_options(timeout=timeout, route=route, tokenizer=tokenizer)
         checked = check_prompts(prompts, self.vocab_size, self.max_model_len)
         out = await run_all([self.generator.generate(p, req, send) for p in checked])
         _hooks.generated(c for per_prompt in out for c in per_prompt)
         return out
 
     def stream(
-        self, prompt_token_ids: Sequence[int], *, n: int = 1, **options: Unpack[GenerateOptions]
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        *,
+        n: int = 1,
+        request_id: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
     ) -> CompletionStream:
         """Stream a generation: ``async with client.stream(ids, ...) as s: async for
-        delta in s: ...``; then ``s.completion``. ``timeout`` bounds the whole stream."""
-        req, send = split_options(options, n=n, where="stream")
+        delta in s: ...``; then ``s.completion``. ``timeout`` bounds the whole stream;
+        the other arguments as for `generate`."""
+        chosen = resolve_sampling(sampling, fields, where="stream")
+        req = generation_request(chosen, n=n, request_id=request_id, model=model)
+        send = send_options(timeout=timeout, route=route, tokenizer=tokenizer)
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         return CompletionStream(OneServer(self.generator), prompt, req, send)
 
@@ -370,11 +428,11 @@ class AsyncVLLMClient:
         *,
         top_k: int = 1,
         timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
-        route: Literal["auto", "generate", "completions"] = "auto",
+        route: Route = "auto",
     ) -> PromptScores:
         """Per-position logprob of each given token under this server's weights
         (``prompt_logprobs``): ``scores.logprobs[0]`` is None, ``scores.logprobs[i]`` is
         log p(token_ids[i] | token_ids[:i]). For distillation and KL terms."""
-        _, send = split_options({"timeout": timeout, "route": route}, where="score")
+        send = send_options(timeout=timeout, route=route)
         ids = check_prompt(token_ids, self.vocab_size, self.max_model_len)
         return await self.generator.score(ids, top_k, send)

@@ -55,17 +55,17 @@ from asyncsync._wire import routes
 from asyncsync._wire.control import WeightComparison, normalize_url, plan_models
 from asyncsync._wire.draft import DraftModel
 from asyncsync._wire.generation.options import (
-    GenerationRequest,
-    RoutedGenerateOptions,
-    RoutedOptions,
     SendOptions,
     Tokenizer,
     check_model_size,
     check_prompt,
     check_prompts,
+    generation_request,
     refuse_n,
-    split_options,
+    resolve_sampling,
+    send_options,
 )
+from asyncsync._wire.generation.sampling import Sampling, SamplingFields
 from asyncsync._wire.lora import LoraLimits
 from asyncsync.client import DEFAULT_RETRY, AsyncVLLMClient
 
@@ -589,9 +589,7 @@ class Fleet:
         session affinity), counted in flight until the block ends: for requests the
         fleet has no method for (a chat render, a derender), which must reach only a
         server fit to serve. ``async with fleet.admitted(session_id="e1") as client:``"""
-        _, send = split_options(
-            {"session_id": session_id, "admission_timeout": admission_timeout}, routed=True
-        )
+        send = send_options(session_id=session_id, admission_timeout=admission_timeout)
         async with self._dispatch.lease(send) as record:
             yield self._members.client(record.url)
 
@@ -811,7 +809,20 @@ class Fleet:
 
     # ------------------------------------------------------------------ generation
     async def generate(
-        self, prompt_token_ids: Sequence[int], **options: Unpack[RoutedGenerateOptions]
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        lora: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
     ) -> Completion:
         """Generate from token ids on one server of the fleet, chosen by routing.
 
@@ -829,42 +840,94 @@ class Fleet:
         tries) to the same server (uvicorn closing an idle keep-alive connection as the
         request arrived; docs/client.md); nothing else is resent.
 
-        Returns one `Completion` (several samples of one prompt: `generate_n`). The
-        other options are those of `AsyncVLLMClient.generate` (see
-        `RoutedGenerateOptions`); ``tokenizer`` defaults to the
-        fleet's. Each completion's `staleness` is set and recorded in
-        `staleness`. Aborted requests raise `GenerationAborted`
-        with the partial tokens (retryable).
+        ``lora``: generate with that LoRA adapter (published with
+        `AsyncWeightPublisher.publish_lora`), on a server holding one of its versions
+        within the fleet's staleness bound (its newest there).
+
+        Returns one `Completion` (several samples of one prompt: `generate_n`). What to
+        sample (``sampling`` or its fields as keywords, not both), ``request_id``,
+        ``model``, ``timeout``, ``route`` and ``tokenizer`` are those of
+        `AsyncVLLMClient.generate`; ``tokenizer`` defaults to the fleet's. Each
+        completion's `staleness` is set and recorded in `staleness`. Aborted requests
+        raise `GenerationAborted` with the partial tokens (retryable).
         """
-        refuse_n(options, "Fleet")
-        (out,) = await self._generate(prompt_token_ids, 1, options, "generate")
+        refuse_n(fields, "Fleet")
+        send = self._send(
+            timeout, route, tokenizer, min_version, admission_timeout, session_id, lora
+        )
+        (out,) = await self._generate(
+            prompt_token_ids, 1, sampling, fields, request_id, model, send, "generate"
+        )
         return out
 
     async def generate_n(
-        self, prompt_token_ids: Sequence[int], *, n: int,
-        **options: Unpack[RoutedGenerateOptions],
-    ) -> list[Completion]:  # fmt: skip
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        *,
+        n: int,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        lora: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
+    ) -> list[Completion]:
         """``n`` samples of one prompt in one request (vLLM's ``n``) on one server chosen
-        like `generate`: always a list of ``n`` `Completion` objects."""
-        return await self._generate(prompt_token_ids, n, options, "generate_n")
+        like `generate`: always a list of ``n`` `Completion` objects; the other arguments
+        as for `generate`."""
+        send = self._send(
+            timeout, route, tokenizer, min_version, admission_timeout, session_id, lora
+        )
+        return await self._generate(
+            prompt_token_ids, n, sampling, fields, request_id, model, send, "generate_n"
+        )
 
     async def _generate(
-        self, prompt_token_ids: Sequence[int], n: int, options: Mapping[str, Any], where: str
+        self,
+        prompt_token_ids: Sequence[int],
+        n: int,
+        sampling: Sampling | None,
+        fields: Mapping[str, Any],
+        request_id: str | None,
+        model: str | None,
+        send: SendOptions,
+        where: str,
     ) -> list[Completion]:
-        req, send = self._options(options, n, where)
+        chosen = resolve_sampling(sampling, fields, where=where, routed=True)
+        req = generation_request(chosen, n=n, request_id=request_id, model=model)
         return await self._dispatch.generate(
             check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len), req, send
         )
 
     async def generate_batch(
-        self, prompts: Sequence[Sequence[int]], *, n: int = 1,
-        session_ids: Sequence[str | None] | None = None, **options: Unpack[RoutedOptions],
-    ) -> list[list[Completion]]:  # fmt: skip
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling | None = None,
+        *,
+        n: int = 1,
+        session_ids: Sequence[str | None] | None = None,
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        lora: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - a per-call deadline
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
+    ) -> list[list[Completion]]:
         """Generate for many prompts at once: each prompt is routed on its own (load
         spreads over the fleet), all concurrently. Returns one list of ``n``
         completions per prompt, in order. The first failure cancels the rest and is
-        raised. ``session_ids``: one per prompt (or None)."""
-        req, send = self._options(options, n, "generate_batch")
+        raised. ``session_ids``: one per prompt (or None); the other arguments as for
+        `generate`."""
+        chosen = resolve_sampling(sampling, fields, where="generate_batch", routed=True)
+        req = generation_request(chosen, n=n, model=model)
+        send = self._send(timeout, route, tokenizer, min_version, admission_timeout, None, lora)
         checked = check_prompts(prompts, self.vocab_size, self.max_model_len)
         sessions = list(session_ids) if session_ids is not None else [None] * len(checked)
         if len(sessions) != len(checked):
@@ -877,14 +940,31 @@ class Fleet:
         )
 
     def stream(
-        self, prompt_token_ids: Sequence[int], *, n: int = 1,
-        **options: Unpack[RoutedGenerateOptions],
-    ) -> CompletionStream:  # fmt: skip
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | None = None,
+        *,
+        n: int = 1,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        min_version: str | None = None,
+        admission_timeout: float | None = None,
+        lora: str | None = None,
+        model: str | None = None,
+        timeout: float | None = None,
+        route: Route = "auto",
+        tokenizer: Tokenizer | None = None,
+        **fields: Unpack[SamplingFields],
+    ) -> CompletionStream:
         """Stream a generation routed like `generate`: ``async with
         fleet.stream(ids, ...) as s: async for delta in s: ...``; then
         ``s.completion``. The server is chosen when the stream opens and holds the
-        request until the stream is closed."""
-        req, send = self._options(options, n, "stream")
+        request until the stream is closed. The arguments as for `generate`."""
+        chosen = resolve_sampling(sampling, fields, where="stream", routed=True)
+        req = generation_request(chosen, n=n, request_id=request_id, model=model)
+        send = self._send(
+            timeout, route, tokenizer, min_version, admission_timeout, session_id, lora
+        )
         return self._dispatch.stream(
             check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len), req, send
         )
@@ -904,20 +984,29 @@ class Fleet:
         chosen like `generate`: position 0 is None; a position whose answer
         lacks the given token raises `GenerationError`."""
         ids = check_prompt(token_ids, self.vocab_size, self.max_model_len)
-        _, send = split_options(
-            {"session_id": session_id, "timeout": timeout, "route": route,
-             "min_version": min_version, "admission_timeout": admission_timeout},
-            routed=True,
+        send = send_options(
+            session_id=session_id, timeout=timeout, route=route, min_version=min_version,
+            admission_timeout=admission_timeout,
         )  # fmt: skip
         return await self._dispatch.routed(send, GenerationEngine.score, ids, top_k, send)
 
-    def _options(
-        self, options: Mapping[str, Any], n: int, where: str
-    ) -> tuple[GenerationRequest, SendOptions]:
-        req, send = split_options(options, n=n, routed=True, where=where)
-        if send.tokenizer is None and self.tokenizer is not None:
-            send = send._replace(tokenizer=self.tokenizer)
-        return req, send
+    def _send(
+        self,
+        timeout: float | None,
+        route: Route,
+        tokenizer: Tokenizer | None,
+        min_version: str | None,
+        admission_timeout: float | None,
+        session_id: str | None,
+        lora: str | None,
+    ) -> SendOptions:
+        """A generation's `SendOptions`, checked; ``tokenizer`` defaults to the fleet's."""
+        if tokenizer is None:
+            tokenizer = self.tokenizer
+        return send_options(
+            timeout=timeout, route=route, tokenizer=tokenizer, min_version=min_version,
+            admission_timeout=admission_timeout, session_id=session_id, lora=lora,
+        )  # fmt: skip
 
 
 def _check_staleness(value: object) -> None:

@@ -240,7 +240,7 @@ def test_an_openai_style_v1_url_is_refused_naming_the_root(url: str, root: str) 
     [
         ({"max_tokens": 0}, ValueError, "max_tokens must be an int >= 1"),
         ({"max_tokens": -3}, ValueError, "max_tokens must be an int >= 1"),
-        ({"max_tokens": 2.5}, ValueError, "max_tokens must be an int >= 1"),
+        ({"max_tokens": 2.5}, TypeError, "max_tokens must be an int >= 1"),
     ],
 )
 async def test_bad_generation_options_send_nothing(

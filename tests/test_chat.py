@@ -202,10 +202,13 @@ def test_sampling_keeps_the_servers_parameters_and_fits_max_tokens_to_the_sessio
         "logprobs": None,
     }
     out = _sampling(params, None, prompt_len=300, limit=1024)
-    assert out == {"temperature": 0.0, "stop": [], "logprobs": 0, "max_tokens": 724}
-    assert _sampling(params, 8, 300, 1024)["max_tokens"] == 8
-    assert _sampling(params, 900, 300, 1024)["max_tokens"] == 724
-    assert _sampling({**params, "logprobs": 3}, None, 300, None)["logprobs"] == 3
+    assert out == az.Sampling(temperature=0.0, stop=(), logprobs=0, max_tokens=724)
+    assert _sampling(params, 8, 300, 1024).max_tokens == 8
+    assert _sampling(params, 900, 300, 1024).max_tokens == 724
+    assert _sampling({**params, "logprobs": 3}, None, 300, None).logprobs == 3
+    # a vLLM parameter Sampling has no field for goes to vLLM as given
+    other = _sampling({**params, "structured_outputs": {"json": {}}}, None, 300, None)
+    assert other.extra_params == {"structured_outputs": {"json": {}}}
 
 
 def test_session_arguments_are_checked() -> None:

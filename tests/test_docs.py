@@ -85,7 +85,7 @@ def test_names_used_exist(path: Path) -> None:
 
 #: What `tests/user_code.py` reports that is no mistake, each with its reason, as
 #: ``(file, what)`` the way a failure prints them (say, a vLLM sampling parameter that
-#: ``**options`` forwards although `asyncsync.SamplingOptions` does not type it). Keep it
+#: ``**options`` forwards although `asyncsync.SamplingFields` does not type it). Keep it
 #: small: each entry is a claim of the text that is no longer checked.
 ALLOWED_PROBLEMS: dict[tuple[str, str], str] = {}
 #: An inline code span that starts from a public namespace (``az.Timeouts.uniform(2.0)``).

@@ -130,31 +130,40 @@ async def test_request_body_on_each_route(fake32: FakeVLLMServer) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("fields", "keywords"),
     [
-        {},
-        {"max_tokens": 3, "temperature": 0.0, "logprobs": 2, "seed": 7},
-        {"stop_token_ids": [7, 8], "cache_salt": "s", "model": "m", "min_tokens": 2},
-        {"request_id": "r-1", "top_p": 0.5, "top_k": 3, "timeout": 9.0, "route": "generate"},
+        ({}, {}),
+        ({"max_tokens": 3, "temperature": 0.0, "logprobs": 2, "seed": 7}, {}),
+        ({"stop_token_ids": [7, 8], "cache_salt": "s", "min_tokens": 2}, {"model": "m"}),
+        ({"top_p": 0.5, "top_k": 3}, {"request_id": "r-1", "timeout": 9.0, "route": "generate"}),
     ],
 )
-def test_every_option_lands_in_its_field_and_in_the_body(kwargs: dict[str, Any]) -> None:
+def test_every_option_lands_in_its_field_and_in_the_body(
+    fields: dict[str, Any], keywords: dict[str, Any]
+) -> None:
     from asyncsync._core import encoding as _json
     from asyncsync._wire.generation.bodies import request_body
-    from asyncsync._wire.generation.options import split_options
+    from asyncsync._wire.generation.options import (
+        generation_request,
+        resolve_sampling,
+        send_options,
+    )
 
-    req, send = split_options(kwargs, n=2)
+    chosen = resolve_sampling(None, fields, where="generate")
+    assert chosen == az.Sampling(**fields)
+    req = generation_request(
+        chosen, n=2, request_id=keywords.get("request_id"), model=keywords.get("model")
+    )
+    send = send_options(timeout=keywords.get("timeout"), route=keywords.get("route", "auto"))
     sampling: dict[str, Any] = {"n": 2, "max_tokens": 16, "temperature": 1.0}
-    top: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key in ("timeout", "route"):
-            assert getattr(send, key) == value
-        elif key in ("cache_salt", "model", "request_id"):
-            assert getattr(req, key) == value
+    top: dict[str, Any] = {key: keywords[key] for key in ("model", "request_id") if key in keywords}
+    for key, value in fields.items():
+        if key == "cache_salt":
+            assert req.cache_salt == value
             top[key] = value
         else:
             sampling[key] = value
-    assert (send.route, send.timeout) == (kwargs.get("route", "auto"), kwargs.get("timeout"))
+    assert (send.route, send.timeout) == (keywords.get("route", "auto"), keywords.get("timeout"))
     prompt = [1, 2, 3]
     got = _json.loads(request_body(GENERATE_ROUTE, prompt, req))
     assert got == {"token_ids": prompt, "sampling_params": sampling, **top}
@@ -166,49 +175,49 @@ def test_every_option_lands_in_its_field_and_in_the_body(kwargs: dict[str, Any])
 
 
 def test_options_are_validated_and_misplaced_ones_named() -> None:
-    from asyncsync._wire.generation.options import split_options
+    from asyncsync._wire.generation.options import (
+        generation_request,
+        resolve_sampling,
+        send_options,
+    )
 
-    req, _ = split_options({"temperature": 1})
+    req = generation_request(resolve_sampling(None, {"temperature": 1}, where="generate"))
     assert req.temperature == 1
     assert type(req.temperature) is int  # sent as given
     with pytest.raises(ValueError, match="n must be an int"):
-        split_options({}, n=True)
+        generation_request(az.Sampling(), n=True)
+    with pytest.raises(TypeError, match="max_tokens"):
+        resolve_sampling(None, {"max_tokens": [4]}, where="generate")
     with pytest.raises(ValueError, match="max_tokens"):
-        split_options({"max_tokens": [4]})
-    with pytest.raises(ValueError, match="max_tokens"):
-        split_options({"max_tokens": 0})
+        resolve_sampling(None, {"max_tokens": 0}, where="generate")
     with pytest.raises(ValueError, match="route must be one of"):
-        split_options({"route": "fast"})
+        send_options(route="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="'stream' cannot be passed"):
-        split_options({"stream": True})
+        az.Sampling(extra_params={"stream": True})
     with pytest.raises(TypeError, match="session_id: routing options belong to Fleet"):
-        split_options({"session_id": "s"}, where="generate")
-    _, send = split_options({"session_id": "s", "min_version": "v1"}, routed=True)
+        resolve_sampling(None, {"session_id": "s"}, where="generate")
+    with pytest.raises(TypeError, match="'max_tokns'; did you mean 'max_tokens'"):
+        resolve_sampling(None, {"max_tokns": 3}, where="generate", routed=True)
+    with pytest.raises(TypeError, match="'sesion_id'; did you mean 'session_id'"):
+        resolve_sampling(None, {"sesion_id": "s"}, where="generate", routed=True)
+    send = send_options(session_id="s", min_version="v1")
     assert (send.session_id, send.min_version) == ("s", "v1")
 
 
 def test_fleet_and_client_take_the_same_generation_options() -> None:
-    """A client's generation options are exactly a fleet's minus routing."""
+    """A client's generation keywords are exactly a fleet's minus routing, the same
+    kind and default each, and both take `Sampling`'s fields as ``**fields``."""
     import inspect
-    from typing import get_type_hints
 
-    routing = {
-        "session_id",
-        "min_version",
-        "admission_timeout",
-        "lora",
-    }  # the fleet routes by these
-    client_opts = get_type_hints(az.GenerateOptions, include_extras=True)
-    fleet_opts = get_type_hints(az.RoutedGenerateOptions, include_extras=True)
-    assert client_opts == {k: v for k, v in fleet_opts.items() if k not in routing}
-    assert set(get_type_hints(az.RequestOptions)) == set(client_opts) - {"request_id"}
-    assert set(get_type_hints(az.RoutedOptions)) == set(fleet_opts) - {"request_id", "session_id"}
-    for name in ("generate", "generate_batch", "stream", "score"):
+    routing = {"session_id", "session_ids", "min_version", "admission_timeout", "lora"}
+    for name in ("generate", "generate_n", "generate_batch", "stream", "score"):
         client_params = inspect.signature(getattr(az.AsyncVLLMClient, name)).parameters
         fleet_params = inspect.signature(getattr(az.Fleet, name)).parameters
+        assert set(client_params) == set(fleet_params) - routing, name
         for pname, param in client_params.items():
             assert fleet_params[pname].kind == param.kind, (name, pname)
             assert fleet_params[pname].default == param.default, (name, pname)
+            assert fleet_params[pname].annotation == param.annotation, (name, pname)
 
 
 def test_prompt_checks_name_the_offending_position() -> None:

@@ -87,6 +87,7 @@ from asyncsync._wire.chat import (
 )
 from asyncsync._wire.control import ModelEntry, plan_models
 from asyncsync._wire.generation.bodies import client_spans
+from asyncsync._wire.generation.sampling import FIELDS, Sampling
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet
@@ -759,7 +760,7 @@ class ChatSession:
         streamed: list[ChatDelta] = []
         if sink is None:
             completion = await self.fleet.generate(
-                plan.prompt, session_id=self.session_id, **sampling
+                plan.prompt, sampling, session_id=self.session_id
             )
         else:
             completion = await self._stream(plan, sampling, model, sink, streamed)
@@ -777,7 +778,7 @@ class ChatSession:
     async def _stream(
         self,
         plan: _Plan,
-        sampling: dict[str, Any],
+        sampling: Sampling,
         model: str,
         sink: TurnSink,
         streamed: list[ChatDelta],
@@ -788,7 +789,7 @@ class ChatSession:
             plan.rendering, plan.request, plan.prompt, model, new_reply_id("chat")
         )
         server = None if isinstance(plan.rendering, ChatRenderer) else _rendering_server(plan)
-        stream = self.fleet.stream(plan.prompt, session_id=self.session_id, **sampling)
+        stream = self.fleet.stream(plan.prompt, sampling, session_id=self.session_id)
         state = None if server is None else self._chat.of(server)
         return await stream_sample(stream, plan.prompt, parser, sink, streamed, state, server)
 
@@ -968,10 +969,22 @@ _NOT_SENT = frozenset({"n", "output_kind", "skip_clone", "max_tokens", "logprobs
 
 def _sampling(
     params: Mapping[str, Any], requested: int | None, prompt_len: int, limit: int | None
+) -> Sampling:
+    """The generation's `Sampling`: render's sampling parameters (the server's defaults
+    and the request's own; those `Sampling` has no field for in its ``extra_params``),
+    logprobs of every sampled token, and ``max_tokens`` for the session's prompt (which
+    is not the length render saw)."""
+    out = _sampling_fields(params, requested, prompt_len, limit)
+    other = {k: out.pop(k) for k in list(out) if k not in _FIELD_NAMES}
+    return Sampling(**out, extra_params=other or None)
+
+
+_FIELD_NAMES = frozenset(FIELDS)
+
+
+def _sampling_fields(
+    params: Mapping[str, Any], requested: int | None, prompt_len: int, limit: int | None
 ) -> dict[str, Any]:
-    """The generation's options: render's sampling parameters (the server's defaults
-    and the request's own), logprobs of every sampled token, and ``max_tokens`` for the
-    session's prompt (which is not the length render saw)."""
     out = {k: v for k, v in params.items() if v is not None and k not in _NOT_SENT}
     top = params.get("logprobs")
     out["logprobs"] = int(top) if isinstance(top, int) and top > 0 else 0

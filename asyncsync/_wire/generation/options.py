@@ -1,6 +1,6 @@
-"""Generation options: the public option types, their validation into a
-`GenerationRequest` (what to sample) and `SendOptions` (how to send and route it), and
-the prompt checks.
+"""Generation options: a call's `Sampling` (``sampling=`` or the flat keywords) and its
+keywords checked into a `GenerationRequest` (what to sample) and `SendOptions` (how to
+send and route it), and the prompt checks.
 
 Pure functions and small records, no I/O. The two routes a generation can take
 (`GENERATE_ROUTE`, `COMPLETIONS_ROUTE`) are described in
@@ -11,28 +11,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple
 
 from asyncsync._core.types import Route
+from asyncsync._wire.generation.sampling import (
+    DEFAULT_SAMPLING,
+    FIELDS,
+    Sampling,
+    unknown_keyword,
+)
 
 __all__ = [
     "COMPLETIONS_ROUTE",
     "GENERATE_ROUTE",
     "INT_ONLY",
     "ROUTES",
-    "GenerateOptions",
     "GenerationRequest",
-    "RequestOptions",
-    "RoutedGenerateOptions",
-    "RoutedOptions",
-    "SamplingOptions",
     "SendOptions",
     "Tokenizer",
     "check_model_size",
     "check_prompt",
     "check_prompts",
+    "generation_request",
     "refuse_n",
-    "split_options",
+    "resolve_sampling",
+    "send_options",
 ]
 
 GENERATE_ROUTE = "/inference/v1/generate"
@@ -48,93 +51,28 @@ Tokenizer = Any
 
 
 # ------------------------------------------------------------------------ options
-class SamplingOptions(TypedDict, total=False):
-    """What to sample: vLLM's sampling parameters, plus ``cache_salt`` and ``model``.
-
-    Defaults: ``max_tokens=16``, ``temperature=1.0``; everything else is vLLM's default
-    when not given. ``logprobs=k`` returns the sampled token's logprob and the top-k
-    candidates by id (``k = 0``: only the sampled one). Any other vLLM sampling
-    parameter passed as a keyword goes to vLLM unchanged.
-    """
-
-    max_tokens: int | None
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    min_p: float | None
-    logprobs: int | None
-    stop_token_ids: Sequence[int] | None
-    seed: int | None
-    ignore_eos: bool
-    min_tokens: int
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    stop: str | Sequence[str] | None
-    include_stop_str_in_output: bool
-    skip_special_tokens: bool
-    spaces_between_special_tokens: bool
-    logit_bias: Mapping[int, float] | None
-    allowed_token_ids: Sequence[int] | None
-    bad_words: Sequence[str] | None
-    truncate_prompt_tokens: int | None
-    extra_args: Mapping[str, Any] | None
-    cache_salt: str | None
-    model: str | None
-
-
-class RequestOptions(SamplingOptions, total=False):
-    """How a generation is sent: a per-call ``timeout`` (the generate deadline), the
-    ``route`` (``"auto"``, ``"generate"``, ``"completions"``) and the ``tokenizer`` of the
-    re-tokenize fallback for servers that return no token ids."""
-
-    timeout: float | None
-    route: Route
-    tokenizer: Tokenizer | None
-
-
-class GenerateOptions(RequestOptions, total=False):
-    """`RequestOptions` plus the server-side ``request_id`` of one request."""
-
-    request_id: str | None
-
-
-class RoutedOptions(RequestOptions, total=False):
-    """`RequestOptions` plus routing across a fleet: only servers holding
-    ``min_version`` or newer, how long to wait for an eligible server
-    (``admission_timeout``), and ``lora``: generate with that LoRA adapter (published with
-    ``AsyncWeightPublisher.publish_lora``), on a server holding one of its versions within
-    the fleet's staleness bound (its newest there)."""
-
-    min_version: str | None
-    admission_timeout: float | None
-    lora: str | None
-
-
-class RoutedGenerateOptions(RoutedOptions, total=False):
-    """`RoutedOptions` plus ``request_id`` and ``session_id`` (session affinity:
-    every turn of a session on one server, for its prefix cache)."""
-
-    request_id: str | None
-    session_id: str | None
-
-
-#: Fields of `GenerationRequest` taken from the options by name.
+#: `GenerationRequest`'s own sampling fields; the other fields of `Sampling` go in its
+#: ``extra``.
 _REQUEST_FIELDS = frozenset(
     {"max_tokens", "temperature", "top_p", "top_k", "logprobs", "stop_token_ids", "seed",
-     "cache_salt", "request_id", "model"}
+     "cache_salt", "extra_params"}
 )  # fmt: skip
-#: Options that say how a request is sent (and, on a fleet, routed), not what it samples.
-_SEND_KEYS = frozenset({"timeout", "route", "tokenizer"})
-_ROUTING_KEYS = frozenset({"session_id", "min_version", "admission_timeout", "lora"})
-_NOT_SAMPLING = _REQUEST_FIELDS | _SEND_KEYS | _ROUTING_KEYS
-_RESERVED = frozenset({"token_ids", "prompt", "stream", "sampling_params", "n"})
+_EXTRA_FIELDS = tuple(name for name in FIELDS if name not in _REQUEST_FIELDS)
+_FIELD_SET = frozenset(FIELDS)
+#: Keywords of the generation methods beside the sampling fields: a misspelt one is
+#: named in the error too.
+_KEYWORDS = frozenset(
+    {"sampling", "n", "request_id", "model", "timeout", "route", "tokenizer", "session_id",
+     "session_ids", "min_version", "admission_timeout", "lora"}
+)  # fmt: skip
+#: The routing keywords of a fleet's generation methods, which a client lacks.
+_ROUTING_KEYS = frozenset({"session_id", "session_ids", "min_version", "admission_timeout", "lora"})
 _NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
 
 
 class GenerationRequest(NamedTuple):
     """What to generate, independent of the prompt and the route. Immutable; built and
-    validated by `split_options` (a named tuple: built on every call, and a
+    validated by `generation_request` (a named tuple: built on every call, and a
     tuple is the cheapest immutable record to build)."""
 
     n: int = 1
@@ -178,7 +116,7 @@ class GenerationRequest(NamedTuple):
 
 
 class SendOptions(NamedTuple):
-    """How a generation is sent and routed (see `RoutedGenerateOptions`)."""
+    """How a generation is sent and routed (the keywords of `Fleet.generate`)."""
 
     timeout: float | None = None
     route: Route = "auto"
@@ -202,52 +140,86 @@ def refuse_n(options: Mapping[str, Any], owner: str) -> None:
         )
 
 
-def split_options(
-    options: Mapping[str, Any], *, n: int = 1, routed: bool = False, where: str = "generate"
-) -> tuple[GenerationRequest, SendOptions]:
-    """The validated request and send options in one ``**options`` of the public API.
-
-    ``routed``: the caller is a fleet (routing options allowed); on a single client they
-    are a TypeError naming what to use instead.
-    """
-    get = options.get
-    send = _DEFAULT_SEND
-    if not (_SEND_KEYS.isdisjoint(options) and _ROUTING_KEYS.isdisjoint(options)):
-        if not routed and not _ROUTING_KEYS.isdisjoint(options):
-            misplaced = ", ".join(sorted(_ROUTING_KEYS.intersection(options)))
+def resolve_sampling(
+    sampling: Sampling | None, fields: Mapping[str, Any], *, where: str, routed: bool = False
+) -> Sampling:
+    """The `Sampling` of one call: ``sampling=`` or the flat keywords ``fields`` (one or
+    the other, never a field in both), checked. An unknown keyword is a TypeError naming
+    the nearest valid name; a routing keyword on a client's method (``routed`` False)
+    names `Fleet.generate` instead."""
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise TypeError(f"{where}() sampling must be an asyncsync.Sampling, got {sampling!r}")
+    if not fields:
+        return DEFAULT_SAMPLING if sampling is None else sampling
+    if not _FIELD_SET.issuperset(fields):
+        unknown = sorted(set(fields) - _FIELD_SET)
+        misplaced = ", ".join(k for k in unknown if k in _ROUTING_KEYS)
+        if misplaced and not routed:
             raise TypeError(
                 f"{where}() got {misplaced}: routing options belong to Fleet.generate, not "
                 "to a single server's client"
             )
-        send = SendOptions(
-            get("timeout"), get("route", "auto"), get("tokenizer"), get("min_version"),
-            get("admission_timeout"), get("session_id"), get("lora"),
-        )  # fmt: skip
-        if send.route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, got {send.route!r}")
-        if send.lora is not None and (not isinstance(send.lora, str) or not send.lora):
-            raise ValueError(f"lora must be an adapter name (a non-empty str), got {send.lora!r}")
-    max_tokens, logprobs, stop = get("max_tokens", 16), get("logprobs"), get("stop_token_ids")
+        raise unknown_keyword(unknown[0], _FIELD_SET | _KEYWORDS, where)
+    if sampling is not None:
+        both = ", ".join(name for name in FIELDS if name in fields)
+        raise TypeError(
+            f"{where}() got {both} both in sampling= and as a keyword; give it once "
+            f"(sampling.replace({next(iter(fields))}=...))"
+        )
+    return Sampling(**fields)
+
+
+def generation_request(
+    sampling: Sampling, *, n: int = 1, request_id: str | None = None, model: str | None = None
+) -> GenerationRequest:
+    """The request to send for ``sampling``, ``n`` samples, the server-side
+    ``request_id`` and the served ``model`` name (checked)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
-    if max_tokens is not None and (
-        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-    ):
-        raise ValueError(f"max_tokens must be an int >= 1 or None, got {max_tokens!r}")
-    if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
-        raise ValueError(f"logprobs must be an int >= 0 or None, got {logprobs!r}")
-    extra = _NO_EXTRA
-    if not _NOT_SAMPLING.issuperset(options):
-        extra = {k: v for k, v in options.items() if k not in _NOT_SAMPLING}
-        reserved = _RESERVED.intersection(extra)
-        if reserved:
-            raise ValueError(f"{sorted(reserved)[0]!r} cannot be passed as a sampling parameter")
-    request = GenerationRequest(
-        n, max_tokens, get("temperature", 1.0), get("top_p"), get("top_k"), logprobs,
-        None if stop is None else tuple(int(t) for t in stop), get("seed"),
-        get("cache_salt"), get("request_id"), get("model"), extra,
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise ValueError(f"request_id must be a non-empty str or None, got {request_id!r}")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ValueError(f"model must be a served model name (a non-empty str), got {model!r}")
+    extra: Mapping[str, Any] = _NO_EXTRA
+    given = {k: _plain(v) for k in _EXTRA_FIELDS if (v := getattr(sampling, k)) is not None}
+    if given or sampling.extra_params:
+        extra = {**given, **(sampling.extra_params or {})}
+    s = sampling
+    return GenerationRequest(
+        n, s.max_tokens, s.temperature, s.top_p, s.top_k, s.logprobs,
+        None if s.stop_token_ids is None else tuple(s.stop_token_ids), s.seed,
+        s.cache_salt, request_id, model, extra,
     )  # fmt: skip
-    return request, send
+
+
+def _plain(value: Any) -> Any:
+    """A stored field as JSON writes it (a read-only mapping as a dict)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def send_options(
+    *,
+    timeout: float | None = None,
+    route: Route = "auto",
+    tokenizer: Tokenizer | None = None,
+    min_version: str | None = None,
+    admission_timeout: float | None = None,
+    session_id: str | None = None,
+    lora: str | None = None,
+) -> SendOptions:
+    """How a generation is sent and routed, checked (``route``, ``lora``)."""
+    send = SendOptions(timeout, route, tokenizer, min_version, admission_timeout, session_id, lora)
+    if send == _DEFAULT_SEND:
+        return _DEFAULT_SEND
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        raise ValueError(f"lora must be an adapter name (a non-empty str), got {lora!r}")
+    return send
 
 
 # ------------------------------------------------------------------------ prompts
