@@ -341,7 +341,7 @@ class Fleet:
         if url not in self._members:
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
-        record = client.endpoint.record
+        record = client._endpoint.record
         if owned and record.outstanding > 0:
             self._retiring.add(client)
             task = asyncio.get_running_loop().create_task(
@@ -351,11 +351,11 @@ class Fleet:
             task.add_done_callback(self._background.discard)
         elif owned:
             await client.aclose()
-        return client.endpoint.ledger.snapshot_of(record)
+        return client._endpoint.ledger.snapshot_of(record)
 
     async def _close_when_idle(self, client: AsyncVLLMClient) -> None:
         """Close a removed server's client once the requests admitted there are done."""
-        record = client.endpoint.record
+        record = client._endpoint.record
         await self.ledger.wait_until(lambda: record.outstanding == 0, None)
         self._retiring.discard(client)
         await client.aclose()

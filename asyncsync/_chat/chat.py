@@ -472,7 +472,7 @@ class ChatSession:
         state = self._chat.of(url)
         if state.models is None:
             call = plan_models()
-            state.models = await self.fleet.client(url).endpoint.request(call, None)
+            state.models = await self.fleet.client(url)._endpoint.request(call, None)
         return state.models
 
     async def _limit(self, url: str) -> int | None:
@@ -876,7 +876,7 @@ class ChatSession:
         async with self.fleet.admitted(session_id=self.session_id) as client:
             url = client.base_url
             admitted, started = client.weight_version, time.monotonic()
-            answer = await client.endpoint.request(plan_chat(), _json.dumps(body))
+            answer = await client._endpoint.request(plan_chat(), _json.dumps(body))
             completed = client.weight_version
         choice = answer.response["choices"][0]
         completion = Completion(
