@@ -104,7 +104,9 @@ class AsyncVLLMClient:
         if vllm_version is not None:
             ledger.learned(record, vllm_version, protocol_for_version(vllm_version, server=url))
         self._transport = Transport(session=session, owner=_owner)
-        self.endpoint = Endpoint(
+        # The server's HTTP endpoint, which sends planned calls; the fleet, the chat
+        # layer and the generation engine share it (private: its types are).
+        self._endpoint = Endpoint(
             url,
             self._transport,
             ledger=ledger,
@@ -113,7 +115,6 @@ class AsyncVLLMClient:
             timeouts=timeouts,
             retry=retry if retry is not None else NO_RETRY,
         )
-        """The server's HTTP endpoint (advanced: sends planned calls)."""
         self.vocab_size: int | None = check_model_size(vocab_size)
         """When set, prompts with a token id outside ``[0, vocab_size)`` are refused with
         a ValueError naming the position, before anything is sent (vLLM's engine fails
@@ -130,16 +131,17 @@ class AsyncVLLMClient:
         # vocab_size / max_model_len were not given, and the checkpoint a publish checks
         # its weights against (asyncsync._generation.served).
         self._served = ServedLookup(
-            self.endpoint, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+            self._endpoint, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        self.generator = GenerationEngine(self.endpoint, self._served)
-        """Token-in-token-out on this server (advanced; use `generate`)."""
+        # Token-in-token-out on this server: what `generate`, `stream` and `score` call,
+        # and what a fleet's dispatcher picks among its members'.
+        self._generator = GenerationEngine(self._endpoint, self._served)
 
     # ------------------------------------------------------------------ lifecycle
     @property
     def base_url(self) -> str:
         """The server's base URL (no trailing slash)."""
-        return self.endpoint.url
+        return self._endpoint.url
 
     @property
     def state(self) -> Literal["unopened", "open", "closed"]:
@@ -153,27 +155,27 @@ class AsyncVLLMClient:
 
     @property
     def timeouts(self) -> Timeouts:
-        return self.endpoint.timeouts
+        return self._endpoint.timeouts
 
     @property
     def retry(self) -> RetryPolicy:
-        return self.endpoint.retry
+        return self._endpoint.retry
 
     @property
     def server_state(self) -> ServerState:
         """What is known about the server: a snapshot (a fleet holding this client
         keeps its record in the fleet's ledger; read it again for news)."""
-        return self.endpoint.ledger.snapshot_of(self.endpoint.record)
+        return self._endpoint.ledger.snapshot_of(self._endpoint.record)
 
     @property
     def weight_version(self) -> str | None:
         """The last weight version finished or set on the server through asyncsync
         (vLLM 0.23 servers do not store versions: this is their only record)."""
-        return self.endpoint.record.weight_version
+        return self._endpoint.record.weight_version
 
     @weight_version.setter
     def weight_version(self, version: str | None) -> None:
-        self.endpoint.ledger.version_recorded(self.endpoint.record, version)
+        self._endpoint.ledger.version_recorded(self._endpoint.record, version)
 
     def __repr__(self) -> str:
         return f"AsyncVLLMClient({self.base_url!r}, state={self.state})"
@@ -197,20 +199,20 @@ class AsyncVLLMClient:
         await self._transport.aclose()
 
     async def _run(self, call: Call[T]) -> T:
-        return await self.endpoint.request(call, call.encode())
+        return await self._endpoint.request(call, call.encode())
 
     async def vllm_version(self, *, refresh: bool = False) -> str:
         """The server's vLLM version (``GET /version``): read once and cached, or read
         now with ``refresh=True``. (The weights' version is `weight_version`.)"""
         if refresh:
             return await self._run(wire.plan_version())
-        return await self.endpoint.vllm_version()
+        return await self._endpoint.vllm_version()
 
     async def protocol(self) -> ProtocolGeneration:
         """The RL protocol generation the server speaks (``"0.23"`` or ``"0.32"``)."""
-        record = self.endpoint.record
+        record = self._endpoint.record
         if record.protocol is None:
-            await self.endpoint.vllm_version()
+            await self._endpoint.vllm_version()
         assert record.protocol is not None
         return record.protocol
 
@@ -253,7 +255,7 @@ class AsyncVLLMClient:
     @routes.UPDATE_WEIGHT_VERSION.describes
     async def update_weight_version(self, new_version: str) -> None:
         await self._route(routes.UPDATE_WEIGHT_VERSION, new_version)
-        self.endpoint.ledger.version_recorded(self.endpoint.record, new_version)
+        self._endpoint.ledger.version_recorded(self._endpoint.record, new_version)
 
     @routes.WEIGHT_CHECKSUMS.describes
     async def weight_checksums(self) -> dict[str, str]:
@@ -298,7 +300,7 @@ class AsyncVLLMClient:
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self._route(routes.FINISH_WEIGHT_UPDATE, weight_version)
         if weight_version is not None:
-            self.endpoint.ledger.version_recorded(self.endpoint.record, weight_version)
+            self._endpoint.ledger.version_recorded(self._endpoint.record, weight_version)
 
     @routes.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.describes
     async def shutdown_weight_transfer_engine(self) -> None:
@@ -372,7 +374,7 @@ class AsyncVLLMClient:
         chosen = resolve_sampling(sampling, fields, where=where)
         req = generation_request(chosen, n=n, request_id=request_id, model=model)
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        out = await self.generator.generate(prompt, req, send)
+        out = await self._generator.generate(prompt, req, send)
         _hooks.generated(out)
         return out
 
@@ -396,7 +398,7 @@ class AsyncVLLMClient:
         req = generation_request(chosen, n=n, model=model)
         send = send_options(timeout=timeout, route=route, tokenizer=tokenizer)
         checked = check_prompts(prompts, self.vocab_size, self.max_model_len)
-        out = await run_all([self.generator.generate(p, req, send) for p in checked])
+        out = await run_all([self._generator.generate(p, req, send) for p in checked])
         _hooks.generated(c for per_prompt in out for c in per_prompt)
         return out
 
@@ -420,7 +422,7 @@ class AsyncVLLMClient:
         req = generation_request(chosen, n=n, request_id=request_id, model=model)
         send = send_options(timeout=timeout, route=route, tokenizer=tokenizer)
         prompt = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        return CompletionStream(OneServer(self.generator), prompt, req, send)
+        return CompletionStream(OneServer(self._generator), prompt, req, send)
 
     async def score(
         self,
@@ -435,4 +437,4 @@ class AsyncVLLMClient:
         log p(token_ids[i] | token_ids[:i]). For distillation and KL terms."""
         send = send_options(timeout=timeout, route=route)
         ids = check_prompt(token_ids, self.vocab_size, self.max_model_len)
-        return await self.generator.score(ids, top_k, send)
+        return await self._generator.score(ids, top_k, send)

@@ -14,7 +14,15 @@ import asyncio
 import contextlib
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, Unpack
 
@@ -39,7 +47,7 @@ from asyncsync._fleet import watch as _watch
 from asyncsync._fleet.control import FleetControl
 from asyncsync._fleet.dispatch import Dispatcher, RoutingPolicy
 from asyncsync._fleet.fanout import Plan
-from asyncsync._fleet.hosts import given_hosts, members_of, resolve_hosts
+from asyncsync._fleet.hosts import actor_handles, given_hosts, is_group, members_of, resolve_hosts
 from asyncsync._fleet.members import Members
 from asyncsync._fleet.monitor import Monitor
 from asyncsync._fleet.router import RouterDispatcher
@@ -212,19 +220,16 @@ class Fleet:
             self.ledger.host_known(url, host)
 
     @classmethod
-    async def from_ray(
-        cls,
-        servers: Any,
-        *,
-        timeout: float = 60.0,  # noqa: ASYNC109 - a deadline for the actors' answers
-        **options: Any,
-    ) -> Fleet:
-        """A fleet (not yet opened) over servers launched on Ray: a
-        `asyncsync.ray.ServerGroup`, or the handles of its server actors (each asked
-        for its URL and host identity, within ``timeout`` seconds). ``options`` are
-        `Fleet`'s. ``async with await Fleet.from_ray(group) as fleet: ...``"""
-        urls, hosts = await members_of(servers, timeout)
-        return cls(urls, hosts=hosts, **options)
+    def from_ray(
+        cls, servers: Any, *, timeout: float = 60.0, **options: Any
+    ) -> contextlib.AbstractAsyncContextManager[Fleet]:
+        """A fleet over servers launched on Ray: a `asyncsync.ray.ServerGroup`, or the
+        handles of its server actors (each asked for its URL and host identity, within
+        ``timeout`` seconds, when the context is entered). ``options`` are `Fleet`'s.
+        ``async with Fleet.from_ray(group) as fleet: ...`` opens the fleet and closes it
+        on exit. ``await Fleet.from_ray(...)`` (an unopened fleet) is deprecated."""
+        servers = servers if is_group(servers) else actor_handles(servers)
+        return _FromRay(cls, servers, timeout, options)
 
     def _dispatcher(self, router_url: str | None) -> Dispatcher:
         """Routing by the fleet itself, or through a router (`router_url`)."""
@@ -341,7 +346,7 @@ class Fleet:
         if url not in self._members:
             raise KeyError(f"server {url} is not in the fleet")
         client, owned = self._members.remove(url)
-        record = client.endpoint.record
+        record = client._endpoint.record
         if owned and record.outstanding > 0:
             self._retiring.add(client)
             task = asyncio.get_running_loop().create_task(
@@ -351,11 +356,11 @@ class Fleet:
             task.add_done_callback(self._background.discard)
         elif owned:
             await client.aclose()
-        return client.endpoint.ledger.snapshot_of(record)
+        return client._endpoint.ledger.snapshot_of(record)
 
     async def _close_when_idle(self, client: AsyncVLLMClient) -> None:
         """Close a removed server's client once the requests admitted there are done."""
-        record = client.endpoint.record
+        record = client._endpoint.record
         await self.ledger.wait_until(lambda: record.outstanding == 0, None)
         self._retiring.discard(client)
         await client.aclose()
@@ -1007,6 +1012,45 @@ class Fleet:
             timeout=timeout, route=route, tokenizer=tokenizer, min_version=min_version,
             admission_timeout=admission_timeout, session_id=session_id, lora=lora,
         )  # fmt: skip
+
+
+class _FromRay(contextlib.AbstractAsyncContextManager[Fleet]):
+    """What `Fleet.from_ray` returns: entered, it asks the actors and opens the fleet over
+    them (closed on exit); awaited (deprecated), it is that fleet unopened."""
+
+    def __init__(
+        self, cls: type[Fleet], servers: Any, timeout: float, options: dict[str, Any]
+    ) -> None:
+        self._cls, self._servers, self._timeout, self._options = cls, servers, timeout, options
+        self._fleet: Fleet | None = None
+
+    async def _build(self) -> Fleet:
+        urls, hosts = await members_of(self._servers, self._timeout)
+        return self._cls(urls, hosts=hosts, **self._options)
+
+    def __await__(self) -> Generator[Any, None, Fleet]:
+        warn_deprecated(
+            "await Fleet.from_ray(...)",
+            "async with Fleet.from_ray(...) as fleet (it opens and closes the fleet)",
+            stacklevel=2,
+        )
+        return self._build().__await__()
+
+    async def __aenter__(self) -> Fleet:
+        if self._fleet is not None:
+            raise RuntimeError("a Fleet.from_ray(...) context can be entered once")
+        fleet = await self._build()
+        self._fleet = await fleet.__aenter__()
+        return self._fleet
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._fleet is not None:
+            await self._fleet.__aexit__(exc_type, exc, tb)
 
 
 def _check_staleness(value: object) -> None:

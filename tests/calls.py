@@ -78,7 +78,7 @@ def recording(clients: Iterable[az.AsyncVLLMClient]) -> Iterator[CallLog]:
     """Record every send of ``clients`` (e.g. ``fleet.client(url) for url in fleet.urls``)
     while the block runs: one `Sent` per try, as it ends."""
     log = CallLog()
-    endpoints = [client.endpoint for client in clients]
+    endpoints = [client._endpoint for client in clients]
     for endpoint in endpoints:
         endpoint._send_once = _recorded(endpoint, endpoint._send_once, log)  # type: ignore[method-assign]
     try:

@@ -297,8 +297,6 @@ PAIRS = [
 NOT_MIRRORED = {
     "aclose": "close() instead",
     "session": "an aiohttp session belongs to one loop; the facade's objects live on the portal's",
-    "endpoint": "the client's transport, used on the loop only",
-    "generator": "the client's generation engine, used on the loop only",
     "openai": "an openai.AsyncOpenAI: its requests run on the caller's own loop",
     "admitted": "an async context manager of a client, used on the loop (the chat layer)",
     "ledger": "the fleet's record, written on the loop only: read state() and servers",

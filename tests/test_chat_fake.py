@@ -11,6 +11,7 @@ tests/test_chat_vllm.py; these are the fast ones.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ import pytest
 import pytest_asyncio
 
 import asyncsync as az
+from asyncsync._wire.chat import CHAT_NOOP_FIELDS, CHAT_PASSED_FIELDS
 from asyncsync.testing import FakeVLLMServer, scripted, tool_call
 from asyncsync.testing._fake._chatlm import (
     CHAT_GREEDY_PROB,
@@ -758,3 +760,43 @@ def _content(line: bytes, api: str) -> str | None:
             else None
         )
     return event.get("delta") if event.get("type") == "response.output_text.delta" else None
+
+
+# ------------------------------------------------------- create's typed keywords
+def test_create_takes_exactly_the_served_chat_fields_as_keywords() -> None:
+    """`ChatSession.create`'s keywords are the fields the wire serves (passed on, or
+    accepted and recorded), each None by default (left out of the request)."""
+    params = inspect.signature(az.ChatSession.create).parameters
+    keywords = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    served = CHAT_PASSED_FIELDS | CHAT_NOOP_FIELDS
+    assert keywords == served | {"tools", "model", "n", "modalities", "stream_options"}
+    assert all(params[k].default is None for k in keywords)
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("keyword", ["temprature", "echo", "stream", "functions"])
+async def test_create_refuses_a_keyword_that_is_no_served_field(
+    fleet: az.Fleet, keyword: str
+) -> None:
+    session = az.ChatSession(fleet)
+    with pytest.raises(TypeError, match=keyword):
+        await session.create([{"role": "user", "content": QUESTION}], **{keyword: 1})
+    assert session.trajectories() == []
+
+
+@pytest.mark.asyncio
+async def test_create_passes_the_given_fields_to_the_render(
+    fake: FakeVLLMServer, fleet: az.Fleet
+) -> None:
+    session = az.ChatSession(fleet)
+    await session.create(
+        [{"role": "user", "content": QUESTION}], tools=[CHAT_TOOL], temperature=0, top_k=5,
+        chat_template_kwargs={"enable_thinking": False}, user="u-1",
+    )  # fmt: skip
+    sent = json.loads(fake.requests_to("/v1/chat/completions/render")[-1].body)
+    assert sent["temperature"] == 0
+    assert sent["top_k"] == 5
+    assert sent["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "user" not in sent  # accepted and recorded: it changes nothing for a session
+    assert "top_p" not in sent  # None: left out

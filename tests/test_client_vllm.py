@@ -98,7 +98,7 @@ async def test_validation_error_body_is_parsed(vllm_fleet: Any) -> None:
             "pause", "POST", "/pause", "control", lambda _d: None, "{}", params=(("mode", "up"),)
         )
         with pytest.raises(az.ServerError) as info:
-            await client.endpoint.request(call, call.encode())
+            await client._endpoint.request(call, call.encode())
     assert info.value.status == 400
     assert info.value.message.startswith("Bad Request: 1 validation error")
     assert info.value.message.endswith("(param query.mode)")

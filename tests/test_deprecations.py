@@ -60,6 +60,24 @@ def test_timeouts_none_means_the_defaults() -> None:
         az.Fleet(["http://127.0.0.1:1"], timeouts=None)  # type: ignore[arg-type]
 
 
+class _Group:
+    """What `Fleet.from_ray` reads of an `asyncsync.ray.ServerGroup`."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls, self.hosts = urls, ["here"] * len(urls)
+
+
+@pytest.mark.asyncio
+async def test_awaiting_from_ray_is_the_unopened_fleet(fake: FakeVLLMServer) -> None:
+    with pytest.warns(DeprecationWarning, match=r"await Fleet\.from_ray.*async with Fleet"):
+        fleet = await az.Fleet.from_ray(_Group([fake.url]))  # type: ignore[misc]
+    assert isinstance(fleet, az.Fleet)
+    assert "state=unopened" in repr(fleet)
+    async with fleet:
+        assert fleet.urls == (fake.url,)
+        assert fleet.state(fake.url).host == "here"
+
+
 @pytest.mark.asyncio
 async def test_mark_dirty_with_dirty_false_is_mark_clean(fake: FakeVLLMServer) -> None:
     async with az.Fleet([fake.url]) as fleet:

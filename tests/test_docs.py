@@ -493,3 +493,35 @@ def test_site_reference_pages_render_markdown_and_wrap_signatures(page: str) -> 
         if len(line) > SIGNATURE_LINE_LIMIT
     ]
     assert not long, f"signatures rendered on one long line: {long}"
+
+
+def _planned_calls() -> Iterator[tuple[str, bool]]:
+    """``(path, idempotent)`` of every ``Call(...)`` asyncsync's source writes with a
+    literal path, and of every control route of the table."""
+    from asyncsync._wire.routes import ROUTES
+
+    for route in ROUTES.values():
+        yield route.path, route.retry == "idempotent"
+    for path in (ROOT / "asyncsync").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Call"):
+                continue
+            if len(node.args) < 3 or not isinstance(node.args[2], ast.Constant):
+                continue
+            idempotent = any(
+                k.arg == "idempotent" and isinstance(k.value, ast.Constant) and k.value.value
+                for k in node.keywords
+            )
+            yield str(node.args[2].value), idempotent
+
+
+def test_client_md_lists_exactly_the_retried_routes() -> None:
+    """docs/client.md's list of retried calls is every idempotent route, and only those."""
+    text = (ROOT / "docs" / "client.md").read_text()
+    listed = text.split("Only idempotent calls are retried:", 1)[1].split("is sent exactly once")[0]
+    named = set(re.findall(r"`(/[^`\s]*)`", listed))
+    calls = list(_planned_calls())
+    idempotent = {path for path, retried in calls if retried}
+    assert {"/health", "/v1/models", "/server_info"} <= idempotent  # the walk sees them
+    assert named == idempotent
+    assert not named & {path for path, retried in calls if not retried}

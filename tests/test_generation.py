@@ -407,7 +407,7 @@ async def test_http_errors_keep_their_type(fake32: FakeVLLMServer) -> None:
             "generate", "POST", GENERATE_ROUTE, "generate", lambda _d: None, "a completion"
         )
         with pytest.raises(az.ServerError, match="too_short") as info:
-            await client.endpoint.request(  # an empty prompt, which the client itself refuses
+            await client._endpoint.request(  # an empty prompt, which the client itself refuses
                 raw, b'{"token_ids": [], "sampling_params": {}}'
             )
         assert info.value.status == 400

@@ -191,7 +191,7 @@ async def test_the_api_key_is_not_in_reprs_or_errors(fakes: list[FakeVLLMServer]
         with pytest.raises(az.ServerError) as info:
             await client.health()
         assert SECRET not in repr(client)
-        assert SECRET not in repr(client.endpoint.record)
+        assert SECRET not in repr(client._endpoint.record)
         assert SECRET not in str(info.value)
         assert SECRET not in repr(info.value)
     assert fakes[0].requests[0].headers["Authorization"] == f"Bearer {SECRET}"

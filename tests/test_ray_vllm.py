@@ -148,9 +148,9 @@ async def test_servers_spread_over_two_nodes_on_one_host(servers: Servers) -> No
     assert len(set(group.nodes)) == 2  # STRICT_SPREAD: one per logical node
     assert group.hosts == (this_host(), this_host())  # one machine: one host
     assert sorted(i["cpu_cores"] for i in group.infos) == ["0", "1"]  # a core each
-    fleet = await az.Fleet.from_ray(group.actors)  # the handles alone say the same
-    assert fleet.urls == group.urls
-    assert [fleet.state(u).host for u in fleet.urls] == list(group.hosts)
+    async with az.Fleet.from_ray(group.actors) as fleet:  # the handles alone say the same
+        assert fleet.urls == group.urls
+        assert [fleet.state(u).host for u in fleet.urls] == list(group.hosts)
 
 
 async def test_auto_picks_shm_on_this_host_and_is_exact(

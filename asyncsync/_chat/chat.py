@@ -192,6 +192,10 @@ def new_reply_id(api: Api) -> str:
     return {"chat": "chatcmpl-", "responses": "resp_", "anthropic": "msg_"}[api] + token
 
 
+#: The parameters of `ChatSession.create` that are no request field.
+_NOT_FIELDS = frozenset({"self", "messages", "tools"})
+
+
 class ChatSession:
     """A multi-turn chat rollout over a fleet, kept as exact token ids, in any of three
     dialects.
@@ -333,24 +337,92 @@ class ChatSession:
         messages: Sequence[Mapping[str, Any]],
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        **options: Any,
+        model: str | None = None,
+        n: int | None = None,
+        # OpenAI's sampling and output fields
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        max_completion_tokens: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        logit_bias: Mapping[str, float] | None = None,
+        logprobs: bool | None = None,
+        top_logprobs: int | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+        response_format: Mapping[str, Any] | None = None,
+        reasoning_effort: str | None = None,
+        modalities: Sequence[str] | None = None,
+        stream_options: Mapping[str, Any] | None = None,
+        # vLLM's own fields
+        top_k: int | None = None,
+        min_p: float | None = None,
+        min_tokens: int | None = None,
+        repetition_penalty: float | None = None,
+        length_penalty: float | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool | None = None,
+        bad_words: Sequence[str] | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
+        logprob_token_ids: Sequence[int] | None = None,
+        structured_outputs: Mapping[str, Any] | None = None,
+        thinking_token_budget: int | None = None,
+        include_reasoning: bool | None = None,
+        include_stop_str_in_output: bool | None = None,
+        skip_special_tokens: bool | None = None,
+        spaces_between_special_tokens: bool | None = None,
+        add_special_tokens: bool | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        vllm_xargs: Mapping[str, Any] | None = None,
+        watermarking: Any = None,
+        repetition_detection: Any = None,
+        media_io_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+        mm_payload: Any = None,
+        return_mm_kwargs: bool | None = None,
+        # accepted and recorded; they change nothing for a session (docs/agents.md)
+        user: str | None = None,
+        metadata: Mapping[str, str] | None = None,
+        store: bool | None = None,
+        service_tier: str | None = None,
+        prompt_cache_key: str | None = None,
+        safety_identifier: str | None = None,
+        prompt_cache_retention: str | None = None,
+        verbosity: str | None = None,
+        return_token_ids: bool | None = None,
+        return_tokens_as_token_ids: bool | None = None,
+        request_id: str | None = None,
+        session_id: str | None = None,
+        stream_interval: int | None = None,
+        return_prompt_text: bool | None = None,
+        return_token_offsets: bool | None = None,
     ) -> ChatReply:
         """One OpenAI chat turn: the whole conversation so far in (the assistant's
         earlier turns as they came back), a `ChatReply` out.
 
-        ``options`` are OpenAI chat-completion fields (``temperature``, ``max_tokens``,
-        ``top_p``, ``seed``, ``stop``, ``tool_choice``, ``logprobs``/``top_logprobs``,
-        ``model``...) and vLLM's extra ones (``top_k``, ``chat_template_kwargs``...),
-        passed to the server's render as they are; ``n`` must be 1 (docs/agents.md lists
-        every field).
+        The keywords are the OpenAI chat-completion fields a session serves and vLLM's
+        own ones, passed to the server's render as they are; None (the default) leaves a
+        field out. ``n`` must be 1; ``tools`` defaults to the session's. docs/agents.md
+        lists every field and what a session does with it. A keyword that is no served
+        field (an unknown one, or one a session refuses, such as ``echo``) is a
+        TypeError naming it; to stream, use `stream`.
 
-        Raises `ChatRequestError` (naming the field) for a bad request,
+        Raises `ChatRequestError` (naming the field) for a bad value,
         `UnstablePrefixError` with ``on_unstable="raise"``, and the fleet's errors
         (`GenerationError`, `ServerError`...) when a server fails; a failed turn records
         nothing."""
+        # Every keyword of this signature is a request field (tests/test_chat.py pins the
+        # set to the wire's tables): those given, taken before any other local exists.
+        given = {k: v for k, v in locals().items() if k not in _NOT_FIELDS and v is not None}
         turn_tools = [dict(t) for t in tools] if tools is not None else self.tools
-        body: dict[str, Any] = {**options, "messages": list(messages)}
-        body.pop("stream", None)
+        body: dict[str, Any] = {**given, "messages": list(messages)}
         if turn_tools is not None:
             body["tools"] = turn_tools
         return await self.run(chat_turn(body))
@@ -473,7 +545,7 @@ class ChatSession:
         state = self._chat.of(url)
         if state.models is None:
             call = plan_models()
-            state.models = await self.fleet.client(url).endpoint.request(call, None)
+            state.models = await self.fleet.client(url)._endpoint.request(call, None)
         return state.models
 
     async def _limit(self, url: str) -> int | None:
@@ -877,7 +949,7 @@ class ChatSession:
         async with self.fleet.admitted(session_id=self.session_id) as client:
             url = client.base_url
             admitted, started = client.weight_version, time.monotonic()
-            answer = await client.endpoint.request(plan_chat(), _json.dumps(body))
+            answer = await client._endpoint.request(plan_chat(), _json.dumps(body))
             completed = client.weight_version
         choice = answer.response["choices"][0]
         completion = Completion(

@@ -108,7 +108,7 @@ class ServerRendering:
 
     def __init__(self, fleet: Fleet, url: str) -> None:
         self.url = url
-        self._endpoint = fleet.client(url).endpoint
+        self._endpoint = fleet.client(url)._endpoint
 
     async def render(self, route: str, body: Mapping[str, Any]) -> Rendered:
         return await self._endpoint.request(plan_render_route(route), _json.dumps(dict(body)))

@@ -81,7 +81,7 @@ async def fan_out(
             gone = AsyncSyncError("removed from the fleet", server=url)
             return CallOutcome(url, error=gone, seconds=0.0)
         client = members.client(url)
-        record = client.endpoint.record
+        record = client._endpoint.record
         started = loop.time()
         ledger.call_began(record)
         try:
@@ -89,7 +89,7 @@ async def fan_out(
             timeouts = client.timeouts
             if at_least is not None:
                 timeouts = _at_least(timeouts, call.phase, at_least)
-            value = await client.endpoint.request(call, body, timeouts=timeouts)
+            value = await client._endpoint.request(call, body, timeouts=timeouts)
         except asyncio.CancelledError:
             ledger.cancelled(record, op)
             raise

@@ -29,7 +29,9 @@ from urllib.parse import urlsplit
 from asyncsync._fleet.members import Members
 
 __all__ = [
+    "actor_handles",
     "given_hosts",
+    "is_group",
     "members_of",
     "probe_hosts",
     "resolve_hosts",
@@ -149,12 +151,13 @@ def given_hosts(urls: Sequence[str], hosts: object) -> dict[str, str]:
     return out
 
 
-async def members_of(servers: Any, deadline: float) -> tuple[list[str], list[str | None]]:
-    """URLs and host identities of a `asyncsync.ray.ServerGroup` (anything with ``urls``
-    and ``hosts``) or of server actors' handles (each answers ``server_info``), the
-    actors asked at once within ``deadline`` seconds."""
-    if hasattr(servers, "urls") and hasattr(servers, "hosts"):
-        return list(servers.urls), list(servers.hosts)
+def is_group(servers: Any) -> bool:
+    """Whether ``servers`` is a `asyncsync.ray.ServerGroup` (has ``urls`` and ``hosts``)."""
+    return hasattr(servers, "urls") and hasattr(servers, "hosts")
+
+
+def actor_handles(servers: Any) -> list[Any]:
+    """``servers`` as a list of server actors' handles; a TypeError naming what is not."""
     if isinstance(servers, str) or not isinstance(servers, Iterable):
         raise TypeError(
             "from_ray takes a ServerGroup (asyncsync.ray.launch_servers) or server actor "
@@ -164,6 +167,16 @@ async def members_of(servers: Any, deadline: float) -> tuple[list[str], list[str
     for handle in handles:
         if not hasattr(getattr(handle, "server_info", None), "remote"):
             raise TypeError(f"{handle!r} is not a server actor (no server_info method)")
+    return handles
+
+
+async def members_of(servers: Any, deadline: float) -> tuple[list[str], list[str | None]]:
+    """URLs and host identities of a `asyncsync.ray.ServerGroup` (anything with ``urls``
+    and ``hosts``) or of server actors' handles (each answers ``server_info``), the
+    actors asked at once within ``deadline`` seconds."""
+    if is_group(servers):
+        return list(servers.urls), list(servers.hosts)
+    handles = actor_handles(servers)
     calls: list[Awaitable[Any]] = [h.server_info.remote() for h in handles]
     async with asyncio.timeout(deadline):
         infos = await asyncio.gather(*calls)

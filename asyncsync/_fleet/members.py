@@ -32,8 +32,8 @@ class Members:
         url = client.base_url
         if url in self._clients:
             raise ValueError(f"server {url} is already in the fleet")
-        record = self.ledger.join(client.endpoint.record, verify=verify)
-        client.endpoint.ledger = self.ledger
+        record = self.ledger.join(client._endpoint.record, verify=verify)
+        client._endpoint.ledger = self.ledger
         self._clients[url] = client
         if owned:
             self._owned.add(url)
@@ -58,10 +58,10 @@ class Members:
 
     def generator(self, record: ServerRecord) -> GenerationEngine:
         """The generation engine of the server ``record`` describes."""
-        return self._clients[record.url].generator
+        return self._clients[record.url]._generator
 
     def record(self, url: str) -> ServerRecord:
-        return self.client(url).endpoint.record
+        return self.client(url)._endpoint.record
 
     @property
     def urls(self) -> tuple[str, ...]:

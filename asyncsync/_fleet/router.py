@@ -47,8 +47,8 @@ class RouterDispatcher(Dispatcher):
         super().__init__(members, policy)
         self.router = router
         given = router.vocab_size, router.max_model_len
-        limits = ServersBehind(router.endpoint, members, given)
-        router._served = router.generator.served = limits
+        limits = ServersBehind(router._endpoint, members, given)
+        router._served = router._generator.served = limits
 
     async def admit(self, send: SendOptions, exclude: Set[str] = frozenset()) -> ServerRecord:
         """Wait until no server is mid-update, then count the request on the router."""
@@ -72,15 +72,15 @@ class RouterDispatcher(Dispatcher):
                 f"no generation through the router within {limit:g} s: a round holds "
                 f"{', '.join(updating)} mid-update"
             )
-        record = self.router.endpoint.record
-        self.router.endpoint.ledger.admitted(record)
+        record = self.router._endpoint.record
+        self.router._endpoint.ledger.admitted(record)
         return record
 
     def engine(self, record: ServerRecord) -> GenerationEngine:
-        return self.router.generator
+        return self.router._generator
 
     def release(self, record: ServerRecord) -> None:
-        self.router.endpoint.ledger.released(record)
+        self.router._endpoint.ledger.released(record)
 
     def contradicted(
         self, record: ServerRecord, completions: Sequence[Completion], published: int

@@ -69,7 +69,7 @@ def lister(source: object, router: Callable[[str], AsyncVLLMClient]) -> Lister:
         client = router(source)
 
         async def workers() -> tuple[list[str], Mapping[str, str]]:
-            return await client.endpoint.request(plan_list_workers(), None), {}
+            return await client._endpoint.request(plan_list_workers(), None), {}
 
         return workers
     if callable(source):
