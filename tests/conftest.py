@@ -39,8 +39,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 #: Markers of tests that run only when the ``-m`` expression names them: the long load
-#: run (``nox -s soak``) and the fault cells kept out of the default run for its time
-#: (``nox -s faults``).
+#: run (``nox -s soak``) and the real-server fault tests kept out of the default run for
+#: its time (``nox -s faults``).
 OPT_IN_MARKERS = ("soak", "faults")
 
 

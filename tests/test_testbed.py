@@ -128,6 +128,7 @@ def _port_is_free(host: str, port: int) -> bool:
         return True
 
 
+@pytest.mark.faults  # a server start of its own (about a minute): nox -s faults
 @pytest.mark.timeout(600)
 def test_stop_leaves_nothing_behind_even_after_outside_kill(tiny_model_dir: Path) -> None:
     """Synchronous use; the leader killed from outside; the whole group still goes."""
