@@ -165,7 +165,7 @@ def _codec(states: list[dict[str, Any]]) -> dict[str, float]:
     """The delta codec alone, in this process, over the same steady rounds: the trainer's
     encoding (compare with its record, patch, CRC-32) and the receiver's apply (patch its
     mirror, CRC-32), median seconds per round; and CRC-32 of the whole model alone."""
-    from asyncsync.backends._delta_codec import apply_payload, digest, encode
+    from asyncsync._transport.delta_codec import apply_payload, digest, encode
 
     record = {n: t.clone() for n, t in states[0].items()}
     mirror = {n: t.clone() for n, t in states[0].items()}

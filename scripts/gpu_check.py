@@ -145,8 +145,8 @@ def digest(tensor: Any) -> str:
 
 # --------------------------------------------------------------------------- 2. the plan
 def check_plan(buffer_bytes: int, spec: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bool, str]:
+    from asyncsync._transport.wire import ALIGNMENT, Manifest, nbytes
     from asyncsync.backends._shm_pack import plan_chunks
-    from asyncsync.backends._wire import ALIGNMENT, Manifest, nbytes
 
     manifest = Manifest.from_entries([(n, d, list(s)) for n, d, s in spec])
     chunks = plan_chunks(manifest, buffer_bytes)
@@ -271,9 +271,9 @@ def ipc_wire(
     tensors plus the views with one handle each (vLLM's unpacked mode)."""
     import torch
 
+    from asyncsync._transport.wire import Manifest
     from asyncsync.backends._ipc_handles import encode_ipc_update
     from asyncsync.backends._shm_pack import plan_chunks
-    from asyncsync.backends._wire import Manifest
 
     manifest = Manifest.from_entries([(n, d, list(s)) for n, d, s in spec])
     chunk = max(plan_chunks(manifest, buffer_bytes), key=lambda c: len(c.names))
@@ -371,8 +371,8 @@ def check_ipc(model_mb: int, buffer_bytes: int) -> tuple[bool, str]:
 def check_pack_rate(model_mb: int, buffer_bytes: int) -> tuple[bool, str]:
     import torch
 
+    from asyncsync._transport.wire import Manifest
     from asyncsync.backends._shm_pack import plan_chunks
-    from asyncsync.backends._wire import Manifest
 
     spec = model_spec(model_mb, buffer_bytes)
     tensors = make_tensors(spec, "cuda")

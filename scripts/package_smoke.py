@@ -127,7 +127,7 @@ class ShmEngine:
         self.receiver = ShmReceiver(torch.nn.Module(), None)
 
     def __call__(self, info: Any) -> None:
-        from asyncsync.backends._wire import ShmUpdateFields
+        from asyncsync._transport.wire import ShmUpdateFields
 
         update = ShmUpdateFields.parse(info[0] if isinstance(info, list) else info)
         if update.chunk == 0 and not update.abort:

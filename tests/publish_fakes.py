@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from asyncsync.backends._wire import ShmUpdateFields
+from asyncsync._transport.wire import ShmUpdateFields
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.vllm_plugin.shm_engine import ShmReceiver
 

@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 import asyncsync as az
+from asyncsync._transport.wire import ShmUpdateFields
 from asyncsync.backends._segments import leaked_segments, open_segments
-from asyncsync.backends._wire import ShmUpdateFields
 from asyncsync.testing import check_greedy
 from tests.conftest import VLLMFleet
 from tests.test_cancel_points import SendWatch

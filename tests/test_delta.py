@@ -11,7 +11,7 @@ import torch
 
 import asyncsync as az
 from asyncsync._publish.delta import DeltaChain
-from asyncsync.backends._delta_codec import (
+from asyncsync._transport.delta_codec import (
     KIND_DENSE,
     KIND_SAME,
     KIND_SPARSE,
@@ -21,8 +21,8 @@ from asyncsync.backends._delta_codec import (
     digest,
     encode,
 )
+from asyncsync._transport.wire import ShmUpdateFields
 from asyncsync.backends._shm_pack import ShmBuffers, round_fields_of, stream_chunks
-from asyncsync.backends._wire import ShmUpdateFields
 from asyncsync.backends.contract import WeightSource
 from tests.publish_fakes import ShmWorker, receiving_fakes
 
@@ -265,7 +265,7 @@ def test_changed_positions_are_every_differing_element_in_order(
     """8 bytes at a time, then inside the words that differ: the same positions as an
     element-by-element compare, for every element size, a tail shorter than a word and
     a view whose storage is not 8-byte aligned."""
-    from asyncsync.backends._delta_codec import _as_ints, changed_positions
+    from asyncsync._transport.delta_codec import _as_ints, changed_positions
 
     g = torch.Generator().manual_seed(numel)
     base = (torch.rand(numel + offset, generator=g) * 100).to(dtype)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import asyncsync as az
-from asyncsync.backends._delta_codec import combined_digest
+from asyncsync._transport.delta_codec import combined_digest
 from asyncsync.testing import check_greedy
 from tests.conftest import VLLMFleet
 

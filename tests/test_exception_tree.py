@@ -43,8 +43,8 @@ SIGNALS = {
     "asyncsync.backends.contract.RoundCancelled": (
         "a backend's stop at a chunk boundary; the caller gets its CancelledError"
     ),
-    "asyncsync.backends._gloo_group.GlooAborted": "inside a gloo send; PublishError's cause",
-    "asyncsync.backends._gloo_group.GlooTimeout": "inside a gloo send; PublishError's cause",
+    "asyncsync._transport.gloo_group.GlooAborted": "inside a gloo send; PublishError's cause",
+    "asyncsync._transport.gloo_group.GlooTimeout": "inside a gloo send; PublishError's cause",
 }
 
 #: Python's own exceptions asyncsync raises, each for a mistake in use (docs/errors.md).

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync.backends._gloo_group import (
+from asyncsync._transport.gloo_group import (
     GlooAborted,
     GlooGroup,
     GlooTimeout,

@@ -167,7 +167,7 @@ async def test_delta_rounds_over_gloo_are_exact(
 ) -> None:
     """``delta=True`` over gloo: a full round, then patches broadcast to both servers'
     mirrors; exact after each, the mirrors' checksum equal to the trainer's."""
-    from asyncsync.backends._delta_codec import combined_digest
+    from asyncsync._transport.delta_codec import combined_digest
     from tests.test_delta_vllm import _sparse_step, mirror_checksums
 
     urls = [s.url for s in gloo_servers]

@@ -43,8 +43,8 @@ import pytest
 import torch
 
 import asyncsync as az
+from asyncsync._transport.wire import Manifest
 from asyncsync.backends._shm_pack import dtype_name, plan_chunks
-from asyncsync.backends._wire import Manifest
 from asyncsync.testing import LocalVLLMServer, check_greedy, make_tiny_model
 from tests.conftest import SERVER_STARTUP_TIMEOUT, _core
 

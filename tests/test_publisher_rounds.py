@@ -15,6 +15,7 @@ import pytest_asyncio
 import torch
 
 import asyncsync as az
+from asyncsync._transport.wire import PROTOCOL_VERSION
 from asyncsync.backends import (
     BackendOptions,
     SendControl,
@@ -22,7 +23,6 @@ from asyncsync.backends import (
     TrainerBackend,
     register_backend,
 )
-from asyncsync.backends._wire import PROTOCOL_VERSION
 from asyncsync.backends.contract import SyncFleetClient, WeightSource
 from asyncsync.testing import FakeVLLMServer, Fault
 from tests.publish_fakes import aborts_received, round_calls, shm_fakes

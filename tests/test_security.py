@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import asyncsync as az
+from asyncsync._transport.wire import ShmInitFields, ShmUpdateFields
 from asyncsync._wire.served import describe_payload
-from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
 from asyncsync.testing import Fault
 from tests.publish_fakes import shm_fakes
 from tests.waiting import HANG

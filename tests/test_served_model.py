@@ -343,7 +343,7 @@ def test_the_engines_answer_round_trips() -> None:
 
 
 def test_the_worker_lists_every_problem_of_a_manifest_too() -> None:
-    from asyncsync.backends._wire import Manifest, ShmFormatError
+    from asyncsync._transport.wire import Manifest, ShmFormatError
 
     table = WorkerTable({"a": ("float32", (2,)), "b": ("float32", (3,))})
     receiver = ShmReceiver(torch.nn.Module(), table)

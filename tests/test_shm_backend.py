@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from asyncsync.backends._segments import Segment, leaked_segments, open_segments
-from asyncsync.backends._wire import (
+from asyncsync._transport.wire import (
     PROTOCOL_VERSION,
     Manifest,
     ShmFormatError,
     validate_chunk_layout,
 )
+from asyncsync.backends._segments import Segment, leaked_segments, open_segments
 from asyncsync.backends.shm import (
     RoundCancelled,
     ShmBuffers,
@@ -458,7 +458,7 @@ def test_the_round_starts_once_chunk_zero_is_packed() -> None:
 @pytest.mark.server_deps
 def test_wire_types_are_shared_and_checked() -> None:
     """One protocol version and one definition of the info fields on both sides."""
-    from asyncsync.backends._wire import PROTOCOL_VERSION, ShmInitFields, ShmUpdateFields
+    from asyncsync._transport.wire import PROTOCOL_VERSION, ShmInitFields, ShmUpdateFields
     from asyncsync.vllm_plugin._infos import ShmInitInfo, ShmUpdateInfo
 
     assert ShmInitInfo(**ShmInitFields(trainer_pid=7).to_json()).protocol == PROTOCOL_VERSION

@@ -194,7 +194,7 @@ _READER = textwrap.dedent(
     """
     import json, sys
     import torch
-    from asyncsync.backends._wire import ShmUpdateFields
+    from asyncsync._transport.wire import ShmUpdateFields
     from asyncsync.vllm_plugin.shm_engine import _Mapping
 
     update = ShmUpdateFields.parse(json.loads(sys.argv[1]))
@@ -210,8 +210,8 @@ def test_another_process_maps_the_segment_through_the_trainers_descriptor() -> N
     check the memfd's name, map it and read the tensor at its offset."""
     import json
 
+    from asyncsync._transport.wire import ShmUpdateFields
     from asyncsync.backends._shm_pack import _pack
-    from asyncsync.backends._wire import ShmUpdateFields
 
     tensor = torch.arange(16, dtype=torch.float32) * 1.5
     with ShmBuffers(buffer_bytes=8192) as buffers:

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import asyncsync as az
+from asyncsync._transport.wire import SegmentRef, ShmFormatError, ShmUpdateFields
 from asyncsync.backends._segments import open_segments
 from asyncsync.backends._shm_zerocopy import NotInSharedMemory, SharedMemoryIndex, place
-from asyncsync.backends._wire import SegmentRef, ShmFormatError, ShmUpdateFields
 from asyncsync.backends.shm import ShmBuffers, send_round
 from asyncsync.testing import FakeVLLMServer
 from asyncsync.vllm_plugin.shm_engine import CheckpointTable, ShmReceiver, _Mapping
@@ -143,7 +143,7 @@ def test_a_round_reads_the_trainers_tensors_in_place_exactly(how: str) -> None:
 _READER = textwrap.dedent(
     """
     import json, sys
-    from asyncsync.backends._wire import ShmUpdateFields
+    from asyncsync._transport.wire import ShmUpdateFields
     from asyncsync.vllm_plugin.shm_engine import _Mapping
 
     info = ShmUpdateFields.parse(json.loads(sys.argv[1]))

@@ -7,7 +7,7 @@ A round is a *delta* when every targeted server acknowledged the snapshot's vers
 (the chain rule: a delta applies only on the version it was computed against): each
 tensor is compared with the snapshot bit for bit, an unchanged one sends nothing, a
 changed one a sparse patch (positions and new bits, zstd-compressed with the ``delta``
-extra) or its dense bytes when that is smaller (`asyncsync.backends._delta_codec`), and
+extra) or its dense bytes when that is smaller (`asyncsync._transport.delta_codec`), and
 the snapshot is updated as it goes. Otherwise (the chain's first round, a server that is
 new, restarted or lost a round) the round is a *full* one that the servers also keep in
 their mirror. The worker side is `asyncsync.vllm_plugin._mirror`.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncsync._publish.report import PublishReport
-from asyncsync.backends._delta_codec import (
+from asyncsync._transport.delta_codec import (
     KIND_DENSE,
     KIND_SPARSE,
     combined_digest,

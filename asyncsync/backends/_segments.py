@@ -29,7 +29,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from asyncsync.backends._wire import SEGMENT_NAME, segment_path
+from asyncsync._transport.wire import SEGMENT_NAME, segment_path
 
 __all__ = [
     "SEGMENT_NAME",

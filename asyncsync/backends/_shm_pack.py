@@ -18,15 +18,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.backends._options import DEFAULT_BUFFER_BYTES
-from asyncsync.backends._segments import Segment
-from asyncsync.backends._wire import (
+from asyncsync._transport.wire import (
     DTYPE_SIZES,
     Manifest,
     ShmUpdateFields,
     align,
     nbytes,
 )
+from asyncsync.backends._options import DEFAULT_BUFFER_BYTES
+from asyncsync.backends._segments import Segment
 from asyncsync.backends.contract import RoundCancelled, SendStats, check_tensor
 
 if TYPE_CHECKING:

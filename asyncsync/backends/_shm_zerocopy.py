@@ -37,10 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncsync._core.errors import AsyncSyncError, WeightsModifiedError
-from asyncsync.backends._options import ZeroCopyMode, check_zero_copy_mode
-from asyncsync.backends._segments import SEGMENT_PREFIX
-from asyncsync.backends._shm_pack import SendChunk, dtype_name, plan_chunks
-from asyncsync.backends._wire import (
+from asyncsync._transport.wire import (
     ALIGNMENT,
     SEGMENT_NAME,
     Manifest,
@@ -48,6 +45,9 @@ from asyncsync.backends._wire import (
     ShmUpdateFields,
     align,
 )
+from asyncsync.backends._options import ZeroCopyMode, check_zero_copy_mode
+from asyncsync.backends._segments import SEGMENT_PREFIX
+from asyncsync.backends._shm_pack import SendChunk, dtype_name, plan_chunks
 from asyncsync.backends.contract import RoundCancelled, SendStats, check_tensor
 
 if TYPE_CHECKING:

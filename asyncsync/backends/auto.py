@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
 from asyncsync._fleet.hosts import same_host
-from asyncsync.backends._gloo_wire import AUTO_BACKEND_NAME
+from asyncsync._transport.gloo_wire import AUTO_BACKEND_NAME
 from asyncsync.backends._options import DEFAULT_BUFFER_BYTES, Auto, ZeroCopyMode
 from asyncsync.backends.contract import Ceiling, SendControl, SendStats, TrainerApi, TrainerBackend
 from asyncsync.backends.gloo import GlooBackend

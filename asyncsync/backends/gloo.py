@@ -11,7 +11,7 @@ broadcast runs while its ``/update_weights`` is in flight; packing chunk k+1 ove
 chunk k's broadcast and load.
 
 Failures never leave the trainer's thread in a collective (see
-`asyncsync.backends._gloo_group`): a failed or late chunk ends the generation (the
+`asyncsync._transport.gloo_group`): a failed or late chunk ends the generation (the
 abort key tells the servers' workers to leave the broadcast), the group and the buffers
 its abandoned op may still read are buried, and the next round builds generation + 1,
 which every server joins after dropping its old group. The next round also rebuilds the
@@ -28,9 +28,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from asyncsync._transport.gloo_group import GlooGroup, GlooTimeout, master_address_for
+from asyncsync._transport.gloo_wire import GLOO_BACKEND_NAME, GlooInitFields, chunk_extent
+from asyncsync._transport.trainer_factory import register_trainer_engines
+from asyncsync._transport.wire import ShmUpdateFields
 from asyncsync.backends._ceiling import link_ceiling
-from asyncsync.backends._gloo_group import GlooGroup, GlooTimeout, master_address_for
-from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooInitFields, chunk_extent
 from asyncsync.backends._options import Gloo
 from asyncsync.backends._segments import Segment
 from asyncsync.backends._shm_pack import (
@@ -41,8 +43,6 @@ from asyncsync.backends._shm_pack import (
     round_fields_of,
     stream_chunks,
 )
-from asyncsync.backends._trainer_factory import register_trainer_engines
-from asyncsync.backends._wire import ShmUpdateFields
 from asyncsync.backends.contract import Ceiling, SendControl, SendStats, TrainerApi, TrainerBackend
 from asyncsync.backends.shm import StartOnFirstChunk
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncsync._core.errors import ProtocolError
-from asyncsync.backends._gloo_group import master_address_for
+from asyncsync._transport.gloo_group import master_address_for
 from asyncsync.backends._options import (
     DEFAULT_PACKED_BUFFER_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,

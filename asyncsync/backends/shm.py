@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from asyncsync._transport.trainer_factory import register_trainer_engines
+from asyncsync._transport.wire import BACKEND_NAME, Manifest, ShmInitFields, ShmUpdateFields
 from asyncsync.backends._ceiling import memcpy_ceiling
 from asyncsync.backends._options import Shm
 from asyncsync.backends._shm_pack import (
@@ -43,8 +45,6 @@ from asyncsync.backends._shm_zerocopy import (
     check_zero_copy_mode,
     place,
 )
-from asyncsync.backends._trainer_factory import register_trainer_engines
-from asyncsync.backends._wire import BACKEND_NAME, Manifest, ShmInitFields, ShmUpdateFields
 from asyncsync.backends.contract import (
     Ceiling,
     RoundCancelled,

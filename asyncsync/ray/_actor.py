@@ -15,7 +15,7 @@ from typing import Any
 import ray
 
 from asyncsync._fleet.hosts import this_host
-from asyncsync.testing._server import LocalVLLMServer
+from asyncsync.testing import LocalVLLMServer
 
 __all__ = ["ServerActor"]
 

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncsync._core.errors import AsyncSyncError
 from asyncsync.ray._actor import ServerActor
-from asyncsync.testing._server import LocalVLLMServer, ServerStartError
+from asyncsync.testing import LocalVLLMServer, ServerStartError
 
 if TYPE_CHECKING:
     from asyncsync.fleet import Fleet

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from asyncsync.backends._gloo_wire import AUTO_BACKEND_NAME, GLOO_BACKEND_NAME
-from asyncsync.backends._trainer_factory import register_trainer_engines
-from asyncsync.backends._wire import BACKEND_NAME
+from asyncsync._transport.gloo_wire import AUTO_BACKEND_NAME, GLOO_BACKEND_NAME
+from asyncsync._transport.trainer_factory import register_trainer_engines
+from asyncsync._transport.wire import BACKEND_NAME
 
 __all__ = [
     "ADAPTERS",

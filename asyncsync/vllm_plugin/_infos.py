@@ -1,6 +1,6 @@
 """The ``asyncsync_shm`` and ``asyncsync_gloo`` info classes vLLM builds with
-``cls(**info)``: vLLM's bases plus the shared wire fields of `asyncsync.backends._wire`
-and `asyncsync.backends._gloo_wire` (one definition of the fields for the trainer
+``cls(**info)``: vLLM's bases plus the shared wire fields of `asyncsync._transport.wire`
+and `asyncsync._transport.gloo_wire` (one definition of the fields for the trainer
 and the worker side)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from asyncsync.backends._gloo_wire import GlooInitFields, GlooUpdateFields
-from asyncsync.backends._wire import ShmInitFields, ShmUpdateFields
+from asyncsync._transport.gloo_wire import GlooInitFields, GlooUpdateFields
+from asyncsync._transport.wire import ShmInitFields, ShmUpdateFields
 
 __all__ = ["GlooInitInfo", "GlooUpdateInfo", "ShmInitInfo", "ShmUpdateInfo"]
 
@@ -25,7 +25,7 @@ class ShmInitInfo(ShmInitFields, WeightTransferInitInfo):  # type: ignore[misc]
 
 @dataclass
 class ShmUpdateInfo(ShmUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One chunk (see `asyncsync.backends._wire`)."""
+    """One chunk (see `asyncsync._transport.wire`)."""
 
 
 @dataclass
@@ -35,4 +35,4 @@ class GlooInitInfo(GlooInitFields, WeightTransferInitInfo):  # type: ignore[misc
 
 @dataclass
 class GlooUpdateInfo(GlooUpdateFields, WeightTransferUpdateInfo):  # type: ignore[misc]
-    """One ``asyncsync_gloo`` chunk (see `asyncsync.backends._gloo_wire`)."""
+    """One ``asyncsync_gloo`` chunk (see `asyncsync._transport.gloo_wire`)."""

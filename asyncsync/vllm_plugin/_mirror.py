@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from asyncsync.backends._delta_codec import (
+from asyncsync._transport.delta_codec import (
     DeltaChainError,
     apply_payload,
     combined_digest,
     digest,
 )
-from asyncsync.backends._wire import Manifest, ShmFormatError
+from asyncsync._transport.wire import Manifest, ShmFormatError
 
 __all__ = ["Mirror"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from asyncsync.backends._gloo_wire import AUTO_BACKEND_NAME
+from asyncsync._transport.gloo_wire import AUTO_BACKEND_NAME
 from asyncsync.vllm_plugin._infos import GlooInitInfo, GlooUpdateInfo, ShmInitInfo, ShmUpdateInfo
 from asyncsync.vllm_plugin.gloo_engine import GlooReceiver, GlooWeightTransferEngine
 from asyncsync.vllm_plugin.shm_engine import ShmReceiver

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncsync.backends._gloo_group import GlooGroup
-from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME, GlooUpdateFields
-from asyncsync.backends._wire import ShmFormatError, ShmUpdateFields
+from asyncsync._transport.gloo_group import GlooGroup
+from asyncsync._transport.gloo_wire import GLOO_BACKEND_NAME, GlooUpdateFields
+from asyncsync._transport.wire import ShmFormatError, ShmUpdateFields
 from asyncsync.vllm_plugin._infos import GlooInitInfo, GlooUpdateInfo
 from asyncsync.vllm_plugin.engine_v032 import ShmWeightTransferEngine
 from asyncsync.vllm_plugin.shm_engine import BufferViews, CheckpointTable, ShmReceiver
 
 if TYPE_CHECKING:
-    from asyncsync.backends._gloo_wire import GlooInitFields
+    from asyncsync._transport.gloo_wire import GlooInitFields
 
 __all__ = ["GlooReceiver", "GlooWeightTransferEngine"]
 

@@ -35,9 +35,7 @@ from typing import Any
 
 import torch
 
-from asyncsync._wire.served import DESCRIBE_QUERY, ServedModel, quoted_names
-from asyncsync._wire.served import CheckpointTable as _WireTable
-from asyncsync.backends._wire import (
+from asyncsync._transport.wire import (
     BACKEND_NAME,
     Manifest,
     SegmentRef,
@@ -48,6 +46,8 @@ from asyncsync.backends._wire import (
     validate_chunk_layout,
     validate_segments_layout,
 )
+from asyncsync._wire.served import DESCRIBE_QUERY, ServedModel, quoted_names
+from asyncsync._wire.served import CheckpointTable as _WireTable
 from asyncsync.vllm_plugin._mirror import Mirror
 
 logger = logging.getLogger("asyncsync.vllm_plugin")

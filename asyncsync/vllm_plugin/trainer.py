@@ -26,10 +26,9 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
-from asyncsync.backends._shm_pack import ShmBuffers
-from asyncsync.backends._trainer_factory import register_trainer_engines
+from asyncsync._transport.trainer_factory import register_trainer_engines
 from asyncsync.backends.gloo import GlooTrainerEngine, GlooTrainerInitInfo
-from asyncsync.backends.shm import ShmTrainerEngine, ShmTrainerInitInfo
+from asyncsync.backends.shm import ShmBuffers, ShmTrainerEngine, ShmTrainerInitInfo
 
 __all__ = [
     "GlooTrainerInitInfo",

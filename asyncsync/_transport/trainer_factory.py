@@ -10,8 +10,8 @@ by the time it is called. Importing this module imports nothing of vLLM.
 
 from __future__ import annotations
 
-from asyncsync.backends._gloo_wire import GLOO_BACKEND_NAME
-from asyncsync.backends._wire import BACKEND_NAME
+from asyncsync._transport.gloo_wire import GLOO_BACKEND_NAME
+from asyncsync._transport.wire import BACKEND_NAME
 
 __all__ = ["register_trainer_engines"]
 

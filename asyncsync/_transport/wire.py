@@ -33,7 +33,7 @@ Each update_info is a JSON object (`ShmUpdateFields`):
   ``{"mode": "mirror", "version": V}`` (a full round the worker also keeps in its
   mirror) or ``{"mode": "delta", "version": V, "base": P, "base_digest": int,
   "manifest": {...}}`` (every tensor of the model; the chunk entries are patch payloads
-  of the changed ones, uint8, see `asyncsync.backends._delta_codec`). The key is sent
+  of the changed ones, uint8, see `asyncsync._transport.delta_codec`). The key is sent
   only when set, so rounds outside a chain keep the older wire.
 - ``{"abort": true, "round": "abort"}`` ends a round that the trainer gave up on: the
   worker restores what it can and fails the call, which makes vLLM clear its

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from asyncsync.backends._wire import PROTOCOL_VERSION, ShmFormatError, ShmUpdateFields, nbytes
+from asyncsync._transport.wire import PROTOCOL_VERSION, ShmFormatError, ShmUpdateFields, nbytes
 
 __all__ = [
     "AUTO_BACKEND_NAME",

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncsync.backends._wire import ShmFormatError
+from asyncsync._transport.wire import ShmFormatError
 
 __all__ = [
     "HEADER",
