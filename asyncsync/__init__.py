@@ -51,7 +51,7 @@ from asyncsync._http.retry import RetryPolicy
 from asyncsync._wire.chat import ChatRequestError
 from asyncsync._wire.control import WeightComparison
 from asyncsync._wire.generation.sampling import Sampling, SamplingFields
-from asyncsync.backends._shm_zerocopy import share_weights
+from asyncsync.backends.shm import share_weights
 from asyncsync.client import AsyncVLLMClient
 from asyncsync.fleet import Fleet
 from asyncsync.publisher import (

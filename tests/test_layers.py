@@ -223,16 +223,8 @@ PUBLIC_PACKAGES = sorted(
     if not p.parent.name.startswith("_")
 )
 #: Imports of a public package's underscore module from outside that package, and why.
-#: An entry here is a known debt; a new one is a failing test.
-PRIVATE_EXCEPTIONS = {
-    ("asyncsync", "asyncsync.backends._shm_zerocopy"): (
-        "the facade re-exports share_weights, which lives with the shm zero-copy path; "
-        "asyncsync.backends.shm does not export it (the public surface stays as it is)"
-    ),
-    ("asyncsync._demo._loop", "asyncsync.testing._model"): (
-        "the demo's greedy check uses greedy_mismatch, which asyncsync.testing does not export"
-    ),
-}
+#: An entry here is a known debt; a new one is a failing test. None are left.
+PRIVATE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def private_module_of(module: str) -> str | None:

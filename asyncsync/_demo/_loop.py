@@ -216,7 +216,7 @@ async def greedy_check(
     server's tokens match when the trainer model, teacher-forced with them, ranks each
     one first (or within float32 rounding of first: `asyncsync.testing.check_greedy`),
     which holds on any CPU."""
-    from asyncsync.testing._model import greedy_mismatch, reference_greedy
+    from asyncsync.testing import greedy_mismatch, reference_greedy
 
     checks: list[dict[str, Any]] = []
     for prompt in prompts:

@@ -44,6 +44,7 @@ from asyncsync.backends._shm_zerocopy import (
     ZeroCopyMode,
     check_zero_copy_mode,
     place,
+    share_weights,
 )
 from asyncsync.backends.contract import (
     Ceiling,
@@ -73,6 +74,7 @@ __all__ = [
     "manifest_of",
     "plan_chunks",
     "send_round",
+    "share_weights",
     "stream_chunks",
     "trainer_send_weights",
 ]
