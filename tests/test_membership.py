@@ -316,6 +316,29 @@ async def test_a_restart_seen_by_the_health_probe_is_stale_then_caught_up_exactl
 
 
 @pytest.mark.asyncio
+async def test_a_server_held_out_for_flapping_is_caught_up_once_its_hold_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Marked dirty by hand again and again (what ``benchmarks/bench_membership.py``
+    does), a server flaps and is held out; when the hold ends it settles again and is
+    caught up. (It stayed suspect for good: the monitor saw only holds still running, so
+    the end of one was never seen.)"""
+    monkeypatch.setattr("asyncsync._core.ledger.FLAP_FIRST_HOLD", 0.5)
+    async with published() as (servers, fleet, publisher):
+        victim = servers[1].fake.url
+        for _ in range(FLAP_LIMIT):
+            fleet.mark_dirty([victim])
+            if fleet.state(victim).health != "suspect":
+                await fleet.ready(victim, timeout=30)
+        assert fleet.state(victim).health == "suspect"  # held out, dirty
+        assert fleet.ledger.record(victim).held_until > time.monotonic()
+        await fleet.ready(victim, timeout=30)  # the hold ends, the catch-up follows
+        assert fleet.state(victim).health == "healthy"
+        assert servers[1].worker.holds(WEIGHTS)
+        assert publisher.version == fleet.current_version == "v1"  # nothing published
+
+
+@pytest.mark.asyncio
 async def test_answers_of_a_restarted_server_are_never_returned_as_current() -> None:
     async with published(3) as (servers, fleet, _publisher):
         victim = servers[2]

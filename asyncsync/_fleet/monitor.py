@@ -141,10 +141,7 @@ class Monitor:
         while not self._closed:
             now = time.monotonic()
             needs = self._needs()
-            hold_end = self._ledger.next_hold_end()
-            if hold_end is not None and hold_end <= now:
-                self._ledger.tick()
-                continue
+            hold_end = self._ledger.next_hold_end()  # of a hold still running
             if not needs and hold_end is None:
                 self._due.clear()
                 return
@@ -164,6 +161,11 @@ class Monitor:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(min(times) - now, 0.0) if times else None):
                     await wake.wait()
+            if hold_end is not None and time.monotonic() >= hold_end:
+                # A hold ended: its server settles again (held out no more, it is stale
+                # or healthy, and a catch-up may follow). `next_hold_end` names only
+                # holds still running, so this is the one moment that sees it end.
+                self._ledger.tick()
             # forget servers that recovered or left
             known = {r.url for r in self._ledger.records()}
             self._due = {u: t for u, t in self._due.items() if u in known}
