@@ -36,7 +36,8 @@ A server's health (docs/concepts.md has the diagram) follows from its facts:
 back only through ``stale``: a probe that reaches it again marks it dirty); ``suspect``
 while its last call failed, an answer contradicted the record, its identity was not read
 since, or it is held out after flapping (`FLAP_LIMIT` departures from ``healthy`` within
-`FLAP_WINDOW` seconds: held out for a back-off that doubles, up to `FLAP_MAX_HOLD`);
+`FLAP_WINDOW` seconds, a mark by hand (`Fleet.mark_dirty`) counting none: held out for a
+back-off that doubles, up to `FLAP_MAX_HOLD`);
 ``stale`` while it holds no version the fleet accepts (dirty, restarted, a joiner, too
 far behind: ``max_staleness``) or its process is not the one that loaded it; else
 ``healthy``. Each change of health is logged (``asyncsync.fleet``) and reported to the
@@ -400,11 +401,12 @@ class Ledger:
         for listener in tuple(self._listeners):
             listener()
 
-    def _changed(self, recs: Iterable[ServerRecord] = ()) -> None:
-        """Settle the health of ``recs`` and signal the change."""
+    def _changed(self, recs: Iterable[ServerRecord] = (), *, by_hand: bool = False) -> None:
+        """Settle the health of ``recs`` and signal the change (``by_hand``: the user's
+        doing, not the server's: no flap counted)."""
         now = time.monotonic()
         for rec in recs:
-            self._settle(rec, now)
+            self._settle(rec, now, by_hand=by_hand)
         self._signal()
 
     def _changed_all(self) -> None:
@@ -422,12 +424,12 @@ class Ledger:
             return "stale"
         return "healthy"
 
-    def _settle(self, rec: ServerRecord, now: float) -> None:
+    def _settle(self, rec: ServerRecord, now: float, *, by_hand: bool = False) -> None:
         old, new = rec.health, self._health(rec, now)
         if new == old:
             return
         rec.health = new
-        if old == "healthy" and new != "retired":
+        if old == "healthy" and new != "retired" and not by_hand:
             self._flapped(rec, now)
             new = rec.health = self._health(rec, now)
         if new in ("healthy", "retired"):
@@ -842,7 +844,7 @@ class Ledger:
             else:
                 self._clean(rec)
                 self._clean(rec, draft=True)
-        self._changed(recs)
+        self._changed(recs, by_hand=True)  # a mark by hand is no flap of the server
 
     def error_restored(self, url: str, error: BaseException | None) -> None:
         """A rejection that was asked for (an update sent to end an open one) is not a
