@@ -31,7 +31,7 @@ class LoopWork:
             try:
                 return run(handle)
             finally:
-                callbacks.append((time.thread_time() - began, repr(handle)[:120]))
+                callbacks.append((time.thread_time() - began, _describe(handle)))
 
         asyncio.events.Handle._run = timed  # type: ignore[method-assign]
         return self
@@ -46,6 +46,23 @@ class LoopWork:
     @property
     def longest(self) -> tuple[float, str]:
         return max(self.callbacks, default=(0.0, ""))
+
+
+def _describe(handle: Any) -> str:
+    """A callback named so a reader can find it: a task's step names the task's
+    coroutine and the innermost frame it was at after the step (where the step ended
+    is beside the code that ran)."""
+    task = getattr(getattr(handle, "_callback", None), "__self__", None)
+    if not isinstance(task, asyncio.Task):
+        return repr(handle)[:160]
+    coro: Any = task.get_coro()
+    where = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            where.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return f"task {task.get_name()} step, at {' > '.join(where) or 'its end'}"
 
 
 class OwnLag:

@@ -94,6 +94,27 @@ async def test_payload_is_encoded_once_per_fanout(
             assert old.updates == [UPDATE_INFO]
 
 
+async def test_a_payload_encoded_beforehand_is_sent_as_one_encoded_on_the_loop() -> None:
+    """`encoded` makes a mapping's JSON in the thread that calls it (the trainer's worker
+    thread); a body holding it has the same bytes as one holding the mapping, and reads
+    as the mapping. What does not encode stays as it is: its error is raised where it is
+    sent, naming the server and route."""
+    torch = pytest.importorskip("torch")
+    info = {"names": ["w", "é"], "dtype_names": [torch.bfloat16], "shapes": [torch.Size([4, 8])]}
+    made = _json.encoded(info)
+    assert isinstance(made, _json.Encoded)
+    assert dict(made) == info
+    assert len(made) == 3
+    assert made["names"] == ["w", "é"]
+    assert _json.dumps({"update_info": made}) == _json.dumps({"update_info": info})
+    per_rank = _json.encoded([info, {"n": 1}])
+    assert all(isinstance(item, _json.Encoded) for item in per_rank)
+    assert _json.dumps({"update_info": per_rank}) == _json.dumps({"update_info": [info, {"n": 1}]})
+    bad = {"names": {"w"}}
+    assert _json.encoded(bad) is bad
+    assert _json.encoded("not a mapping") == "not a mapping"
+
+
 async def test_mixed_generations_get_their_own_payloads(fakes: list[FakeVLLMServer]) -> None:
     async with FakeVLLMServer(version="0.23.0") as old:
         async with az.Fleet([fakes[0].url, old.url]) as fleet:

@@ -123,6 +123,41 @@ async def test_a_factory_is_called_in_the_worker_thread(fakes: list[FakeVLLMServ
     assert fakes[0].updates[0]["manifest"]["names"] == list(LAYERS)
 
 
+async def test_each_update_is_encoded_in_the_worker_thread(
+    fakes: list[FakeVLLMServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An update's JSON (1.3 MB for an unpacked ``ipc`` update of 10,000 handles) is made
+    in the trainer's worker thread; on the loop, the body takes those bytes as they are:
+    the loop's work per update does not grow with the tensor count. The servers get
+    what they would have got."""
+    from asyncsync._core import encoding
+
+    encoded_in: list[tuple[str, Any]] = []
+    real_dumps = encoding.dumps
+
+    def recording(obj: Any) -> bytes:
+        encoded_in.append((threading.current_thread().name, obj))
+        return real_dumps(obj)
+
+    monkeypatch.setattr(encoding, "dumps", recording)
+    async with (
+        az.Fleet([f.url for f in fakes]) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=8192)) as publisher,
+    ):
+        loop_thread = threading.current_thread().name
+        report = await publisher.publish(LAYERS, version="v1")
+    updates = [(t, o) for t, o in encoded_in if isinstance(o, Mapping) and "segment" in o]
+    assert len(updates) == report.chunks
+    assert all(t != loop_thread for t, _ in updates), updates
+    bodies = [o for t, o in encoded_in if isinstance(o, Mapping) and "update_info" in o]
+    assert len(bodies) == report.chunks  # one body per chunk for both servers
+    assert all(isinstance(o["update_info"], encoding.Encoded) for o in bodies)
+    assert {t for t, o in encoded_in if o in bodies} == {loop_thread}
+    for fake in fakes:
+        assert [n for u in fake.updates for n in u["names"]] == list(LAYERS)
+        assert fake.weight_version == "v1"
+
+
 async def test_the_ceiling_is_measured_once_per_publisher_in_its_worker_thread(
     fakes: list[FakeVLLMServer],
 ) -> None:

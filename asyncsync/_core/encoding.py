@@ -9,10 +9,50 @@ ints, and ``torch.dtype`` becomes its vLLM name (``torch.bfloat16`` -> ``"bfloat
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["BACKEND", "dumps", "json_safe", "loads"]
+__all__ = ["BACKEND", "Encoded", "dumps", "encoded", "json_safe", "loads"]
+
+
+class Encoded(Mapping[str, Any]):
+    """A mapping with its JSON made beforehand, in the thread that built it: a payload
+    that holds it takes these bytes as they are (orjson's ``Fragment``) instead of
+    encoding the mapping again. An unpacked ``ipc`` update of 10,000 handles is 1.3 MB
+    of JSON: encoded in the trainer's worker thread, not on the event loop. Read as a
+    mapping, it is the original one."""
+
+    __slots__ = ("_data", "json")
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
+        self.json = dumps(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Encoded({self._data!r})"
+
+
+def encoded(payload: Any) -> Any:
+    """``payload`` (a mapping, or a list of mappings) with each mapping's JSON made now
+    (`Encoded`); as it is when it is neither, or when it does not encode (the error is
+    then raised where the payload is sent, naming its server and route)."""
+    try:
+        if isinstance(payload, Mapping):
+            return Encoded(payload)
+        if isinstance(payload, list) and all(isinstance(item, Mapping) for item in payload):
+            return [Encoded(item) for item in payload]
+    except (TypeError, ValueError):
+        pass
+    return payload
 
 
 def _default(obj: Any) -> Any:
@@ -24,6 +64,8 @@ def _default(obj: Any) -> Any:
         return str(obj).removeprefix("torch.")
     if hasattr(obj, "__index__"):
         return obj.__index__()
+    if isinstance(obj, Encoded):
+        return _fragment(obj)
     if isinstance(obj, Mapping):
         return dict(obj)
     if isinstance(obj, (set, frozenset)):
@@ -38,6 +80,9 @@ try:
 
     BACKEND = "orjson"
 
+    def _fragment(obj: Encoded) -> Any:
+        return orjson.Fragment(obj.json)
+
     def dumps(obj: Any) -> bytes:
         """Encode ``obj`` as compact UTF-8 JSON bytes."""
         return orjson.dumps(obj, default=_default)
@@ -47,6 +92,9 @@ try:
 
 except ImportError:  # pragma: no cover - exercised where orjson is absent
     BACKEND = "json"
+
+    def _fragment(obj: Encoded) -> Any:
+        return dict(obj._data)  # the standard library has no fragments: encode it again
 
     _encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_default)
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from asyncsync._core.encoding import encoded
 from asyncsync.backends.contract import InitInfo, UpdateInfo
 
 __all__ = ["FleetCalls", "LoopBridge", "RoundClient"]
@@ -115,8 +116,10 @@ class RoundClient:
         return self._begin(lambda: self._calls.init(init_info))
 
     def begin_update(self, update_info: UpdateInfo) -> Future[None]:
-        """Start ``/update_weights`` on every server; do not wait."""
-        return self._begin(lambda: self._calls.update(update_info))
+        """Start ``/update_weights`` on every server; do not wait. The payload's JSON
+        is made here, in the worker thread, not on the event loop (`encoded`)."""
+        info = encoded(update_info)
+        return self._begin(lambda: self._calls.update(info))
 
     def init_weight_transfer_engine(self, init_info: InitInfo) -> None:
         self.begin_init(init_info).result()
