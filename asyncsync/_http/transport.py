@@ -49,6 +49,7 @@ from asyncsync._wire.control import (
     Call,
     Malformed,
     describe_error_body,
+    plan_health,
     plan_version,
     protocol_for_version,
 )
@@ -274,8 +275,30 @@ class Endpoint:
         Every failure is an `AsyncSyncError` naming the server and
         route, raised ``from`` the underlying error; the outcome is recorded in the
         server's state either way. ``timeouts`` overrides the deadlines.
+
+        A weight-sync call (the ``update`` phase) is watched while in flight
+        (`Timeouts.liveness`, `_Liveness`): when the server's ``/health`` fails, the call
+        fails then, with `ServerUnavailableError`.
         """
         timeouts = timeouts or self.timeouts
+        every = timeouts.liveness if call.phase == "update" else None
+        if every is None:
+            return await self._request(call, body, timeouts)
+        watch = _Liveness(self, call, every)
+        try:
+            return await self._request(call, body, timeouts)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            failure = watch.failure
+            if failure is None or task is None or task.uncancel() > 0:
+                raise  # a cancellation from elsewhere
+            self._failed(call, failure)
+            raise failure from failure.__cause__
+        finally:
+            watch.stop()
+
+    async def _request(self, call: Call[T], body: bytes | None, timeouts: Timeouts) -> T:
+        """`request`, unwatched."""
         # The resend rule reads the after-5xx flag as it stood when the call was sent.
         after_server_error = self._after_server_error
         try:
@@ -531,6 +554,77 @@ def _answer_error(
     kind: type[E], message: str, call: Call[Any], server: str, status: int, body: bytes
 ) -> E:
     return kind(message, server=server, route=call.route, status=status, body=_text(body))
+
+
+class _Liveness:
+    """While one weight-sync call to ``endpoint`` is in flight: ``GET /health`` every
+    ``every`` seconds (the first after ``every``: a call that ends sooner costs one
+    timer). An answer that is a server error (vLLM answers 503 once its engine died)
+    or a refused connection (the process is gone) cancels the task that awaits the call,
+    with `failure` set; `Endpoint.request` turns that into the call's failure. vLLM
+    leaves a weight-sync call to a dead engine unanswered: without this, the round
+    waited for the update deadline (10 minutes by default) to learn what ``/health``
+    said in milliseconds. A probe that times out changes nothing: a frozen server is
+    the call's own deadline's to judge."""
+
+    __slots__ = ("_call", "_endpoint", "_every", "_probe", "_task", "_timer", "failure")
+
+    def __init__(self, endpoint: Endpoint, call: Call[Any], every: float) -> None:
+        self._endpoint = endpoint
+        self._call = call
+        self._every = every
+        self._task = asyncio.current_task()
+        self._probe: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            every, self._start_probe
+        )
+        self.failure: ServerUnavailableError | None = None
+
+    def _start_probe(self) -> None:
+        self._timer = None
+        self._probe = asyncio.get_running_loop().create_task(
+            self._check(), name=f"asyncsync:liveness:{self._endpoint.url}"
+        )
+
+    async def _check(self) -> None:
+        endpoint, call = self._endpoint, self._call
+        began = asyncio.get_running_loop().time()
+        try:
+            await endpoint._send_once(plan_health(), None, endpoint.timeouts)
+        except (ServerError, ServerUnavailableError) as err:
+            if isinstance(err, ServerError) and (err.status or 0) < 500:
+                logger.debug("%s /health during %s: %s", endpoint.url, call.route, err)
+                return  # not a server in trouble (a proxy's 404, an auth error): no watch
+            if self._task is None or self._task.done():
+                return
+            what = err.message if err.status is not None else f"no connection: {err.message}"
+            self.failure = ServerUnavailableError(
+                f"the server failed its /health ({what}) while "
+                f"{call.route} was in flight; the call was given up rather than left "
+                "to its deadline (vLLM does not answer a weight-sync call once its "
+                "engine died)",
+                server=endpoint.url,
+                route=call.route,
+            )
+            self.failure.__cause__ = err
+            logger.warning("%s: %s", endpoint.url, self.failure.message)
+            self._task.cancel()
+            return
+        except AsyncSyncError as err:  # no answer in time: the call's deadline judges
+            logger.debug("%s /health during %s: %s", endpoint.url, call.route, err)
+        waited = asyncio.get_running_loop().time() - began
+        self._timer = asyncio.get_running_loop().call_later(
+            max(self._every - waited, 0.0), self._start_probe
+        )
+
+    def stop(self) -> None:
+        """The call ended: no further probe (one under way is cancelled)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._probe is not None and not self._probe.done():
+            self._probe.cancel()
+        self._task = None
 
 
 def map_error(

@@ -26,7 +26,7 @@ _OPENAI_TYPES = {400: "Bad Request", 500: "InternalServerError", 503: "ServiceUn
 class Fault:
     """A misbehaviour to inject on a route (see the constructors)."""
 
-    kind: Literal["delay", "hang", "until", "error", "malformed", "drop", "die"]
+    kind: Literal["delay", "hang", "until", "error", "malformed", "drop", "die", "engine_dies"]
     seconds: float = 0.0
     status: int = 500
     shape: ErrorShape = "collective"
@@ -73,6 +73,14 @@ class Fault:
     def drop(cls) -> Fault:
         """Close the connection without answering (connection reset)."""
         return cls("drop")
+
+    @classmethod
+    def engine_dies(cls) -> Fault:
+        """vLLM's engine dies while serving the request (a worker process crashed), and
+        the API server stays up, as vLLM 0.32's does: this request is never answered,
+        ``/health`` answers 503 from then on, and every other request that needs the
+        engine 500 (``EngineDeadError``)."""
+        return cls("engine_dies")
 
     @classmethod
     def die(cls) -> Fault:

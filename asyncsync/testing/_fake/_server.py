@@ -26,6 +26,18 @@ from asyncsync.testing._fake._weights import WeightRoutes
 
 __all__ = ["FakeVLLMServer"]
 
+#: What vLLM's API server answers by itself, its engine dead or alive (`Fault.engine_dies`).
+_ENGINELESS = frozenset({"/version", "/v1/models", "/server_info", "/metrics"})
+
+
+def _engine_dead(path: str) -> web.Response:
+    """vLLM 0.32's answer once its engine died: ``/health`` 503 with no body, the
+    engine's routes 500 ``EngineDeadError``."""
+    if path == "/health":
+        return web.Response(status=503)
+    message = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+    return error_response(Fault.error(500, message, shape="openai"))
+
 
 class FakeVLLMServer(FakeState):
     """An aiohttp server speaking vLLM's RL protocol (0.23 or 0.32), with fault injection.
@@ -203,8 +215,10 @@ class FakeVLLMServer(FakeState):
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
-            fault = self._faults.take(request.path)
             result: web.StreamResponse | None = None
+            if self.engine_dead and request.path not in _ENGINELESS:
+                return _engine_dead(request.path)
+            fault = self._faults.take(request.path)
             if fault is not None:
                 result = await self._apply(fault, request)
             if result is None:
@@ -221,6 +235,9 @@ class FakeVLLMServer(FakeState):
         if fault.kind == "delay":
             await asyncio.sleep(fault.seconds)
             return None
+        if fault.kind == "engine_dies":
+            self.engine_dead = True
+            await asyncio.Event().wait()  # vLLM leaves the call that met the death unanswered
         if fault.kind == "hang":
             await asyncio.Event().wait()  # never set: until the handler is cancelled
         if fault.kind == "until":

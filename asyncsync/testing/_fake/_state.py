@@ -153,6 +153,8 @@ class FakeState:
         self._faults = FaultQueue()
         self._recorded: deque[RecordedRequest] = deque(maxlen=max_recorded)
         self.cancelled: list[str] = []
+        #: the engine died (`Fault.engine_dies`): /health 503, the engine's routes 500
+        self.engine_dead = False
         self.generation_requests = 0
         #: tokens sampled so far, every request's together (a test waits for the k-th)
         self.tokens_generated = 0
