@@ -32,6 +32,8 @@ import random
 import signal
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -69,10 +71,15 @@ FAULTED_CALL = {
 #: restart (about 50 s here): the default run kills mid-update, the cell where the victim
 #: holds part of the round; the kills at start and at finish run in ``nox -s faults``
 #: (marked ``faults``), beside every cell of every fault with fakes in the default run.
+#: ``engine``: only the victim's worker process is SIGKILLed, mid-update: vLLM's engine
+#: dies and its API server stays up, answering /health with 503, and leaves a weight-sync
+#: call to the dead engine unanswered (bench_membership met it: a round waited out its
+#: 600 s deadline); `Timeouts.liveness` loses the victim at its next /health instead.
 CELLS = [
     pytest.param("kill", "start", marks=pytest.mark.faults),
     ("kill", "update"),
     pytest.param("kill", "finish", marks=pytest.mark.faults),
+    pytest.param("engine", "update", marks=pytest.mark.faults),
     ("freeze", "start"),
     ("freeze", "update"),
     ("freeze", "finish"),
@@ -124,6 +131,37 @@ def _signal(server: LocalVLLMServer, sig: signal.Signals) -> None:
     if server.process is not None:
         with contextlib.suppress(ProcessLookupError):  # started with start_new_session
             os.killpg(server.process.pid, sig)
+
+
+def _kill_engine(server: LocalVLLMServer) -> None:
+    """SIGKILL the server's worker process (its engine dies; the API server stays up),
+    then wait until its /health says so (503, or no connection: vLLM may shut down)."""
+    assert server.process is not None
+    group = os.getpgid(server.process.pid)
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if (entry / "comm").read_text().startswith("VLLM::Worker") and os.getpgid(
+                int(entry.name)
+            ) == group:
+                workers.append(int(entry.name))
+    assert workers, "no VLLM::Worker process in the server's process group"
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=5):
+                pass
+        except urllib.error.HTTPError as err:
+            if err.code == 503:
+                return
+        except OSError:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server's /health never said its engine died")
 
 
 def _weights(model_dir: Path, scale: float = 1.0) -> dict[str, Any]:
@@ -204,6 +242,9 @@ async def _cell(
 ) -> None:
     original, perturbed = _weights(tiny_model_dir), _weights(tiny_model_dir, 1.01)
     sig = signal.SIGKILL if fault == "kill" else signal.SIGSTOP
+    produce: Callable[[], None] = lambda: _signal(victim, sig)  # noqa: E731
+    if fault == "engine":
+        produce = lambda: _kill_engine(victim)  # noqa: E731
     publisher = az.AsyncWeightPublisher(fleet, backend=az.backends.Shm(buffer_bytes=BUFFER))
     report = await publisher.publish(original, version="before")
     assert report.chunks > 2  # so that the second chunk is mid-update
@@ -211,9 +252,7 @@ async def _cell(
     try:
         mark = log.mark()
         began = time.monotonic()
-        report = await _faulted_round(
-            where, lambda: _signal(victim, sig), fleet, publisher, perturbed
-        )
+        report = await _faulted_round(where, produce, fleet, publisher, perturbed)
         seconds = time.monotonic() - began  # reported, never asserted
         print(f"\n{fault} at {where}: published on the survivor after {seconds:.2f} s")
         # One update deadline waited (the frozen victim's faulted call, the last thing
@@ -260,7 +299,7 @@ async def _cell(
         if fault == "freeze":
             _signal(victim, signal.SIGCONT)
 
-    if fault == "kill":
+    if fault in ("kill", "engine"):
         await victim.astop()  # reaps what is left of its process group
         await victim.astart()  # same port: the same fleet member
     await _healthy_again(fleet, victim.url)
