@@ -172,6 +172,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 fleet.mark_dirty([victim.url])
                 await fleet.ready(victim.url, timeout=900)
                 alone.append(time.perf_counter() - began)
+                # the round's resume (see catch_up); no event tells it: polled
+                while fleet.state(victim.url).paused:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
             results["catch_up_alone_s"] = statistics.median(alone)
 
             # Catch-ups and vLLM's own reloads back to back, and the other server's
@@ -190,6 +193,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             async def catch_up() -> None:
                 fleet.mark_dirty([victim.url])
                 await fleet.ready(victim.url, timeout=900)
+                # Admitted at the round's finish; its cache reset and resume follow, and a
+                # mark made before the round commits is erased by the commit: the next
+                # catch-up waits for the whole round (it resumes the server it paused;
+                # no event tells it: polled).
+                while fleet.state(victim.url).paused:  # noqa: ASYNC110
+                    await asyncio.sleep(0.005)
 
             async def reload() -> None:
                 await _own_reload(fleet.session, victim.url, model_dir)
