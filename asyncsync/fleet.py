@@ -457,8 +457,9 @@ class Fleet:
 
     def mark_dirty(self, urls: _Targets = None, *, dirty: bool | None = None) -> None:
         """Mark servers (all when None) dirty: they serve nothing until a round reaches
-        them (`mark_clean` undoes it). ``dirty=False`` is the deprecated spelling of
-        `mark_clean`."""
+        them (`mark_clean` undoes it). A server a round holds that has answered that
+        round's finish stays dirty after the round's commit (the mark is newer than what
+        the round loaded). ``dirty=False`` is the deprecated spelling of `mark_clean`."""
         if dirty is not None:
             warn_deprecated(
                 f"Fleet.mark_dirty(urls, dirty={dirty!r})",

@@ -603,3 +603,79 @@ async def test_a_server_removed_during_a_round_drops_out_of_it(back: bool) -> No
         if back:
             assert leaving.worker.holds(NEWER)
             assert fleet.state(leaving.fake.url).weight_version == "v2"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("marked_at", "dirty_after"),
+    [("/start_weight_update", False), ("/reset_prefix_cache", True)],
+)
+async def test_a_mark_by_hand_after_a_servers_finish_outlives_the_rounds_commit(
+    marked_at: str, dirty_after: bool
+) -> None:
+    """A round holds a server from its probe to its commit. A mark by hand made before
+    the server's finish is answered by what the round loads after it (the commit cleans
+    it); one made after the finish (its cache reset, its resume still to come) says
+    something the round did not load: the commit leaves the server dirty. (The
+    membership benchmark met it: back-to-back catch-ups marked between a round's
+    admission and its commit were erased, and returned in 2 ms.)"""
+    from tests.publish_fakes import shm_fakes
+
+    weights = {f"model.layers.{i}.w": torch.full((64,), float(i)) for i in range(2)}
+    async with (
+        shm_fakes() as (kept, marked),
+        az.Fleet([kept.url, marked.url]) as fleet,
+        az.AsyncWeightPublisher(
+            fleet, backend=az.backends.Shm(buffer_bytes=1 << 20), catch_up="off"
+        ) as publisher,
+    ):
+
+        def mark(request: Any) -> None:
+            if request.path == marked_at:
+                marked.on_request = None
+                fleet.mark_dirty([marked.url])
+
+        marked.on_request = mark
+        await publisher.publish(weights, version="v1")
+        assert marked.on_request is None  # the mark was made
+        state = fleet.state(marked.url)
+        assert state.dirty is dirty_after
+        assert state.weight_version == "v1"
+        assert not fleet.state(kept.url).dirty
+        if dirty_after:  # served nothing until a round reaches it
+            assert fleet.routing_reasons()[marked.url] == "dirty"
+            await publisher.publish(weights, version="v2")
+            assert not fleet.state(marked.url).dirty
+
+
+@pytest.mark.asyncio
+async def test_a_catch_up_marked_again_after_its_finish_runs_again_without_back_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A catch-up round that reached its server is no failure, even when a mark by hand
+    made after the server's finish leaves it dirty at the commit: the next catch-up
+    follows at once. (Counted as a failure, each such mark doubled a back-off, 1 s up to
+    60 s, and a loop of marks and waits ran out of time.)"""
+    async with published() as (servers, fleet, publisher):
+        victim = servers[1].fake
+        state = {"marks": 0}
+
+        def mark_during_the_catch_up(request: Any) -> None:
+            if request.path == "/reset_prefix_cache" and state["marks"] == 0:
+                state["marks"] += 1
+                fleet.mark_dirty([victim.url])
+
+        before = len(victim.requests_to("/reset_prefix_cache"))
+        victim.on_request = mark_during_the_catch_up
+        with caplog.at_level(logging.INFO, logger="asyncsync"):
+            fleet.mark_dirty([victim.url])
+            await wait_until(lambda: state["marks"] == 1)
+            await fleet.ready(victim.url, timeout=30)
+            await wait_until(lambda: not fleet.ledger.in_round(victim.url))
+        caught_up = [r for r in caplog.records if "caught up to" in r.getMessage()]
+        assert len(caught_up) == 1  # the second: the mark left the first's commit dirty
+        assert len(victim.requests_to("/reset_prefix_cache")) == before + 2  # two rounds
+        assert not [r for r in caplog.records if "tried again in" in r.getMessage()]
+        assert not fleet.state(victim.url).dirty
+        assert servers[1].worker.holds(WEIGHTS)
+        assert publisher.version == "v1"

@@ -117,6 +117,8 @@ class ServerRecord:
         "identity",
         "last_error",
         "loaded_by",
+        "loaded_in_round",
+        "marked_after_finish",
         "max_concurrency",
         "outstanding",
         "paused",
@@ -170,6 +172,11 @@ class ServerRecord:
         self.held_until = 0.0
         #: restarts seen (identity changes)
         self.restarts = 0
+        #: its finish answered in the round that holds it (until that round ends)
+        self.loaded_in_round = False
+        #: a mark by hand came after that finish: the round's commit leaves it dirty
+        #: (what the round loaded came before what the mark says)
+        self.marked_after_finish = False
 
     def unfit(self) -> Reason | None:
         """Why this server cannot serve now, by its own state (`asyncsync._core.state.unfit`,
@@ -598,6 +605,8 @@ class Ledger:
                 # a finished draft round cleans the draft only: the served model's weights
                 # (and its dirty flag) are not what it changed
                 self._clean(rec, draft=rec.update_target == "draft")
+                if rec.update_target == "main" and rec.url in self._rounds:
+                    rec.loaded_in_round, rec.marked_after_finish = True, False
                 rec.update_target = "main"
             case _:
                 pass
@@ -760,8 +769,7 @@ class Ledger:
         longer holds ``targets``."""
         for url in urls:
             rec = self._records.get(url)
-            if rec is not None:
-                self._hold(rec, version)
+            if rec is not None and self._hold(rec, version):
                 logger.info("server %s caught up to %r", url, version)
         self._end_round(targets)
         self._changed_all()
@@ -790,13 +798,22 @@ class Ledger:
     def _end_round(self, urls: Iterable[str]) -> None:
         for url in urls:
             self._rounds.pop(url, None)
+            rec = self._records.get(url)
+            if rec is not None:
+                rec.loaded_in_round = rec.marked_after_finish = False
 
-    def _hold(self, rec: ServerRecord, version: str) -> None:
-        """``rec``'s server (the process it is now) holds ``version``: clean."""
+    def _hold(self, rec: ServerRecord, version: str) -> bool:
+        """``rec``'s server (the process it is now) holds ``version``: clean, unless
+        marked by hand after its finish (False)."""
         rec.weight_version = version
         rec.loaded_by = rec.identity
         rec.reported_version = None
+        if rec.marked_after_finish:  # the mark is newer than what the round loaded
+            rec.updating = False
+            logger.info("server %s stays dirty: marked by hand after its finish", rec.url)
+            return False
         self._clean(rec)
+        return True
 
     # ---------------------------------------------------------------- by hand
     def published_by_hand(self, version: str, urls: Iterable[str]) -> None:
@@ -841,7 +858,11 @@ class Ledger:
         for rec in recs:
             if dirty:
                 self._dirty(rec, "marked by hand")
+                held = self._rounds.get(rec.url)
+                if held is not None and held[1] == "main" and rec.loaded_in_round:
+                    rec.marked_after_finish = True
             else:
+                rec.marked_after_finish = False
                 self._clean(rec)
                 self._clean(rec, draft=True)
         self._changed(recs, by_hand=True)  # a mark by hand is no flap of the server

@@ -28,7 +28,8 @@ once the round finished there (`Ledger.caught_up`). A trainer's round takes prec
 ``publish`` cancels a running catch-up (which ends its update on that server, as any
 cancelled round does) and its round, which targets every server, includes the stale
 ones. A catch-up that fails on a server is tried again after a back-off (1 s, doubling,
-up to `MAX_RETRY`).
+up to `MAX_RETRY`); one that reached it is no failure, even if the server is stale again
+by its end (marked by hand after its finish, restarted): it is caught up again at once.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ class CatchUp:
             if urls and version is not None:
                 self._round = asyncio.ensure_future(self._run_round(version, urls))
                 try:
-                    await asyncio.shield(self._round)
+                    done = await asyncio.shield(self._round)
+                    reached = set(getattr(done, "servers", ()))
                 except asyncio.CancelledError:
                     if not self._round.cancelled():
                         raise  # this loop itself was cancelled
@@ -234,7 +236,7 @@ class CatchUp:
                     logger.exception("catching up %s failed", ", ".join(urls))
                     self._failed(urls, None)
                 else:
-                    self._succeeded(urls)
+                    self._succeeded(urls, reached)
                 finally:
                     self._round = None
                 continue
@@ -258,10 +260,13 @@ class CatchUp:
             self._retry[url] = (now + backoff, backoff)
             logger.warning("catch-up of %s failed: tried again in %.0f s", url, backoff)
 
-    def _succeeded(self, urls: list[str]) -> None:
+    def _succeeded(self, urls: list[str], reached: set[str]) -> None:
+        """The round ended: a server it reached has no back-off left (stale again by now,
+        marked by hand after its finish or restarted, it is a new need, caught up at
+        once); one it did not reach is tried again after its back-off."""
         for url in urls:
             record = self._ledger.record(url) if url in self._ledger else None
-            if record is not None and record.health == "healthy":
+            if url in reached or (record is not None and record.health == "healthy"):
                 self._retry.pop(url, None)
             else:
                 self._failed([url], None)
