@@ -382,9 +382,6 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             log_stats=True,
         )
         renderer = az.ChatRenderer(model_dir, *SERVER_FLAGS)
-        built = time.perf_counter()
-        await renderer.start()
-        built = time.perf_counter() - built
         async with (
             server_cm as server,
             az.Fleet([server.url]) as fleet,
@@ -392,6 +389,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
         ):
             os.sched_setaffinity(0, client_cores)
+            # after the affinity: the renderer's threads inherit it (started before, they
+            # ran on the server's core too, and its engine lost time to them)
+            built = time.perf_counter()
+            await renderer.start()
+            built = time.perf_counter() - built
             import anthropic
             import httpx2
 

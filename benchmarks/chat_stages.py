@@ -1,0 +1,199 @@
+"""Where a `ChatSession` turn with a `ChatRenderer` loses to vLLM's own chat endpoint at
+32 episodes in flight: a diagnostic beside ``bench_chat.py`` (same server, model, flags
+and episodes), not a benchmark with targets.
+
+Cases, interleaved, the median of 3 rounds:
+
+- vLLM's own ``/v1/chat/completions`` (bench_chat's case);
+- bare aiohttp posting to ``/inference/v1/generate`` the exact bodies a session sends
+  for the episode's two turns (captured from one session episode): the server's cost of
+  the session's requests, without the session;
+- the same through ``Fleet.generate``: asyncsync's generation path, without chat;
+- the session with the renderer (bench_chat's case), its stages timed: admission,
+  renders and derenders on the renderer's thread, the generation.
+
+Per case: turns per second, the engine's steps per turn and tokens per step (its
+``/metrics``), CPU per turn of the server's API process, of its engine, and of this
+client. Prints a table; writes nothing.
+
+    python benchmarks/chat_stages.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import bench_chat as bc
+
+import asyncsync as az
+from asyncsync._chat import render as _render
+from asyncsync._core import encoding as _json
+from asyncsync._generation import engine as _engine
+from asyncsync.testing import LocalVLLMServer, make_tiny_model
+
+EPISODES = 96
+CONCURRENCY = 32
+
+#: wall seconds of each timed stage of the session's turns
+STAGES: dict[str, list[float]] = defaultdict(list)
+#: the generation bodies the session sent (captured)
+SENT: list[bytes] = []
+
+
+def _timed(owner: Any, name: str, label: str) -> None:
+    inner = getattr(owner, name)
+
+    @functools.wraps(inner)
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return await inner(*args, **kwargs)
+        finally:
+            STAGES[label].append(time.perf_counter() - began)
+
+    setattr(owner, name, timed)
+
+
+def _capture() -> None:
+    inner = _engine.request_body
+
+    def captured(*args: Any, **kwargs: Any) -> bytes:
+        body = inner(*args, **kwargs)
+        SENT.append(body)
+        return body
+
+    _engine.request_body = captured  # type: ignore[assignment]
+
+
+def bare(http: aiohttp.ClientSession, url: str, bodies: list[bytes]) -> bc.Episode:
+    async def episode(_: int) -> None:
+        for body in bodies:
+            headers = {"Content-Type": "application/json"}
+            async with http.post(url + "/inference/v1/generate", data=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+    return episode
+
+
+def through_fleet(fleet: az.Fleet, bodies: list[bytes]) -> bc.Episode:
+    fields = set(az.Sampling.__dataclass_fields__)
+    turns = []
+    for raw in bodies:
+        body = _json.loads(raw)
+        params = {k: v for k, v in body["sampling_params"].items() if k != "n"}
+        extra = {k: v for k, v in params.items() if k not in fields} or None
+        own = {k: v for k, v in params.items() if k in fields}
+        turns.append((body["token_ids"], az.Sampling(**own, extra_params=extra)))
+
+    async def episode(_: int) -> None:
+        for prompt, sampling in turns:
+            await fleet.generate(prompt, sampling)
+
+    return episode
+
+
+async def main() -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    server_core = str(cores[-1]) if len(cores) > 1 else None
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = await asyncio.to_thread(
+            make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
+        )
+        renderer = az.ChatRenderer(model_dir, *bc.SERVER_FLAGS)
+        async with (
+            LocalVLLMServer(
+                model_dir,
+                tool_call_parser="hermes",
+                max_model_len=bc.CONTEXT,
+                cpu_cores=server_core,
+                log_stats=True,
+            ) as server,
+            az.Fleet([server.url]) as fleet,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+        ):
+            assert server.process is not None
+            pgid = server.process.pid
+            # this client on the other cores (the server's processes keep theirs), set
+            # before the renderer's threads start: they inherit it
+            os.sched_setaffinity(0, set(cores[:-1]) if len(cores) > 1 else set(cores))
+            await renderer.start()
+
+            def probe() -> Awaitable[bc.Counters]:
+                return bc.counters(http, server.url, pgid)
+
+            model = await az.ChatSession(fleet).served_model()
+            session = bc.session_chat(fleet, renderer, "r")
+            _capture()
+            await session(0)
+            bodies = SENT[-2:]
+            cases: dict[str, Callable[[int], Awaitable[None]]] = {
+                "vLLM `/v1/chat/completions`": bc.vllm_chat(http, server.url, model),
+                "bare `/inference/v1/generate`, the session's bodies": bare(
+                    http, server.url, bodies
+                ),
+                "`Fleet.generate`, the same prompts and sampling": through_fleet(fleet, bodies),
+                "`ChatSession` + `ChatRenderer`": session,
+            }
+            for episode in cases.values():
+                await bc.drive(episode, 8, 4, probe)
+            for owner, name, label in (
+                (_render.ChatRenderer, "render", "render (renderer thread)"),
+                (_render.ChatRenderer, "derender", "derender (renderer thread)"),
+                (az.Fleet, "generate", "generation"),
+            ):
+                _timed(owner, name, label)
+            runs: dict[str, list[bc.Run]] = {name: [] for name in cases}
+            session_stages: list[dict[str, list[float]]] = []
+            for _ in range(3):
+                for name, episode in cases.items():
+                    STAGES.clear()
+                    runs[name].append(await bc.drive(episode, EPISODES, CONCURRENCY, probe))
+                    if "ChatSession" in name:
+                        session_stages.append(dict(STAGES))
+        await renderer.aclose()
+        os.sched_setaffinity(0, cores)
+    report(runs, session_stages)
+
+
+def report(runs: dict[str, list[bc.Run]], stages: list[dict[str, list[float]]]) -> None:
+    turns = 2 * EPISODES
+    base = None
+    print(f"concurrency {CONCURRENCY}, {EPISODES} two-turn episodes per round, median of 3")
+    print("| case | turns/s | vs vLLM's | engine steps / turn | tokens / step "
+          "| CPU / turn: API, engine, client |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, rounds in runs.items():
+        run = sorted(rounds, key=lambda r: r.wall)[len(rounds) // 2]
+        rate = turns / run.wall
+        base = base or rate
+        s = run.server
+        print(
+            f"| {name} | {rate:.1f} | {rate / base:.2f}x | {s.steps / turns:.1f} "
+            f"| {s.step_tokens / max(s.steps, 1):.0f} | {1e3 * s.api_cpu / turns:.1f}, "
+            f"{1e3 * s.engine_cpu / turns:.1f}, {1e3 * run.client_cpu / turns:.1f} ms |"
+        )
+    print("\nthe session's stages (all rounds): count, mean, p50, max")
+    merged: dict[str, list[float]] = defaultdict(list)
+    for one in stages:
+        for label, times in one.items():
+            merged[label].extend(times)
+    for label, times in merged.items():
+        print(
+            f"  {label:28s} {len(times):5d}  {1e3 * statistics.mean(times):7.1f} ms  "
+            f"{1e3 * statistics.median(times):7.1f} ms  {1e3 * max(times):7.1f} ms"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
