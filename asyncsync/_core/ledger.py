@@ -172,7 +172,7 @@ class ServerRecord:
         self.held_until = 0.0
         #: restarts seen (identity changes)
         self.restarts = 0
-        #: its finish answered in the round that holds it (until that round ends)
+        #: its finish answered in the main round that holds it (until that round ends)
         self.loaded_in_round = False
         #: a mark by hand came after that finish: the round's commit leaves it dirty
         #: (what the round loaded came before what the mark says)
@@ -858,9 +858,8 @@ class Ledger:
         for rec in recs:
             if dirty:
                 self._dirty(rec, "marked by hand")
-                held = self._rounds.get(rec.url)
-                if held is not None and held[1] == "main" and rec.loaded_in_round:
-                    rec.marked_after_finish = True
+                # after its finish in the main round that still holds it
+                rec.marked_after_finish = rec.loaded_in_round
             else:
                 rec.marked_after_finish = False
                 self._clean(rec)
