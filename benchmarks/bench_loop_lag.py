@@ -216,20 +216,21 @@ def run_delay(native_id: int) -> float:
     return int(fields[1]) / 1e9
 
 
+async def vllm_reload(session: Any, url: str, checkpoint: Path) -> None:
+    """vLLM's own reload of ``checkpoint`` on ``url`` (``/collective_rpc``, dev mode)."""
+    payload = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
+    for attempt in range(3):  # vLLM cancels a collective RPC now and then under load
+        async with session.post(f"{url}/collective_rpc", json=payload) as resp:
+            body = await resp.text()
+            if resp.status == 200:
+                return
+            if attempt == 2 or "cancelled" not in body:
+                raise RuntimeError(f"reload_weights failed: {resp.status} {body[:300]}")
+
+
 async def _reload_both(session: Any, urls: list[str], ckpt: Path) -> float:
-    payload = {"method": "reload_weights", "kwargs": {"weights_path": str(ckpt)}}
-
-    async def one(url: str) -> None:
-        for attempt in range(3):  # vLLM cancels a collective RPC now and then under load
-            async with session.post(f"{url}/collective_rpc", json=payload) as resp:
-                body = await resp.text()
-                if resp.status == 200:
-                    return
-                if attempt == 2 or "cancelled" not in body:
-                    raise RuntimeError(f"reload_weights failed: {resp.status} {body[:300]}")
-
     began = time.perf_counter()
-    await asyncio.gather(*(one(u) for u in urls))
+    await asyncio.gather(*(vllm_reload(session, u, ckpt) for u in urls))
     return time.perf_counter() - began
 
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 from _markdown import write_section
+from bench_loop_lag import vllm_reload
 from bench_publish import BIG
 
 import asyncsync as az
@@ -84,18 +85,6 @@ def _rate(tokens: list[float], windows: list[tuple[float, float]]) -> float:
     inside = sum(1 for t in tokens for a, b in windows if a <= t < b)
     seconds = sum(b - a for a, b in windows)
     return inside / seconds if seconds else 0.0
-
-
-async def _own_reload(session: Any, url: str, checkpoint: Path) -> None:
-    """vLLM's own reload of ``checkpoint`` on ``url`` (``/collective_rpc``, dev mode)."""
-    payload = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
-    for attempt in range(3):  # vLLM cancels a collective RPC now and then under load
-        async with session.post(f"{url}/collective_rpc", json=payload) as resp:
-            body = await resp.text()
-            if resp.status == 200:
-                return
-            if attempt == 2 or "cancelled" not in body:
-                raise RuntimeError(f"reload_weights failed: {resp.status} {body[:300]}")
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -165,16 +154,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
 
-            # The catch-up alone (nothing else running, as the full rounds above).
-            alone = []
-            for _ in range(args.repeats):
+            async def catch_up() -> float:
+                """Mark the victim dirty; seconds until it is admitted (the catch-up)."""
                 began = time.perf_counter()
                 fleet.mark_dirty([victim.url])
                 await fleet.ready(victim.url, timeout=900)
-                alone.append(time.perf_counter() - began)
-                # the round's resume (see catch_up); no event tells it: polled
+                admitted = time.perf_counter() - began
+                # Admitted at the round's finish; its cache reset and resume follow. The
+                # next mark waits for them, so that each catch-up is one round of its own
+                # (a mark made before they end outlives the commit, and the catch-up
+                # after it would wait for this round's tail). No event tells the
+                # resume: polled.
                 while fleet.state(victim.url).paused:  # noqa: ASYNC110
                     await asyncio.sleep(0.005)
+                return admitted
+
+            # The catch-up alone (nothing else running, as the full rounds above).
+            alone = [await catch_up() for _ in range(args.repeats)]
             results["catch_up_alone_s"] = statistics.median(alone)
 
             # Catch-ups and vLLM's own reloads back to back, and the other server's
@@ -190,20 +186,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             }
             each: dict[str, list[float]] = {"catch_up": [], "reload": []}
 
-            async def catch_up() -> None:
-                fleet.mark_dirty([victim.url])
-                await fleet.ready(victim.url, timeout=900)
-                # Admitted at the round's finish; its cache reset and resume follow, and a
-                # mark made before the round commits is erased by the commit: the next
-                # catch-up waits for the whole round (it resumes the server it paused;
-                # no event tells it: polled).
-                while fleet.state(victim.url).paused:  # noqa: ASYNC110
-                    await asyncio.sleep(0.005)
-
             async def reload() -> None:
-                await _own_reload(fleet.session, victim.url, model_dir)
+                await vllm_reload(fleet.session, victim.url, model_dir)
 
-            async def window(key: str, work: Callable[[], Awaitable[None]] | None) -> None:
+            async def window(key: str, work: Callable[[], Awaitable[object]] | None) -> None:
                 """``work`` back to back for ``--window`` seconds (a window much longer
                 than one completion: the rate counts completions)."""
                 t0 = time.perf_counter()
