@@ -58,8 +58,14 @@ def documented_install() -> list[list[str]]:
 TINY_MODEL_CACHE = str(Path(__file__).parent / ".nox" / "tiny-models")
 
 
-def server_env() -> dict[str, str]:
-    return {"PYTHONFAULTHANDLER": "1", "ASYNCSYNC_TINY_MODEL_CACHE": TINY_MODEL_CACHE}
+def server_env(*, eager: bool = True) -> dict[str, str]:
+    """The environment of a session that starts vLLM servers. ``eager``: servers a test
+    starts for itself skip vLLM's compile warm-up (``--enforce-eager``, 25 s less per
+    start on 2 cores); the suite's session-wide servers stay compiled (tests/conftest.py)."""
+    env = {"PYTHONFAULTHANDLER": "1", "ASYNCSYNC_TINY_MODEL_CACHE": TINY_MODEL_CACHE}
+    if eager:
+        env["ASYNCSYNC_ENFORCE_EAGER"] = "1"
+    return env
 
 
 #: Claude Code, run for real by tests/test_claude_code_vllm.py (npm; node 20+).
@@ -327,7 +333,8 @@ def examples(session: nox.Session) -> None:
     for argv in documented_install():
         session.run_install(*argv)
     print_server_stack(session)
-    session.run("python", "scripts/run_examples.py", *session.posargs, env=server_env())
+    # the examples run as a reader runs them: vLLM's default, compiled
+    session.run("python", "scripts/run_examples.py", *session.posargs, env=server_env(eager=False))
 
 
 #: Benchmark scripts run by ``nox -s bench``; each writes its section of docs/performance.md.

@@ -155,6 +155,10 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             tokenizer=True,
             cpu_cores=_core(0),
             log_stats=True,  # /metrics: tests see what the engine runs (tests/waiting.py)
+            # compiled, as users run vLLM: most real-server tests use these two, so the
+            # publish and generation paths are tested on compiled models; servers a
+            # module starts for itself start eager under nox (ASYNCSYNC_ENFORCE_EAGER)
+            enforce_eager=False,
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
         token_only_server=LocalVLLMServer(
@@ -163,6 +167,7 @@ def vllm_fleet(tiny_model_dir: Path) -> Iterator[VLLMFleet]:
             tokenizer=False,
             cpu_cores=_core(1),
             log_stats=True,
+            enforce_eager=False,
             startup_timeout=SERVER_STARTUP_TIMEOUT,
         ),
     )

@@ -112,6 +112,31 @@ def test_server_flags_for_a_token_only_shm_server() -> None:
     ]
 
 
+def test_enforce_eager_comes_from_the_argument_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--enforce-eager`` once, where the argument or ``ASYNCSYNC_ENFORCE_EAGER=1`` asks
+    for it; the argument wins over the environment."""
+    from asyncsync.testing import LocalVLLMServer
+
+    (tmp_path / "config.json").write_text("{}")
+
+    def command(**kwargs: Any) -> list[str]:
+        server = LocalVLLMServer(tmp_path, **kwargs)
+        server.port, server.options = 8000, ServerOptions("0.32.0", OPTIONS_032)
+        return server.command()
+
+    monkeypatch.delenv("ASYNCSYNC_ENFORCE_EAGER", raising=False)
+    assert "--enforce-eager" not in command()
+    assert command(enforce_eager=True).count("--enforce-eager") == 1
+    assert command(enforce_eager=True, extra_args=["--enforce-eager"]).count("--enforce-eager") == 1
+    monkeypatch.setenv("ASYNCSYNC_ENFORCE_EAGER", "1")
+    assert command().count("--enforce-eager") == 1
+    assert "--enforce-eager" not in command(enforce_eager=False)
+    monkeypatch.setenv("ASYNCSYNC_ENFORCE_EAGER", "0")
+    assert "--enforce-eager" not in command()
+
+
 def test_a_missing_flag_is_named_with_the_version() -> None:
     options = ServerOptions("0.22.0", frozenset({"--model", "--skip-tokenizer-init"}))
     assert server_flags(options, tokenizer=True, backend=None) == []
