@@ -176,6 +176,36 @@ async def test_a_tool_loop_in_each_dialect_is_one_exact_trajectory(
 
 
 @pytest.mark.asyncio
+async def test_a_turn_whose_history_renders_as_sampled_costs_one_render(
+    fleet: az.Fleet, fake: FakeVLLMServer
+) -> None:
+    """Where the template renders the conversation so far as exactly the recorded ids
+    (a plain answer, sampled as the template writes it), the next turn's prompt is the
+    server's own render of it, found without a render of the history; where it re-renders
+    a sampled tool call with other spacing, the history is rendered to bridge it."""
+    async with (
+        FakeVLLMServer(chat=scripted(ANSWER, ANSWER)) as plain,
+        az.Fleet([plain.url]) as plain_fleet,
+    ):
+        session = az.ChatSession(plain_fleet)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+        first = await session.create(messages, temperature=0)
+        messages += [first.message.to_dict(), {"role": "user", "content": "And tomorrow?"}]
+        second = await session.create(messages, temperature=0)
+        assert len(plain.requests_to("/v1/chat/completions/render")) == 2  # one per turn
+        assert second.prefix.status == "stable"
+        assert second.prompt_token_ids == ChatTokenizer().encode(render_chat(messages))
+        assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+        assert_exact(session)
+
+    tools = az.ChatSession(fleet)
+    await chat_loop(tools)
+    assert len(fake.requests_to("/v1/chat/completions/render")) == 3  # and the history's
+    assert [t.reply.prefix.status for t in tools.turns] == ["first", "stable"]
+    assert_exact(tools)
+
+
+@pytest.mark.asyncio
 async def test_each_dialect_answers_in_its_own_shape(fleet: az.Fleet) -> None:
     session = az.ChatSession(fleet)
     first, second = await anthropic_loop(session)

@@ -686,16 +686,6 @@ class ChatSession:
         node: Node,
     ) -> _Plan:
         branch = self._branches[node.branch]
-        upto = turn.messages[: len(node.history)]
-        opts = {k: v for k, v in request.items() if k not in ("messages", "tools")}
-        history_request = chat_request(upto, turn.tools, opts, add_generation_prompt=False)
-        used = self._renders.rendering(url)
-        (full, rendering, check), history = await asyncio.gather(
-            self._renders.full(turn, body, url, len(self._turns)),
-            used.render(RENDER_ROUTE, history_request),
-        )
-        if rendering is not used:  # the in-process renderer disagreed: the server's, all
-            history = await rendering.render(RENDER_ROUTE, history_request)
         kept = node.segments
         ids = branch.trajectory.token_ids[: branch.trajectory.segments[kept - 1].end]
         start = None if branch.last is node else (branch, kept)
@@ -708,36 +698,61 @@ class ChatSession:
                 prefix=len(ids),
                 reason=f"continues turn {node.turn + 1}, not the last turn of its trajectory",
             )
-        d1 = first_difference(node.rendered, history.token_ids)
-        d2 = first_difference(history.token_ids, full.token_ids)
-        if d1 is None and d2 is None:
+        upto = turn.messages[: len(node.history)]
+        opts = {k: v for k, v in request.items() if k not in ("messages", "tools")}
+        history_request = chat_request(upto, turn.tools, opts, add_generation_prompt=False)
+        history: Rendered | None = None
+        if node.calls:  # a sampled tool call is usually re-rendered with other spacing:
+            # the history's render will be needed, so it goes beside the full one
+            used = self._renders.rendering(url)
+            (full, rendering, check), history = await asyncio.gather(
+                self._renders.full(turn, body, url, len(self._turns)),
+                used.render(RENDER_ROUTE, history_request),
+            )
+            if rendering.name != used.name:  # the in-process renderer disagreed: the
+                history = None  # server renders the history too
+        else:
+            full, rendering, check = await self._renders.full(turn, body, url, len(self._turns))
+        if len(full.token_ids) > len(ids) and full.token_ids[: len(ids)] == ids:
+            # the template renders the conversation so far as exactly the ids recorded
+            # (the sampled ones included): the server's own prompt extends them, and the
+            # bridge is its rest; the history's render is not needed to find it
+            bridge = full.token_ids[len(ids) :]
+        else:
+            if history is None:
+                history = await rendering.render(RENDER_ROUTE, history_request)
+            d1 = first_difference(node.rendered, history.token_ids)
+            d2 = first_difference(history.token_ids, full.token_ids)
+            if d1 is not None or d2 is not None:
+                position = d1 if d1 is not None else d2
+                reason = (
+                    "the template renders the earlier turns differently now"
+                    if d1 is not None
+                    else "the template renders the conversation so far differently once "
+                    "new messages follow"
+                )
+                return self._unstable(
+                    branch, node, ids, full, history, request, rendering, check, position,
+                    reason, start,
+                )  # fmt: skip
             bridge = await self._bridge(branch, node, history.token_ids, upto, turn, opts, url)
             bridge += full.token_ids[len(history.token_ids) :]
-            report = PrefixReport("stable", bridge=tuple(bridge))
-            if start is not None:
-                report = PrefixReport(
-                    "forked", None, None, lineage.reason if lineage else None, tuple(bridge)
-                )
-            return _Plan(
-                ids + bridge,
-                report,
-                full,
-                request,
-                rendering,
-                check,
-                base=branch if start is None else None,
-                start=start,
-                lineage=lineage,
-                bridge=bridge,
+        report = PrefixReport("stable", bridge=tuple(bridge))
+        if start is not None:
+            report = PrefixReport(
+                "forked", None, None, lineage.reason if lineage else None, tuple(bridge)
             )
-        position = d1 if d1 is not None else d2
-        reason = (
-            "the template renders the earlier turns differently now"
-            if d1 is not None
-            else "the template renders the conversation so far differently once new messages follow"
-        )
-        return self._unstable(
-            branch, node, ids, full, history, request, rendering, check, position, reason, start
+        return _Plan(
+            ids + bridge,
+            report,
+            full,
+            request,
+            rendering,
+            check,
+            base=branch if start is None else None,
+            start=start,
+            lineage=lineage,
+            bridge=bridge,
         )
 
     async def _bridge(

@@ -20,6 +20,11 @@ rendering of the last assistant turn (its closing tokens, e.g. the newline after
 messages and the generation prompt. Both slices come from renders that hold the same
 re-rendered assistant turns, so a re-rendering difference cannot break them.
 
+A session renders ``history`` only where it needs it: when ``full`` already extends the
+session's ids (the template writes the conversation so far exactly as it was recorded,
+the sampled ids included: a plain answer, usually), ``full`` is the next prompt, the
+server's own, and its rest is the bridge.
+
 When the template is not prefix-stable there (it strips earlier thinking, or the agent
 edited the history), the first differing position is reported and the session forks,
 raises or bridges anyway (`align_end`).
