@@ -14,7 +14,9 @@ Cases, interleaved, the median of 3 rounds:
 
 Per case: turns per second, the engine's steps per turn and tokens per step (its
 ``/metrics``), CPU per turn of the server's API process, of its engine, and of this
-client. Prints a table; writes nothing.
+client. The session's calls on the renderer's thread are also timed in three parts
+(reaching its loop, on it, back to the caller's), and the renderer's own rate with
+nothing else running is measured first. Prints a table; writes nothing.
 
     python benchmarks/chat_stages.py
 """
@@ -39,6 +41,7 @@ import asyncsync as az
 from asyncsync._chat import render as _render
 from asyncsync._core import encoding as _json
 from asyncsync._generation import engine as _engine
+from asyncsync._wire.chat import RENDER_ROUTE
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 EPISODES = 96
@@ -62,6 +65,48 @@ def _timed(owner: Any, name: str, label: str) -> None:
             STAGES[label].append(time.perf_counter() - began)
 
     setattr(owner, name, timed)
+
+
+def _time_hand_offs() -> None:
+    """Each call on the renderer's thread, in three parts: reaching its loop, on it, and
+    back to the caller's loop."""
+
+    async def there(self: _render.ChatRenderer, work: Callable[[], Any]) -> Any:
+        await self.start()
+        assert self._loop is not None
+        began, marks = time.perf_counter(), {}
+
+        async def timed() -> Any:
+            marks["on"] = time.perf_counter()
+            try:
+                return await work()
+            finally:
+                marks["off"] = time.perf_counter()
+
+        out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(timed(), self._loop))
+        STAGES["  reaching the renderer's loop"].append(marks["on"] - began)
+        STAGES["  on the renderer's loop"].append(marks["off"] - marks["on"])
+        STAGES["  back to the caller's loop"].append(time.perf_counter() - marks["off"])
+        return out
+
+    _render.ChatRenderer._there = there  # type: ignore[method-assign,assignment]
+
+
+async def renderer_alone(renderer: az.ChatRenderer, body: dict[str, Any]) -> str:
+    """The renderer's rate with nothing else in this process: the first turn's render at
+    concurrency 1 and 32."""
+    out = []
+    for concurrency in (1, CONCURRENCY):
+        began, cpu = time.perf_counter(), time.process_time()
+        for _ in range(10):
+            await asyncio.gather(*(renderer.render(RENDER_ROUTE, body) for _ in range(concurrency)))
+        n = 10 * concurrency
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+        out.append(
+            f"concurrency {concurrency}: {n / wall:.0f} renders/s, "
+            f"{1e3 * cpu / n:.2f} ms of CPU each, {1e3 * wall / 10:.1f} ms a batch"
+        )
+    return "; ".join(out)
 
 
 def _capture() -> None:
@@ -133,6 +178,8 @@ async def main() -> None:
                 return bc.counters(http, server.url, pgid)
 
             model = await az.ChatSession(fleet).served_model()
+            first = {"model": model, "messages": bc.QUESTION, "tools": bc.TOOLS, "temperature": 0}
+            alone = await renderer_alone(renderer, first)
             session = bc.session_chat(fleet, renderer, "r")
             _capture()
             await session(0)
@@ -153,6 +200,7 @@ async def main() -> None:
                 (az.Fleet, "generate", "generation"),
             ):
                 _timed(owner, name, label)
+            _time_hand_offs()
             runs: dict[str, list[bc.Run]] = {name: [] for name in cases}
             session_stages: list[dict[str, list[float]]] = []
             for _ in range(3):
@@ -164,6 +212,7 @@ async def main() -> None:
         await renderer.aclose()
         os.sched_setaffinity(0, cores)
     report(runs, session_stages)
+    print(f"\nthe renderer alone in this process: {alone}")
 
 
 def report(runs: dict[str, list[bc.Run]], stages: list[dict[str, list[float]]]) -> None:
