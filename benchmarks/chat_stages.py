@@ -18,7 +18,8 @@ client. The session's calls on the renderer's thread are also timed in three par
 (reaching its loop, on it, back to the caller's), and the renderer's own rate with
 nothing else running is measured first. Prints a table; writes nothing.
 
-    python benchmarks/chat_stages.py
+    python benchmarks/chat_stages.py             # the server's OpenMP threads on one core
+    ISOLATE=1 python benchmarks/chat_stages.py   # every thread of the server on it
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 EPISODES = 96
 CONCURRENCY = 32
+#: start the server with every thread on its core (its API process and engine included),
+#: so the client's CPU takes nothing from it (bench_chat's "server alone on its core")
+ISOLATE = os.environ.get("ISOLATE") == "1"
 
 #: wall seconds of each timed stage of the session's turns
 STAGES: dict[str, list[float]] = defaultdict(list)
@@ -156,6 +160,8 @@ async def main() -> None:
             make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
         )
         renderer = az.ChatRenderer(model_dir, *bc.SERVER_FLAGS)
+        if ISOLATE and server_core is not None:
+            os.sched_setaffinity(0, {int(server_core)})  # the server's processes inherit it
         async with (
             LocalVLLMServer(
                 model_dir,
