@@ -9,7 +9,8 @@ generation server's clients run on other machines or cores. A case runs whole ep
 two-turn tool loop (a user question -> a tool call; the tool's result -> an answer) at
 temperature 0, so every case samples the same tokens on the same messages:
 
-- vLLM's own ``/v1/chat/completions`` with ``return_token_ids`` (bare aiohttp): one
+- vLLM's own ``/v1/chat/completions`` with ``return_token_ids`` and logprobs (bare
+  aiohttp), as a session records them: one
   request per turn; the server renders, generates, detokenizes and parses.
 - ``ChatSession``, the server rendering: per turn two renders, the generation through
   the fleet, a derender (3.5 server calls a turn).
@@ -19,10 +20,14 @@ temperature 0, so every case samples the same tokens on the same messages:
 - ``ChatGateway`` + a real ``AsyncOpenAI`` over HTTP, with the same renderer.
 - The Anthropic dialect: vLLM's own ``/v1/messages`` beside ``ChatSession.
   messages_create`` and ``ChatGateway`` + a real ``AsyncAnthropic`` (renderer).
+- A reference: vLLM's ``/v1/chat/completions`` without token ids and logprobs, what
+  the logprobs cost (``/v1/messages`` computes none; a session records every token's).
 
-Rounds of all cases are interleaved (every case sees the same server state); the median
-round is reported. Then a 200-token turn streamed in each dialect: when the first
-content arrives, against the whole turn, beside vLLM's own streams. Where the time
+Rounds of all cases are interleaved (every case sees the same server state); the rounds
+are pooled for latency and throughput, and a ratio is the median of the rounds' ratios (a
+case against its baseline in the same round). Then a 200-token turn streamed in each
+dialect: when the first content arrives, against the whole turn, beside vLLM's own
+streams. Where the time
 goes: the server's calls per turn (its ``/metrics``), its CPU split between its API
 process and its engine.
 
@@ -57,11 +62,14 @@ from asyncsync.testing._chat import LONG_QUESTION, WEATHER_TOOL
 from asyncsync.testing._server import process_group_members
 
 BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
-ROUNDS = 3
+ROUNDS = 5
 #: concurrency 32 with every thread of the server (API process and engine) on its own
 #: core, the client on the other: what the server's turns cost it, without the client's
 #: CPU taking from its core
 ISOLATED = "32, server alone on its core"
+#: a reference case: vLLM's chat endpoint asked for no logprobs (vLLM's /v1/messages
+#: computes none; a session's every token has its logprob)
+NO_LOGPROBS = "vLLM `/v1/chat/completions` without logprobs (reference)"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
 ANTHROPIC_TOOLS = [
@@ -110,17 +118,15 @@ def anthropic_followup(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- cases
-def vllm_chat(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
+def vllm_chat(
+    http: aiohttp.ClientSession, url: str, model: str, *, logprobs: bool = True
+) -> Episode:
+    """vLLM's own chat endpoint; ``logprobs=False``: without token ids and logprobs (as
+    vLLM's ``/v1/messages`` answers: what the logprobs cost the server)."""
+    extra = {"return_token_ids": True, "logprobs": True, "top_logprobs": 0} if logprobs else {}
+
     async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {
-            "model": model,
-            "messages": messages,
-            "tools": TOOLS,
-            "temperature": 0,
-            "return_token_ids": True,
-            "logprobs": True,
-            "top_logprobs": 0,
-        }
+        body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0, **extra}
         async with http.post(url + "/v1/chat/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             data = await resp.json()
@@ -223,6 +229,16 @@ def gateway_anthropic(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episo
         await client.messages.create(**body, messages=anthropic_followup(content))  # type: ignore[arg-type]
 
     return episode
+
+
+def http_client() -> aiohttp.ClientSession:
+    """The bare client of vLLM's own endpoints. It drops a pooled connection after 2 s
+    idle: vLLM's server closes one after 5 s, and a connection reused as the server
+    closes it fails the request (the rounds at concurrency 1 leave 31 of them idle)."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=600),
+        connector=aiohttp.TCPConnector(keepalive_timeout=2),
+    )
 
 
 # ---------------------------------------------------------------------- counters
@@ -428,7 +444,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             server_cm as server,
             az.Fleet([server.url]) as fleet,
             az.ChatGateway(fleet, renderer=renderer) as gateway,
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+            http_client() as http,
         ):
             os.sched_setaffinity(0, client_cores)
             # after the affinity: the renderer's threads inherit it (started before, they
@@ -462,10 +478,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "vLLM `/v1/messages`": vllm_messages(http, server.url, model),
                 "`ChatSession.messages_create` + `ChatRenderer`": session_messages(fleet, renderer),
                 "`ChatGateway` + `AsyncAnthropic` (renderer)": gateway_anthropic(gateway, clients),
+                NO_LOGPROBS: vllm_chat(http, server.url, model, logprobs=False),
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
                     await drive(episode, 4, 4, probe)
+                # the streams first: the same placement as concurrency 1, before any pinning
+                streams = await streaming(http, server.url, gateway, model, args.streams)
                 results: dict[str, Any] = {}
                 for key, concurrency, count in (
                     ("1", 1, args.episodes_1),
@@ -486,7 +505,6 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             runs[name].append(run)
                     results[key] = {"count": count, "runs": runs}
                     print(f"{key}: done", flush=True)
-                streams = await streaming(http, server.url, gateway, model, args.streams)
             finally:
                 for client in clients.values():
                     await client.aclose()
@@ -499,27 +517,47 @@ def _pick(rounds: list[Run]) -> Run:
     return sorted(rounds, key=lambda r: r.wall)[len(rounds) // 2]
 
 
-def table(results: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float]]]:
+def paired(case: list[Run], base: list[Run], *, latency: bool) -> float:
+    """The median over rounds of a case's ratio to its baseline in the same round (latency
+    or throughput): rounds interleave the cases, so drift between rounds cancels."""
+    pairs = zip(case, base, strict=True)
+    if latency:
+        return statistics.median(
+            statistics.median(a.times) / statistics.median(b.times) for a, b in pairs
+        )
+    return statistics.median(b.wall / a.wall for a, b in pairs)
+
+
+def table(
+    results: dict[str, Any],
+) -> tuple[list[str], dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """The table's rows; each case's ratio to its dialect's vLLM endpoint, and to vLLM's
+    chat endpoint (latency at concurrency 1, throughput else)."""
     lines = [
         "| case | concurrency | turn latency p50 | turns/s | vs vLLM's own "
         "| server calls / turn | server CPU / turn: API + engine | client CPU / turn |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ratios: dict[str, dict[str, float]] = {}
+    to_chat: dict[str, dict[str, float]] = {}
     for concurrency, data in results.items():
         count, runs = data["count"], data["runs"]
         names = list(runs)
         per_case = {}
         for name, rounds in runs.items():
-            run = _pick(rounds)
-            per_case[name] = (statistics.median(run.times) / 2, 2 * count / run.wall, run)
-        ratios[concurrency] = {}
+            every = [t for r in rounds for t in r.times]
+            rate = 2 * count * len(rounds) / sum(r.wall for r in rounds)
+            per_case[name] = (statistics.median(every) / 2, rate, _pick(rounds))
+        ratios[concurrency], to_chat[concurrency] = {}, {}
+
         for name, (latency, rate, run) in per_case.items():
+            to_chat[concurrency][name] = paired(
+                runs[name], runs[names[0]], latency=concurrency == "1"
+            )
             base = (
                 names[4] if "messages" in name.lower() or "anthropic" in name.lower() else names[0]
             )
-            base_latency, base_rate, _ = per_case[base]
-            vs = latency / base_latency if concurrency == "1" else rate / base_rate
+            vs = paired(runs[name], runs[base], latency=concurrency == "1")
             ratios[concurrency][name] = vs
             what = f"{vs:.2f}x latency" if concurrency == "1" else f"{vs:.2f}x throughput"
             turns, server = 2 * count, run.server
@@ -534,7 +572,7 @@ def table(results: dict[str, Any]) -> tuple[list[str], dict[str, dict[str, float
                 f"| {name} | {concurrency} | {latency * 1e3:,.1f} ms | {rate:,.1f} | {what} "
                 f"| {calls} | {cpu} | {client} |"
             )
-    return lines, ratios
+    return lines, ratios, to_chat
 
 
 def calls_of(results: dict[str, Any], name: str) -> str:
@@ -548,7 +586,7 @@ def calls_of(results: dict[str, Any], name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--episodes-1", type=int, default=12, help="episodes per round, one at a time"
+        "--episodes-1", type=int, default=24, help="episodes per round, one at a time"
     )
     parser.add_argument(
         "--episodes-32", type=int, default=96, help="episodes per round, 32 at a time"
@@ -560,7 +598,7 @@ def main() -> None:
     measured = az.run(measure(args))
     load_after = os.getloadavg()[0]
     results, streams = measured["results"], measured["streams"]
-    rows, ratios = table(results)
+    rows, ratios, to_chat = table(results)
     names = list(results["1"]["runs"])
     stream_rows = [
         "| stream (200 tokens, temperature 0) | first content | whole turn | first / whole |",
@@ -587,8 +625,11 @@ def main() -> None:
         "the server is on its core, so the client's CPU takes nothing from it, as on a "
         "generation server whose clients run elsewhere). An episode is the same "
         "two-turn tool loop at temperature 0; "
-        f"{ROUNDS} interleaved rounds per case and concurrency, the median round; latency is "
-        "the median episode's time per turn, throughput turns per second; the Anthropic "
+        f"{ROUNDS} interleaved rounds per case and concurrency; latency is the median "
+        "episode's time per turn and throughput the turns a second, over all rounds; a ratio "
+        "is the median of the rounds' ratios (each case against its baseline in the same "
+        "round); CPU and calls per turn are the median round's; "
+        "the Anthropic "
         "cases are compared with vLLM's own `/v1/messages`, the others with its "
         "`/v1/chat/completions`; server calls per turn from its `/metrics` "
         "(`http_requests_total`); CPU per turn at concurrency 32 only (at 1 the server's "
@@ -602,6 +643,16 @@ def main() -> None:
         f"{gw_latency:.2f}x the latency at concurrency 1, {gw_rate:.2f}x the throughput at "
         f"32 ({gw_alone:.2f}x with the server alone on its core); Anthropic "
         f"{ga_latency:.2f}x and {ga_rate:.2f}x ({ga_alone:.2f}x).",
+        "",
+        f"What the logprobs cost (vLLM's `/v1/messages` computes none; a session records "
+        f"every token's): vLLM's chat endpoint without them answers in "
+        f"{to_chat['1'][NO_LOGPROBS]:.2f}x the time at concurrency 1 and makes "
+        f"{to_chat['32'][NO_LOGPROBS]:.2f}x the turns a second at 32; vLLM's "
+        f"`/v1/messages` {to_chat['1'][names[4]]:.2f}x and {to_chat['32'][names[4]]:.2f}x. "
+        f"Against vLLM's chat endpoint with logprobs, `ChatSession.messages_create` takes "
+        f"{to_chat['1'][names[5]]:.2f}x its latency at 1 and makes "
+        f"{to_chat['32'][names[5]]:.2f}x its throughput at 32 "
+        f"({to_chat[ISOLATED][names[5]]:.2f}x with the server alone on its core).",
         "",
         f"Server calls per turn at concurrency 32: vLLM's own chat: "
         f"{calls_of(results, names[0])}; the session, the server rendering: "

@@ -171,7 +171,7 @@ async def main() -> None:
                 log_stats=True,
             ) as server,
             az.Fleet([server.url]) as fleet,
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http,
+            bc.http_client() as http,
         ):
             assert server.process is not None
             pgid = server.process.pid
