@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +45,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -400,9 +401,14 @@ def _threads(pgid: int) -> list[int]:
     return out
 
 
-def pin_server(pgid: int, core: int) -> dict[int, set[int]]:
-    """Every thread of the server (its API process, its engine core) on ``core`` alone;
-    returns their affinities before, for `unpin_server`."""
+@contextlib.contextmanager
+def server_alone(pgid: int, core: int | None, cores: set[int]) -> Iterator[None]:
+    """Every thread of the server (its API process, its engine core) on ``core`` alone
+    for the block, then back where it was (threads started meanwhile: on ``cores``).
+    ``core`` None (a one-core machine): nothing to move."""
+    if core is None:
+        yield
+        return
     before: dict[int, set[int]] = {}
     for tid in _threads(pgid):
         try:
@@ -410,22 +416,21 @@ def pin_server(pgid: int, core: int) -> dict[int, set[int]]:
             os.sched_setaffinity(tid, {core})
         except OSError:  # a thread that ended meanwhile
             continue
-    return before
-
-
-def unpin_server(pgid: int, before: dict[int, set[int]], cores: set[int]) -> None:
-    """The server's threads back where they were (threads started meanwhile: anywhere)."""
-    for tid in _threads(pgid):
-        try:
-            os.sched_setaffinity(tid, before.get(tid, cores))
-        except OSError:
-            continue
+    try:
+        yield
+    finally:
+        for tid in _threads(pgid):
+            try:
+                os.sched_setaffinity(tid, before.get(tid, cores))
+            except OSError:
+                continue
 
 
 # ---------------------------------------------------------------------- the run
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     cores = sorted(os.sched_getaffinity(0))
     server_core = str(cores[-1]) if len(cores) > 1 else None
+    alone_core = cores[-1] if len(cores) > 1 else None  # ISOLATED's rounds
     client_cores = set(cores[:-1]) if len(cores) > 1 else set(cores)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = await asyncio.to_thread(
@@ -493,15 +498,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     runs: dict[str, list[Run]] = {n: [] for n in cases}
                     for _ in range(ROUNDS):
                         for name, episode in cases.items():
-                            pinned = None
-                            if key == ISOLATED and server_core is not None:
-                                pinned = pin_server(pgid, int(server_core))
-                            try:
-                                run = await drive(episode, count, concurrency, probe)
-                            finally:
-                                if pinned is not None:
-                                    unpin_server(pgid, pinned, set(cores))
-                            runs[name].append(run)
+                            alone = alone_core if key == ISOLATED else None
+                            with server_alone(pgid, alone, set(cores)):
+                                runs[name].append(await drive(episode, count, concurrency, probe))
                     results[key] = {"count": count, "runs": runs}
                     print(f"{key}: done", flush=True)
             finally:
@@ -548,7 +547,6 @@ def table(
             rate = 2 * count * len(rounds) / sum(r.wall for r in rounds)
             per_case[name] = (statistics.median(every) / 2, rate, _pick(rounds))
         ratios[concurrency], to_chat[concurrency] = {}, {}
-
         for name, (latency, rate, run) in per_case.items():
             to_chat[concurrency][name] = paired(
                 runs[name], runs[names[0]], latency=concurrency == "1"

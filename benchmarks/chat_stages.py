@@ -47,8 +47,9 @@ from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 EPISODES = 96
 CONCURRENCY = 32
-#: start the server with every thread on its core (its API process and engine included),
-#: so the client's CPU takes nothing from it (bench_chat's "server alone on its core")
+#: the timed rounds with every thread of the server on its core (its API process and
+#: engine included), so the client's CPU takes nothing from it (bench_chat's
+#: "server alone on its core")
 ISOLATE = os.environ.get("ISOLATE") == "1"
 
 #: wall seconds of each timed stage of the session's turns
@@ -160,8 +161,6 @@ async def main() -> None:
             make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
         )
         renderer = az.ChatRenderer(model_dir, *bc.SERVER_FLAGS)
-        if ISOLATE and server_core is not None:
-            os.sched_setaffinity(0, {int(server_core)})  # the server's processes inherit it
         async with (
             LocalVLLMServer(
                 model_dir,
@@ -209,12 +208,14 @@ async def main() -> None:
             _time_hand_offs()
             runs: dict[str, list[bc.Run]] = {name: [] for name in cases}
             session_stages: list[dict[str, list[float]]] = []
-            for _ in range(3):
-                for name, episode in cases.items():
-                    STAGES.clear()
-                    runs[name].append(await bc.drive(episode, EPISODES, CONCURRENCY, probe))
-                    if "ChatSession" in name:
-                        session_stages.append(dict(STAGES))
+            alone = cores[-1] if ISOLATE and len(cores) > 1 else None
+            with bc.server_alone(pgid, alone, set(cores)):
+                for _ in range(3):
+                    for name, episode in cases.items():
+                        STAGES.clear()
+                        runs[name].append(await bc.drive(episode, EPISODES, CONCURRENCY, probe))
+                        if "ChatSession" in name:
+                            session_stages.append(dict(STAGES))
         await renderer.aclose()
         os.sched_setaffinity(0, cores)
     report(runs, session_stages)
