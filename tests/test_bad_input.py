@@ -273,3 +273,23 @@ async def test_prompt_that_fills_the_context_is_refused_before_sending() -> None
         assert len(generated) == 1  # only the prompt that fits was sent
     with pytest.raises(ValueError, match="max_model_len must be an int >= 1"):
         az.Fleet(["http://127.0.0.1:1"], max_model_len=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"check_every": 0}, "check_every"),
+        ({"check_every": 2.0}, "check_every"),
+        ({"cache_size": -1}, "cache_size"),
+        ({"cache_size": True}, "cache_size"),
+        ({"cache_seconds": 0}, "cache_seconds"),
+        ({"cache_seconds": float("inf")}, "cache_seconds"),
+        ({"cache_seconds": float("nan")}, "cache_seconds"),
+        ({"cache_seconds": "60"}, "cache_seconds"),
+    ],
+)
+def test_bad_chat_renderer_settings_are_refused_by_name(kwargs: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{named} must be"):
+        az.ChatRenderer("model", **kwargs)
+    with pytest.raises(TypeError, match="server_args must be strings"):
+        az.ChatRenderer("model", 5)  # type: ignore[arg-type]

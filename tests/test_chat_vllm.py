@@ -991,6 +991,104 @@ async def test_chat_renderer_in_this_process_renders_and_parses_like_the_server(
     assert_exact_export(local, chat.model_dir)
 
 
+async def test_chat_renderer_renders_identical_requests_once(chat: ChatServers) -> None:
+    """A group of episodes that start from one prompt (GRPO) costs one render: the
+    group's first turns share it, each session gets its own copy, and the trajectories
+    are the ones rendered each for itself. A render shared in flight is not cancelled
+    with one of its callers; a refused one reaches every caller and is not kept."""
+    await _needs_032(chat)
+    renderer = _renderer(chat)
+    route = "/v1/chat/completions/render"
+    group = [{"role": "user", "content": "What is the weather in Rome? (a group)"}]
+    async with az.Fleet([chat.url]) as fleet:
+        alone = az.ChatSession(fleet, tools=TOOLS)  # the server renders
+        await alone.create(group, temperature=0)
+        sessions = [az.ChatSession(fleet, tools=TOOLS, renderer=renderer) for _ in range(4)]
+        rendered, reused = renderer.rendered, renderer.reused
+        await asyncio.gather(*(s.create(group, temperature=0) for s in sessions))
+        assert (renderer.rendered - rendered, renderer.reused - reused) == (1, 3)
+        for session in sessions:
+            assert session.trajectory.to_lists() == alone.trajectory.to_lists()
+
+    # each caller its own copy, also of a render answered from the cache
+    body = {"model": "m", "messages": [{"role": "user", "content": "copies"}], "tools": TOOLS}
+    first, second = await asyncio.gather(renderer.render(route, body), renderer.render(route, body))
+    expected = (list(first.token_ids), dict(first.sampling_params))
+    first.token_ids.append(-1)
+    first.sampling_params["temperature"] = 9.0
+    third = await renderer.render(route, body)
+    for got in (second, third):
+        assert (got.token_ids, got.sampling_params) == expected
+        assert got.token_ids is not first.token_ids
+
+    # a caller cancelled while it holds the render the others wait for
+    body = {"model": "m", "messages": [{"role": "user", "content": "cancelled one"}]}
+    rendered = renderer.rendered
+    holder = asyncio.ensure_future(renderer.render(route, body))
+    await asyncio.sleep(0)
+    others = [asyncio.ensure_future(renderer.render(route, body)) for _ in range(2)]
+    await asyncio.sleep(0)
+    holder.cancel()
+    done = await asyncio.gather(*others)
+    assert holder.cancelled()
+    assert done[0].token_ids == done[1].token_ids
+    assert done[0].token_ids
+    assert renderer.rendered - rendered == 1
+
+    # refused: every caller gets the error; the next identical request is rendered anew
+    bad = {"model": "m", "messages": [{"content": "no role"}]}
+    rendered = renderer.rendered
+    failed = await asyncio.gather(
+        *(renderer.render(route, bad) for _ in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(e, az.ServerError) and e.status == 400 for e in failed), failed
+    with pytest.raises(az.ServerError, match="role"):
+        await renderer.render(route, bad)
+    assert renderer.rendered - rendered == 2
+    with pytest.raises(az.ServerError, match="chat request: 'int' object is not iterable"):
+        await renderer.render(route, {"model": "m", "messages": 5})
+
+
+async def test_chat_renderer_reuses_a_render_only_while_fresh_and_never_one_that_read_the_clock(
+    chat: ChatServers,
+) -> None:
+    """A render is reused for ``cache_seconds`` after it started. A template that reads
+    the clock (``strftime_now``) is rendered for each request, whether it is the
+    servers' template or a request's own; identical requests in flight still share."""
+    await _needs_032(chat)
+    route = "/v1/chat/completions/render"
+    body = {"model": "m", "messages": [{"role": "user", "content": "fresh?"}]}
+    fresh = az.ChatRenderer(chat.model_dir, "--max-model-len", "1024", cache_seconds=0.5)
+    await fresh.render(route, body)
+    await fresh.render(route, body)
+    assert (fresh.rendered, fresh.reused) == (1, 1)
+    await asyncio.sleep(0.6)
+    await fresh.render(route, body)
+    assert (fresh.rendered, fresh.reused) == (2, 1)
+    await fresh.aclose()
+
+    template = (chat.model_dir / "chat_template.jinja").read_text()
+    clock = '{{ strftime_now("%H:%M:%S.%f") }}' + template
+    path = chat.model_dir.parent / "clock-template.jinja"
+    path.write_text(clock)
+    timed = az.ChatRenderer(chat.model_dir, "--max-model-len", "1024", "--chat-template", str(path))
+    one = await timed.render(route, body)
+    two = await timed.render(route, body)
+    assert one.token_ids != two.token_ids  # the time is in the prompt
+    assert (timed.rendered, timed.reused) == (2, 0)
+    await asyncio.gather(*(timed.render(route, body) for _ in range(3)))
+    assert (timed.rendered, timed.reused) == (3, 2)
+    await timed.aclose()
+
+    renderer = _renderer(chat)  # --trust-request-chat-template: a request's own template
+    own = {**body, "chat_template": clock}
+    rendered = renderer.rendered
+    one = await renderer.render(route, own)
+    two = await renderer.render(route, own)
+    assert one.token_ids != two.token_ids
+    assert renderer.rendered - rendered == 2
+
+
 def _thinking_template(chat: ChatServers) -> Path:
     path = chat.model_dir.parent / "thinking-template.jinja"
     path.write_text(THINKING_CHAT_TEMPLATE.replace("{% if tools %}", "{% if tools %}{{ 'x' }}"))

@@ -21,9 +21,11 @@ derender too; a difference sends the session to server rendering with a
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import threading
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -101,6 +103,23 @@ class Rendering(Protocol):
     ) -> tuple[dict[str, Any], dict[str, Any]]: ...
 
 
+@dataclass(eq=False, slots=True)
+class _Held:
+    """A render in `ChatRenderer`'s cache: in flight (``task``, on ``loop``) or made
+    (``value``); ``made_at`` is when it started (``time.monotonic()``)."""
+
+    made_at: float
+    loop: asyncio.AbstractEventLoop
+    task: asyncio.Task[Rendered] | None
+    value: Rendered | None = None
+    keep: bool = True
+
+
+def _copy(rendered: Rendered) -> Rendered:
+    """A caller's own copy of a cached render (a session may change what it gets)."""
+    return Rendered(list(rendered.token_ids), copy.deepcopy(rendered.sampling_params))
+
+
 class ServerRendering:
     """Render and derender on one server of a fleet (its own template and parsers)."""
 
@@ -144,6 +163,17 @@ class ChatRenderer:
     checked again), and renders on the server from the first difference on, with a
     `ChatRenderWarning`.
 
+    Identical requests are rendered once: a render is a function of the request's bytes
+    (the prompt ids and the sampling parameters; no seed or id is drawn), so a request
+    equal to one rendered in the last ``cache_seconds`` gets a copy of that render, and
+    identical requests in flight share one. In a group of episodes that start from the
+    same prompt (GRPO), the group's first turns cost one render. A caller that is
+    cancelled does not cancel the render the others wait for; a render that fails
+    fails every caller that shares it and is not kept. Templates that read the clock
+    (``strftime_now``, in the servers' template or a request's own) are never answered
+    from a finished render, only shared while in flight, so no prompt carries a time
+    older than the render it shares. ``cache_size=0`` renders every request.
+
     Needs vLLM importable in this process (the ``[server]`` extra); built on first use,
     in a worker thread (importing vLLM takes seconds).
 
@@ -151,13 +181,35 @@ class ChatRenderer:
         model: the model's path or name, as the servers were given it.
         *server_args: the servers' flags that shape rendering and parsing.
         check_every: check one turn in this many against the server (>= 1).
+        cache_size: how many recent renders are kept (>= 0; 0: none, nor shared).
+        cache_seconds: how long a render is reused after it started (> 0).
+
+    Attributes:
+        rendered: renders vLLM's renderer made.
+        reused: renders answered from the cache or shared with one in flight.
     """
 
     name = "local"
 
-    def __init__(self, model: str | os.PathLike[str], *server_args: str, check_every: int = 16):
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *server_args: str,
+        check_every: int = 16,
+        cache_size: int = 256,
+        cache_seconds: float = 60.0,
+    ):
         if type(check_every) is not int or check_every < 1:
             raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
+        if type(cache_size) is not int or cache_size < 0:
+            raise ValueError(f"cache_size must be an int >= 0, got {cache_size!r}")
+        if (
+            isinstance(cache_seconds, bool)
+            or not isinstance(cache_seconds, int | float)
+            or not cache_seconds > 0
+            or cache_seconds == float("inf")
+        ):
+            raise ValueError(f"cache_seconds must be a finite number > 0, got {cache_seconds!r}")
         if not all(isinstance(a, str) for a in server_args):
             raise TypeError("server_args must be strings (the servers' command-line flags)")
         self.model = os.fspath(model)
@@ -170,6 +222,14 @@ class ChatRenderer:
         self._thread: threading.Thread | None = None
         #: requests already found equal to a server's render: (url, route, body) digests
         self._checked: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()
+        self.cache_size = cache_size
+        self.cache_seconds = float(cache_seconds)
+        #: recent renders by (route, request bytes), oldest first
+        self._renders: OrderedDict[tuple[str, bytes], _Held] = OrderedDict()
+        #: whether the servers' template reads the clock (known once built)
+        self._clock = True
+        self.rendered = 0
+        self.reused = 0
 
     def __repr__(self) -> str:
         return f"ChatRenderer({self.model!r}, {' '.join(self.server_args)!r})"
@@ -207,6 +267,7 @@ class ChatRenderer:
 
         state = State()
         await init_render_app_state(config, state, args)
+        self._clock = _reads_clock(state, config)
         self._types = types
         self._state = state
 
@@ -222,6 +283,10 @@ class ChatRenderer:
         loop, thread = self._loop, self._thread
         self._loop = self._thread = None
         self._state, self._building = None, None
+        held, self._renders = list(self._renders.values()), OrderedDict()
+        for entry in held:  # renders in flight end with the renderer's loop
+            if entry.task is not None and not entry.loop.is_closed():
+                entry.loop.call_soon_threadsafe(entry.task.cancel)
         if loop is not None and thread is not None:
             loop.call_soon_threadsafe(loop.stop)
             await asyncio.to_thread(thread.join, 30)
@@ -306,15 +371,54 @@ class ChatRenderer:
             with warnings.catch_warnings():  # vLLM's deprecated fields (max_tokens...)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 return self._types[kind].model_validate(self._local(body))
-        except ValidationError as exc:
+        except (ValidationError, TypeError) as exc:  # vLLM's validators raise TypeError too
+            what = str(exc) if isinstance(exc, ValidationError) else f"{kind} request: {exc}"
             raise ServerError(
-                f"the in-process renderer refused the request: {exc}",
+                f"the in-process renderer refused the request: {what}",
                 server="in-process",
                 route=route,
                 status=400,
             ) from exc
 
     async def render(self, route: str, body: Mapping[str, Any]) -> Rendered:
+        """The render of ``body`` on ``route`` (a copy of an identical request's, where
+        one is in flight or was made in the last ``cache_seconds``)."""
+        if self.cache_size == 0:
+            self.rendered += 1
+            return await self._render(route, body)
+        await self.start()  # the template's clock is known from here on
+        key = (route, _json.dumps(dict(body)))
+        loop = asyncio.get_running_loop()
+        held = self._renders.get(key)
+        if held is not None and held.loop is loop:
+            if held.task is not None:
+                self.reused += 1
+                return _copy(await asyncio.shield(held.task))
+            if held.value is not None and time.monotonic() - held.made_at < self.cache_seconds:
+                self.reused += 1
+                self._renders.move_to_end(key)
+                return _copy(held.value)
+        self.rendered += 1
+        task = loop.create_task(self._render(route, body))
+        entry = _Held(time.monotonic(), loop, task, keep=not (self._clock or _CLOCK in key[1]))
+        self._renders[key] = entry
+        self._renders.move_to_end(key)
+        while len(self._renders) > self.cache_size:
+            self._renders.popitem(last=False)
+        task.add_done_callback(lambda done: self._settle(key, entry, done))
+        return _copy(await asyncio.shield(task))
+
+    def _settle(self, key: tuple[str, bytes], entry: _Held, task: asyncio.Task[Rendered]) -> None:
+        """A cached render ended: keep its value, or forget it (failed, cancelled, or a
+        template that reads the clock)."""
+        entry.task = None
+        failed = task.cancelled() or task.exception() is not None  # retrieved: no warning
+        if not failed and entry.keep:
+            entry.value = task.result()
+        elif self._renders.get(key) is entry:
+            del self._renders[key]
+
+    async def _render(self, route: str, body: Mapping[str, Any]) -> Rendered:
         async def work() -> Rendered:
             serving = self._state.serving_render
             if route.startswith("/v1/messages"):
@@ -396,6 +500,34 @@ class ChatRenderer:
         self._checked.move_to_end(key)
         while len(self._checked) > 1024:
             self._checked.popitem(last=False)
+
+
+#: what a template that reads the clock calls (transformers' chat-template globals)
+_CLOCK = b"strftime_now"
+
+
+def _reads_clock(state: Any, config: Any) -> bool:
+    """Whether a chat template the servers may render with reads the clock: the
+    ``--chat-template`` one, the tokenizer's (every named one) and vLLM's resolution of
+    them. Unknown (another vLLM's internals): assumed to."""
+    try:
+        from vllm.renderers.hf import resolve_chat_template
+
+        renderer = state.online_renderer
+        tokenizer = renderer.renderer.get_tokenizer()
+        texts: list[Any] = [renderer.chat_template]
+        own = getattr(tokenizer, "chat_template", None)
+        texts.extend(own.values() if isinstance(own, dict) else [own])
+        texts.append(
+            resolve_chat_template(
+                tokenizer, renderer.chat_template, None, model_config=config.model_config
+            )
+        )
+    except Exception as exc:  # another vLLM's internals, or no template to be found
+        logger.info("could not read the chat template (%s): renders are not reused", exc)
+        return True
+    found = [t for t in texts if isinstance(t, str) and t]
+    return not found or any(_CLOCK.decode() in t for t in found)
 
 
 # ------------------------------------------------------------------ streamed parsing
