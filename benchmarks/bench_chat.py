@@ -23,6 +23,12 @@ answer) at temperature 0, so every case samples the same tokens on the same mess
 - A reference: vLLM's ``/v1/chat/completions`` without token ids and logprobs, what
   the logprobs cost (``/v1/messages`` computes none; a session records every token's).
 
+These episodes are all the same request at temperature 0, which the renderer's cache
+would answer from memory; distinct tasks render every request, so here the renderer
+keeps no renders (``cache_size=0``). Where the cache applies is measured apart: GRPO-style
+groups (8 episodes per question, 4 questions in flight, temperature 1, a new question
+per group) against vLLM's chat endpoint, the renderer with and without its cache.
+
 Rounds of all cases are interleaved (every case sees the same server state); the rounds
 are pooled for latency and throughput, and a ratio is the median of the rounds' ratios (a
 case against its baseline in the same round). A 200-token turn is streamed in each
@@ -80,6 +86,9 @@ ANTHROPIC_TOOLS = [
     }
 ]
 CONTEXT = 1024
+#: GRPO-style groups: episodes per question, the cities asked about in turn
+GROUP = 8
+CITIES = ("Paris", "Berlin", "Tokyo", "Rome")
 SERVER_FLAGS = (
     "--enable-auto-tool-choice",
     "--tool-call-parser",
@@ -166,6 +175,59 @@ def session_chat(fleet: az.Fleet, renderer: az.ChatRenderer | None, prefix: str)
         )
         first = await session.create(QUESTION, temperature=0)
         await session.create(with_tool_result(QUESTION, first.message.to_dict()), temperature=0)
+
+    return episode
+
+
+def group_question(i: int) -> list[dict[str, Any]]:
+    """Episode ``i``'s question: the same for the ``GROUP`` episodes of a group, a new
+    one for each group."""
+    group = i // GROUP
+    city = CITIES[group % len(CITIES)]
+    return [{"role": "user", "content": f"What is the weather in {city}? (question {group})"}]
+
+
+def group_followup(question: list[dict[str, Any]], message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The second turn: the tool's result after a tool call, else a user's next line."""
+    if message.get("tool_calls"):
+        return with_tool_result(question, message)
+    return [*question, message, {"role": "user", "content": "Thanks. And tomorrow?"}]
+
+
+def vllm_chat_groups(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
+    async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {
+            "model": model,
+            "messages": messages,
+            "tools": TOOLS,
+            "temperature": 1.0,
+            "max_tokens": 64,
+            "return_token_ids": True,
+            "logprobs": True,
+            "top_logprobs": 0,
+        }
+        async with http.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        message = data["choices"][0]["message"]
+        return {k: v for k, v in message.items() if v is not None}
+
+    async def episode(i: int) -> None:
+        question = group_question(i)
+        await turn(group_followup(question, await turn(question)))
+
+    return episode
+
+
+def session_groups(fleet: az.Fleet, renderer: az.ChatRenderer, prefix: str) -> Episode:
+    async def episode(i: int) -> None:
+        session = az.ChatSession(
+            fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS, renderer=renderer
+        )
+        question = group_question(i)
+        first = await session.create(question, temperature=1.0, max_tokens=64)
+        followup = group_followup(question, first.message.to_dict())
+        await session.create(followup, temperature=1.0, max_tokens=64)
 
     return episode
 
@@ -296,15 +358,20 @@ class Run:
 
 
 async def drive(
-    episode: Episode, count: int, concurrency: int, probe: Callable[[], Awaitable[Counters]]
+    episode: Episode,
+    count: int,
+    concurrency: int,
+    probe: Callable[[], Awaitable[Counters]],
+    first: int = 0,
 ) -> Run:
+    """``count`` episodes (numbered from ``first``), ``concurrency`` at a time."""
     gate = asyncio.Semaphore(concurrency)
     times: list[float] = []
 
     async def one(i: int) -> None:
         async with gate:
             began = time.perf_counter()
-            await episode(i)
+            await episode(first + i)
             times.append(time.perf_counter() - began)
 
     before, own0 = await probe(), time.process_time()
@@ -443,7 +510,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             cpu_cores=server_core,
             log_stats=True,
         )
-        renderer = az.ChatRenderer(model_dir, *SERVER_FLAGS)
+        # every request rendered (these episodes are one request repeated; see above)
+        renderer = az.ChatRenderer(model_dir, *SERVER_FLAGS, cache_size=0)
+        cached = az.ChatRenderer(model_dir, *SERVER_FLAGS)  # the default: renders kept
         async with (
             server_cm as server,
             az.Fleet([server.url]) as fleet,
@@ -456,6 +525,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             built = time.perf_counter()
             await renderer.start()
             built = time.perf_counter() - built
+            await cached.start()
             import anthropic
             import httpx2
 
@@ -503,12 +573,103 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                                 runs[name].append(await drive(episode, count, concurrency, probe))
                     results[key] = {"count": count, "runs": runs}
                     print(f"{key}: done", flush=True)
+                groups = await measure_groups(
+                    http,
+                    server.url,
+                    model,
+                    fleet,
+                    renderer,
+                    cached,
+                    probe,
+                    args.episodes_32,
+                    pgid,
+                    alone_core,
+                    set(cores),
+                )
             finally:
                 for client in clients.values():
                     await client.aclose()
                 os.sched_setaffinity(0, cores)
         await renderer.aclose()
-    return {"results": results, "streams": streams, "renderer_build": built}
+        await cached.aclose()
+    return {"results": results, "streams": streams, "renderer_build": built, "groups": groups}
+
+
+#: the groups' cases, in their table's order (the first is the baseline)
+GROUP_CASES = (
+    "vLLM `/v1/chat/completions` (`return_token_ids`)",
+    "`ChatSession` + `ChatRenderer(cache_size=0)`",
+    "`ChatSession` + `ChatRenderer` (renders kept, the default)",
+)
+
+
+async def measure_groups(
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    fleet: az.Fleet,
+    plain: az.ChatRenderer,
+    cached: az.ChatRenderer,
+    probe: Callable[[], Awaitable[Counters]],
+    count: int,
+    pgid: int,
+    alone_core: int | None,
+    cores: set[int],
+) -> dict[str, Any]:
+    """GRPO-style groups at 32 in flight, both placements: vLLM's chat endpoint, the
+    session with a renderer that keeps no renders, and one that does (the default).
+    Every round asks new questions (episode numbers run on)."""
+    cases = dict(
+        zip(
+            GROUP_CASES,
+            (
+                vllm_chat_groups(http, url, model),
+                session_groups(fleet, plain, "gp"),
+                session_groups(fleet, cached, "gc"),
+            ),
+            strict=True,
+        )
+    )
+    numbered = 0
+    for episode in cases.values():  # warm-up
+        await drive(episode, GROUP, GROUP, probe, first=10**6)
+    out: dict[str, Any] = {}
+    for placement, core in (("32", None), (ISOLATED, alone_core)):
+        runs: dict[str, list[Run]] = {n: [] for n in cases}
+        rendered, reused = cached.rendered, cached.reused
+        for _ in range(ROUNDS):
+            for name, episode in cases.items():  # the same questions for each case
+                with server_alone(pgid, core, cores):
+                    runs[name].append(await drive(episode, count, 32, probe, first=numbered))
+            numbered += count
+        out[placement] = {
+            "count": count,
+            "runs": runs,
+            "renders": (cached.rendered - rendered, cached.reused - reused),
+        }
+        print(f"groups {placement}: done", flush=True)
+    return out
+
+
+def group_rows(groups: dict[str, Any]) -> list[str]:
+    lines = [
+        "| case | concurrency | turns/s | vs vLLM's own | client CPU / turn "
+        "| renders made / reused |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for placement, data in groups.items():
+        count, runs = data["count"], data["runs"]
+        base = runs[GROUP_CASES[0]]
+        for name, rounds in runs.items():
+            rate = 2 * count * len(rounds) / sum(r.wall for r in rounds)
+            vs = paired(rounds, base, latency=False)
+            client = _pick(rounds).client_cpu / (2 * count) * 1e3
+            made = "{} / {}".format(*data["renders"]) if name == GROUP_CASES[2] else "-"
+            lines.append(
+                f"| {name} | {placement} | {rate:,.1f} | {vs:.2f}x throughput "
+                f"| {client:.1f} ms | {made} |"
+            )
+    return lines
 
 
 def _pick(rounds: list[Run]) -> Run:
@@ -621,7 +782,8 @@ def main() -> None:
         "threads on either; in the rows marked _server alone on its core_ every thread of "
         "the server is on its core, so the client's CPU takes nothing from it, as on a "
         "generation server whose clients run elsewhere). An episode is the same "
-        "two-turn tool loop at temperature 0; "
+        "two-turn tool loop at temperature 0, and the renderer keeps no renders "
+        "(`cache_size=0`: every request is rendered, as for distinct tasks); "
         f"{ROUNDS} interleaved rounds per case and concurrency; latency is the median "
         "episode's time per turn and throughput the turns a second, over all rounds; a ratio "
         "is the median of the rounds' ratios (each case against its baseline in the same "
@@ -657,6 +819,14 @@ def main() -> None:
         f"{calls_of(results, names[2])}.",
         "",
         *stream_rows,
+        "",
+        f"GRPO-style groups ({GROUP} episodes per question, {32 // GROUP} questions in "
+        "flight, a new question per group, temperature 1, at most 64 tokens a turn, the "
+        "same tool loop, server and rounds as above, the same questions for each case): "
+        "a group's first turns are one request, which a renderer that keeps its renders "
+        "renders once, and so are later turns whose samples came out the same.",
+        "",
+        *group_rows(measured["groups"]),
         END,
     ]
     block = "\n".join(lines)
