@@ -17,7 +17,9 @@ answer) at temperature 0, so every case samples the same tokens on the same mess
 - ``ChatSession`` with a ``ChatRenderer``: vLLM's own renderer and parsers in this
   process; the server only generates (one call a turn; a session's first turn is
   checked against the server's render and derender, once per distinct request).
-- ``ChatGateway`` + a real ``AsyncOpenAI`` over HTTP, with the same renderer.
+- ``ChatGateway`` + a real ``AsyncOpenAI`` over HTTP, with the same renderer; and the
+  gateway from a bare aiohttp client posting the same JSON (in each dialect): what the
+  gateway costs, apart from what an SDK client in the same process costs.
 - The Anthropic dialect: vLLM's own ``/v1/messages`` beside ``ChatSession.
   messages_create`` and ``ChatGateway`` + a real ``AsyncAnthropic`` (renderer).
 - A reference: vLLM's ``/v1/chat/completions`` without token ids and logprobs, what
@@ -68,7 +70,8 @@ from asyncsync.testing._chat import LONG_QUESTION, WEATHER_TOOL
 from asyncsync.testing._server import process_group_members
 
 BEGIN, END = "<!-- bench_chat:begin -->", "<!-- bench_chat:end -->"
-ROUNDS = 5
+#: interleaved rounds per case and concurrency (``--rounds``)
+ROUNDS = 9
 #: concurrency 32 with every thread of the server (API process and engine) on its own
 #: core, the client on the other: what the server's turns cost it, without the client's
 #: CPU taking from its core
@@ -76,6 +79,9 @@ ISOLATED = "32, server alone on its core"
 #: a reference case: vLLM's chat endpoint asked for no logprobs (vLLM's /v1/messages
 #: computes none; a session's every token has its logprob)
 NO_LOGPROBS = "vLLM `/v1/chat/completions` without logprobs (reference)"
+#: the gateway from a bare HTTP client: its own cost, without an SDK's
+BARE_OPENAI = "`ChatGateway`, OpenAI chat from bare aiohttp (renderer)"
+BARE_ANTHROPIC = "`ChatGateway`, Anthropic from bare aiohttp (renderer)"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
 ANTHROPIC_TOOLS = [
@@ -289,6 +295,33 @@ def gateway_anthropic(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episo
         first = await client.messages.create(**body, messages=QUESTION)  # type: ignore[arg-type]
         content = [b.model_dump(exclude_none=True) for b in first.content]
         await client.messages.create(**body, messages=anthropic_followup(content))  # type: ignore[arg-type]
+
+    return episode
+
+
+def gateway_bare(gateway: az.ChatGateway, http: aiohttp.ClientSession, api: str) -> Episode:
+    """The gateway over HTTP from a bare aiohttp client posting the JSON an SDK sends
+    (``api``: ``"openai"`` chat or ``"anthropic"``): the gateway's own cost, without an
+    SDK client's in this process."""
+
+    async def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with http.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return dict(await resp.json())
+
+    async def episode(i: int) -> None:
+        if api == "openai":
+            url = gateway.base_url(f"bo-{i}-{time.monotonic_ns()}") + "/chat/completions"
+            body = {"model": "policy", "tools": TOOLS, "temperature": 0}
+            first = await post(url, {**body, "messages": QUESTION})
+            message = {k: v for k, v in first["choices"][0]["message"].items() if v is not None}
+            await post(url, {**body, "messages": with_tool_result(QUESTION, message)})
+        else:
+            base = gateway.base_url(f"ba-{i}-{time.monotonic_ns()}", api="anthropic")
+            url = base + "/v1/messages"
+            body = {"model": "policy", "max_tokens": 64, "tools": ANTHROPIC_TOOLS, "temperature": 0}
+            first = await post(url, {**body, "messages": QUESTION})
+            await post(url, {**body, "messages": anthropic_followup(first["content"])})
 
     return episode
 
@@ -553,6 +586,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "`ChatSession.messages_create` + `ChatRenderer`": session_messages(fleet, renderer),
                 "`ChatGateway` + `AsyncAnthropic` (renderer)": gateway_anthropic(gateway, clients),
                 NO_LOGPROBS: vllm_chat(http, server.url, model, logprobs=False),
+                BARE_OPENAI: gateway_bare(gateway, http, "openai"),
+                BARE_ANTHROPIC: gateway_bare(gateway, http, "anthropic"),
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
@@ -566,7 +601,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     (ISOLATED, 32, args.episodes_32),
                 ):
                     runs: dict[str, list[Run]] = {n: [] for n in cases}
-                    for _ in range(ROUNDS):
+                    for _ in range(args.rounds):
                         for name, episode in cases.items():
                             alone = alone_core if key == ISOLATED else None
                             with server_alone(pgid, alone, set(cores)):
@@ -582,6 +617,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     cached,
                     probe,
                     args.episodes_32,
+                    args.rounds,
                     pgid,
                     alone_core,
                     set(cores),
@@ -612,6 +648,7 @@ async def measure_groups(
     cached: az.ChatRenderer,
     probe: Callable[[], Awaitable[Counters]],
     count: int,
+    rounds: int,
     pgid: int,
     alone_core: int | None,
     cores: set[int],
@@ -637,7 +674,7 @@ async def measure_groups(
     for placement, core in (("32", None), (ISOLATED, alone_core)):
         runs: dict[str, list[Run]] = {n: [] for n in cases}
         rendered, reused = cached.rendered, cached.reused
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for name, episode in cases.items():  # the same questions for each case
                 with server_alone(pgid, core, cores):
                     runs[name].append(await drive(episode, count, 32, probe, first=numbered))
@@ -749,6 +786,9 @@ def main() -> None:
     parser.add_argument(
         "--episodes-32", type=int, default=96, help="episodes per round, 32 at a time"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help="interleaved rounds per case and concurrency"
+    )
     parser.add_argument("--streams", type=int, default=5, help="streamed 200-token turns per case")
     parser.add_argument("--write", type=Path, help="update this markdown file's section")
     args = parser.parse_args()
@@ -766,6 +806,13 @@ def main() -> None:
         stream_rows.append(
             f"| {name} | {first * 1e3:,.0f} ms | {whole * 1e3:,.0f} ms | {first / whole:.2f} |"
         )
+    bare = {
+        key: (
+            to_chat[key][BARE_OPENAI] / to_chat[key][names[2]],
+            to_chat[key][BARE_ANTHROPIC] / to_chat[key][names[5]],
+        )
+        for key in results
+    }
     gw_latency = ratios["1"][names[3]] / ratios["1"][names[2]]
     gw_rate = ratios["32"][names[3]] / ratios["32"][names[2]]
     gw_alone = ratios[ISOLATED][names[3]] / ratios[ISOLATED][names[2]]
@@ -784,7 +831,7 @@ def main() -> None:
         "generation server whose clients run elsewhere). An episode is the same "
         "two-turn tool loop at temperature 0, and the renderer keeps no renders "
         "(`cache_size=0`: every request is rendered, as for distinct tasks); "
-        f"{ROUNDS} interleaved rounds per case and concurrency; latency is the median "
+        f"{args.rounds} interleaved rounds per case and concurrency; latency is the median "
         "episode's time per turn and throughput the turns a second, over all rounds; a ratio "
         "is the median of the rounds' ratios (each case against its baseline in the same "
         "round); CPU and calls per turn are the median round's; "
@@ -801,7 +848,12 @@ def main() -> None:
         f"The gateway against the in-process session (both with the renderer): OpenAI chat "
         f"{gw_latency:.2f}x the latency at concurrency 1, {gw_rate:.2f}x the throughput at "
         f"32 ({gw_alone:.2f}x with the server alone on its core); Anthropic "
-        f"{ga_latency:.2f}x and {ga_rate:.2f}x ({ga_alone:.2f}x).",
+        f"{ga_latency:.2f}x and {ga_rate:.2f}x ({ga_alone:.2f}x). The SDK clients run in "
+        "the gateway's process here; the gateway posted the same JSON from bare aiohttp "
+        "(its own cost, the SDK's left out), against the same session: OpenAI chat "
+        f"{bare['1'][0]:.2f}x the latency, {bare['32'][0]:.2f}x the throughput "
+        f"({bare[ISOLATED][0]:.2f}x); Anthropic {bare['1'][1]:.2f}x, {bare['32'][1]:.2f}x "
+        f"({bare[ISOLATED][1]:.2f}x).",
         "",
         f"What the logprobs cost (vLLM's `/v1/messages` computes none; a session records "
         f"every token's): vLLM's chat endpoint without them answers in "
