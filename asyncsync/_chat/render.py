@@ -105,11 +105,10 @@ class Rendering(Protocol):
 
 @dataclass(eq=False, slots=True)
 class _Held:
-    """A render in `ChatRenderer`'s cache: in flight (``task``, on ``loop``) or made
-    (``value``); ``made_at`` is when it started (``time.monotonic()``)."""
+    """A render in `ChatRenderer`'s cache: in flight (``task``) or made (``value``);
+    ``made_at`` is when it started (``time.monotonic()``)."""
 
     made_at: float
-    loop: asyncio.AbstractEventLoop
     task: asyncio.Task[Rendered] | None
     value: Rendered | None = None
     keep: bool = True
@@ -285,8 +284,8 @@ class ChatRenderer:
         self._state, self._building = None, None
         held, self._renders = list(self._renders.values()), OrderedDict()
         for entry in held:  # renders in flight end with the renderer's loop
-            if entry.task is not None and not entry.loop.is_closed():
-                entry.loop.call_soon_threadsafe(entry.task.cancel)
+            if entry.task is not None and not entry.task.get_loop().is_closed():
+                entry.task.get_loop().call_soon_threadsafe(entry.task.cancel)
         if loop is not None and thread is not None:
             loop.call_soon_threadsafe(loop.stop)
             await asyncio.to_thread(thread.join, 30)
@@ -390,8 +389,8 @@ class ChatRenderer:
         key = (route, _json.dumps(dict(body)))
         loop = asyncio.get_running_loop()
         held = self._renders.get(key)
-        if held is not None and held.loop is loop:
-            if held.task is not None:
+        if held is not None:
+            if held.task is not None and held.task.get_loop() is loop:
                 self.reused += 1
                 return _copy(await asyncio.shield(held.task))
             if held.value is not None and time.monotonic() - held.made_at < self.cache_seconds:
@@ -400,7 +399,7 @@ class ChatRenderer:
                 return _copy(held.value)
         self.rendered += 1
         task = loop.create_task(self._render(route, body))
-        entry = _Held(time.monotonic(), loop, task, keep=not (self._clock or _CLOCK in key[1]))
+        entry = _Held(time.monotonic(), task, keep=not (self._clock or _CLOCK in key[1]))
         self._renders[key] = entry
         self._renders.move_to_end(key)
         while len(self._renders) > self.cache_size:
