@@ -133,23 +133,59 @@ def anthropic_followup(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- cases
+def group_question(i: int) -> list[dict[str, Any]]:
+    """Episode ``i``'s question: the same for the ``GROUP`` episodes of a group, a new
+    one for each group."""
+    group = i // GROUP
+    city = CITIES[group % len(CITIES)]
+    return [{"role": "user", "content": f"What is the weather in {city}? (question {group})"}]
+
+
+def group_followup(question: list[dict[str, Any]], message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The second turn: the tool's result after a tool call, else a user's next line."""
+    if message.get("tool_calls"):
+        return with_tool_result(question, message)
+    return [*question, message, {"role": "user", "content": "Thanks. And tomorrow?"}]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What an OpenAI-chat episode asks: its question (by episode number), its second
+    turn's messages (after the first answer), and its sampling."""
+
+    question: Callable[[int], list[dict[str, Any]]]
+    followup: Callable[[list[dict[str, Any]], dict[str, Any]], list[dict[str, Any]]]
+    sampling: dict[str, Any]
+
+
+#: the main table's episode: one question, the tool loop, temperature 0
+SAME = Shape(lambda _: QUESTION, with_tool_result, {"temperature": 0})
+#: the groups' episode: a question per group of `GROUP`, temperature 1
+GROUPS = Shape(group_question, group_followup, {"temperature": 1.0, "max_tokens": 64})
+
+
 def vllm_chat(
-    http: aiohttp.ClientSession, url: str, model: str, *, logprobs: bool = True
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    *,
+    logprobs: bool = True,
+    shape: Shape = SAME,
 ) -> Episode:
     """vLLM's own chat endpoint; ``logprobs=False``: without token ids and logprobs (as
     vLLM's ``/v1/messages`` answers: what the logprobs cost the server)."""
     extra = {"return_token_ids": True, "logprobs": True, "top_logprobs": 0} if logprobs else {}
 
     async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {"model": model, "messages": messages, "tools": TOOLS, "temperature": 0, **extra}
+        body = {"model": model, "messages": messages, "tools": TOOLS, **shape.sampling, **extra}
         async with http.post(url + "/v1/chat/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
             data = await resp.json()
-        return dict(data["choices"][0]["message"])
+        return {k: v for k, v in data["choices"][0]["message"].items() if v is not None}
 
-    async def episode(_: int) -> None:
-        first = await turn(QUESTION)
-        await turn(with_tool_result(QUESTION, {k: v for k, v in first.items() if v is not None}))
+    async def episode(i: int) -> None:
+        question = shape.question(i)
+        await turn(shape.followup(question, await turn(question)))
 
     return episode
 
@@ -174,66 +210,16 @@ def vllm_messages(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
     return episode
 
 
-def session_chat(fleet: az.Fleet, renderer: az.ChatRenderer | None, prefix: str) -> Episode:
+def session_chat(
+    fleet: az.Fleet, renderer: az.ChatRenderer | None, prefix: str, shape: Shape = SAME
+) -> Episode:
     async def episode(i: int) -> None:
         session = az.ChatSession(
             fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS, renderer=renderer
         )
-        first = await session.create(QUESTION, temperature=0)
-        await session.create(with_tool_result(QUESTION, first.message.to_dict()), temperature=0)
-
-    return episode
-
-
-def group_question(i: int) -> list[dict[str, Any]]:
-    """Episode ``i``'s question: the same for the ``GROUP`` episodes of a group, a new
-    one for each group."""
-    group = i // GROUP
-    city = CITIES[group % len(CITIES)]
-    return [{"role": "user", "content": f"What is the weather in {city}? (question {group})"}]
-
-
-def group_followup(question: list[dict[str, Any]], message: dict[str, Any]) -> list[dict[str, Any]]:
-    """The second turn: the tool's result after a tool call, else a user's next line."""
-    if message.get("tool_calls"):
-        return with_tool_result(question, message)
-    return [*question, message, {"role": "user", "content": "Thanks. And tomorrow?"}]
-
-
-def vllm_chat_groups(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
-    async def turn(messages: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {
-            "model": model,
-            "messages": messages,
-            "tools": TOOLS,
-            "temperature": 1.0,
-            "max_tokens": 64,
-            "return_token_ids": True,
-            "logprobs": True,
-            "top_logprobs": 0,
-        }
-        async with http.post(url + "/v1/chat/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            data = await resp.json()
-        message = data["choices"][0]["message"]
-        return {k: v for k, v in message.items() if v is not None}
-
-    async def episode(i: int) -> None:
-        question = group_question(i)
-        await turn(group_followup(question, await turn(question)))
-
-    return episode
-
-
-def session_groups(fleet: az.Fleet, renderer: az.ChatRenderer, prefix: str) -> Episode:
-    async def episode(i: int) -> None:
-        session = az.ChatSession(
-            fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS, renderer=renderer
-        )
-        question = group_question(i)
-        first = await session.create(question, temperature=1.0, max_tokens=64)
-        followup = group_followup(question, first.message.to_dict())
-        await session.create(followup, temperature=1.0, max_tokens=64)
+        question = shape.question(i)
+        first = await session.create(question, **shape.sampling)
+        await session.create(shape.followup(question, first.message.to_dict()), **shape.sampling)
 
     return episode
 
@@ -608,19 +594,19 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                                 runs[name].append(await drive(episode, count, concurrency, probe))
                     results[key] = {"count": count, "runs": runs}
                     print(f"{key}: done", flush=True)
+                group_cases = dict(
+                    zip(
+                        GROUP_CASES,
+                        (
+                            vllm_chat(http, server.url, model, shape=GROUPS),
+                            session_chat(fleet, renderer, "gp", GROUPS),
+                            session_chat(fleet, cached, "gc", GROUPS),
+                        ),
+                        strict=True,
+                    )
+                )
                 groups = await measure_groups(
-                    http,
-                    server.url,
-                    model,
-                    fleet,
-                    renderer,
-                    cached,
-                    probe,
-                    args.episodes_32,
-                    args.rounds,
-                    pgid,
-                    alone_core,
-                    set(cores),
+                    group_cases, cached, probe, args, pgid, alone_core, set(cores)
                 )
             finally:
                 for client in clients.values():
@@ -640,33 +626,18 @@ GROUP_CASES = (
 
 
 async def measure_groups(
-    http: aiohttp.ClientSession,
-    url: str,
-    model: str,
-    fleet: az.Fleet,
-    plain: az.ChatRenderer,
+    cases: dict[str, Episode],
     cached: az.ChatRenderer,
     probe: Callable[[], Awaitable[Counters]],
-    count: int,
-    rounds: int,
+    args: argparse.Namespace,
     pgid: int,
     alone_core: int | None,
     cores: set[int],
 ) -> dict[str, Any]:
-    """GRPO-style groups at 32 in flight, both placements: vLLM's chat endpoint, the
-    session with a renderer that keeps no renders, and one that does (the default).
-    Every round asks new questions (episode numbers run on)."""
-    cases = dict(
-        zip(
-            GROUP_CASES,
-            (
-                vllm_chat_groups(http, url, model),
-                session_groups(fleet, plain, "gp"),
-                session_groups(fleet, cached, "gc"),
-            ),
-            strict=True,
-        )
-    )
+    """GRPO-style groups at 32 in flight, both placements: `GROUP_CASES`, whose last
+    uses ``cached`` (its renders counted). Every round asks new questions (episode
+    numbers run on)."""
+    count = args.episodes_32
     numbered = 0
     for episode in cases.values():  # warm-up
         await drive(episode, GROUP, GROUP, probe, first=10**6)
@@ -674,7 +645,7 @@ async def measure_groups(
     for placement, core in (("32", None), (ISOLATED, alone_core)):
         runs: dict[str, list[Run]] = {n: [] for n in cases}
         rendered, reused = cached.rendered, cached.reused
-        for _ in range(rounds):
+        for _ in range(args.rounds):
             for name, episode in cases.items():  # the same questions for each case
                 with server_alone(pgid, core, cores):
                     runs[name].append(await drive(episode, count, 32, probe, first=numbered))

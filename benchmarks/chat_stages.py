@@ -160,7 +160,8 @@ async def main() -> None:
         model_dir = await asyncio.to_thread(
             make_tiny_model, Path(tmp) / "chat", seed=0, chat_template=True
         )
-        renderer = az.ChatRenderer(model_dir, *bc.SERVER_FLAGS)
+        # every request rendered: the episodes are one request repeated (as in bench_chat)
+        renderer = az.ChatRenderer(model_dir, *bc.SERVER_FLAGS, cache_size=0)
         async with (
             LocalVLLMServer(
                 model_dir,
@@ -208,8 +209,8 @@ async def main() -> None:
             _time_hand_offs()
             runs: dict[str, list[bc.Run]] = {name: [] for name in cases}
             session_stages: list[dict[str, list[float]]] = []
-            alone = cores[-1] if ISOLATE and len(cores) > 1 else None
-            with bc.server_alone(pgid, alone, set(cores)):
+            isolated_core = cores[-1] if ISOLATE and len(cores) > 1 else None
+            with bc.server_alone(pgid, isolated_core, set(cores)):
                 for _ in range(3):
                     for name, episode in cases.items():
                         STAGES.clear()
