@@ -10,13 +10,16 @@ Cases, interleaved, the median of 3 rounds:
   the session's requests, without the session;
 - the same through ``Fleet.generate``: asyncsync's generation path, without chat;
 - the session with the renderer (bench_chat's case), its stages timed: admission,
-  renders and derenders on the renderer's thread, the generation.
+  renders and derenders on the renderer's thread, the generation;
+- the same with a renderer that runs every call at once on its thread (no
+  ``CALLS_AT_ONCE`` limit, as before 2026-12-05): what taking the calls in turn gives.
 
 Per case: turns per second, the engine's steps per turn and tokens per step (its
 ``/metrics``), CPU per turn of the server's API process, of its engine, and of this
 client. The session's calls on the renderer's thread are also timed in three parts
-(reaching its loop, on it, back to the caller's), and the renderer's own rate with
-nothing else running is measured first. Prints a table; writes nothing.
+(reaching its loop and its turn there, on it, back to the caller's), and the
+renderer's own rate with nothing else running is measured first. Prints a table;
+writes nothing.
 
     python benchmarks/chat_stages.py             # the server's OpenMP threads on one core
     ISOLATE=1 python benchmarks/chat_stages.py   # every thread of the server on it
@@ -46,7 +49,8 @@ from asyncsync._wire.chat import RENDER_ROUTE
 from asyncsync.testing import LocalVLLMServer, make_tiny_model
 
 EPISODES = 96
-CONCURRENCY = 32
+#: episodes in flight (``CONCURRENCY=1`` for the turns' latency, one at a time)
+CONCURRENCY = int(os.environ.get("CONCURRENCY", "32"))
 #: the timed rounds with every thread of the server on its core (its API process and
 #: engine included), so the client's CPU takes nothing from it (bench_chat's
 #: "server alone on its core")
@@ -73,12 +77,12 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 
 def _time_hand_offs() -> None:
-    """Each call on the renderer's thread, in three parts: reaching its loop, on it, and
-    back to the caller's loop."""
+    """Each call on the renderer's thread, in three parts: reaching its loop and its turn
+    there, on it, and back to the caller's loop."""
+    inner = _render.ChatRenderer._there
 
     async def there(self: _render.ChatRenderer, work: Callable[[], Any]) -> Any:
         await self.start()
-        assert self._loop is not None
         began, marks = time.perf_counter(), {}
 
         async def timed() -> Any:
@@ -88,8 +92,8 @@ def _time_hand_offs() -> None:
             finally:
                 marks["off"] = time.perf_counter()
 
-        out = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(timed(), self._loop))
-        STAGES["  reaching the renderer's loop"].append(marks["on"] - began)
+        out = await inner(self, timed)
+        STAGES["  reaching the renderer's loop, its turn"].append(marks["on"] - began)
         STAGES["  on the renderer's loop"].append(marks["off"] - marks["on"])
         STAGES["  back to the caller's loop"].append(time.perf_counter() - marks["off"])
         return out
@@ -187,6 +191,10 @@ async def main() -> None:
             first = {"model": model, "messages": bc.QUESTION, "tools": bc.TOOLS, "temperature": 0}
             alone = await renderer_alone(renderer, first)
             session = bc.session_chat(fleet, renderer, "r")
+            # the same renderer's code, every call at once on its thread (no turns)
+            all_at_once = az.ChatRenderer(model_dir, *bc.SERVER_FLAGS, cache_size=0)
+            all_at_once._at_once = 1 << 30
+            await all_at_once.start()
             _capture()
             await session(0)
             bodies = SENT[-2:]
@@ -197,6 +205,9 @@ async def main() -> None:
                 ),
                 "`Fleet.generate`, the same prompts and sampling": through_fleet(fleet, bodies),
                 "`ChatSession` + `ChatRenderer`": session,
+                "the same, the renderer's calls all at once": bc.session_chat(
+                    fleet, all_at_once, "all"
+                ),
             }
             for episode in cases.values():
                 await bc.drive(episode, 8, 4, probe)
@@ -215,9 +226,10 @@ async def main() -> None:
                     for name, episode in cases.items():
                         STAGES.clear()
                         runs[name].append(await bc.drive(episode, EPISODES, CONCURRENCY, probe))
-                        if "ChatSession" in name:
+                        if name == "`ChatSession` + `ChatRenderer`":
                             session_stages.append(dict(STAGES))
         await renderer.aclose()
+        await all_at_once.aclose()
         os.sched_setaffinity(0, cores)
     report(runs, session_stages)
     print(f"\nthe renderer alone in this process: {alone}")

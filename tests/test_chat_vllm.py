@@ -1049,6 +1049,47 @@ async def test_chat_renderer_renders_identical_requests_once(chat: ChatServers) 
         await renderer.render(route, {"model": "m", "messages": 5})
 
 
+async def test_chat_renderer_takes_its_calls_in_turn(chat: ChatServers) -> None:
+    """At most ``CALLS_AT_ONCE`` calls run at once on the renderer's thread, and the
+    rest start in the order they came (a burst's first turns finish first)."""
+    await _needs_032(chat)
+    from asyncsync._chat.render import CALLS_AT_ONCE
+
+    renderer = _renderer(chat)
+    await renderer.start()
+    serving = renderer._state.serving_render
+    inner = serving.render_chat_request
+    running, most, started = 0, 0, []
+
+    async def held(request: Any) -> Any:  # on the renderer's loop
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        started.append(request.messages[0]["content"])
+        try:
+            await asyncio.sleep(0.05)  # every call let in is still here when the next is
+            return await inner(request)
+        finally:
+            running -= 1
+
+    route = "/v1/chat/completions/render"
+    asks = [f"call {i}, in turn" for i in range(3 * CALLS_AT_ONCE)]
+    serving.render_chat_request = held
+    try:
+        got = await asyncio.gather(
+            *(
+                renderer.render(route, {"model": "m", "messages": [{"role": "user", "content": a}]})
+                for a in asks
+            )
+        )
+    finally:
+        serving.render_chat_request = inner
+    assert most == CALLS_AT_ONCE
+    assert started == asks
+    assert len({tuple(r.token_ids) for r in got}) == len(asks)
+    assert all(r.token_ids for r in got)
+
+
 async def test_chat_renderer_reuses_a_render_only_while_fresh_and_never_one_that_read_the_clock(
     chat: ChatServers,
 ) -> None:

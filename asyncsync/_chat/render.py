@@ -64,6 +64,18 @@ logger = logging.getLogger("asyncsync.generate")
 T = TypeVar("T")
 
 
+#: How many calls a `ChatRenderer` runs at once on its thread; the rest wait in the
+#: order they came. Calls that run together take turns on one thread (and one GIL), so
+#: every call of a burst would finish near the burst's end; in order, the first finish
+#: first and their turns reach the server while the rest render. Not one: the renderer
+#: hands template renders and tokenizations to vLLM's tokenizer pool, and other calls'
+#: validation and results run on the loop meanwhile. Alone, 32 renders at once go at
+#: about 715 a second one at a time, 850 four at a time, 960 all at once; in a session
+#: at 32 episodes in flight, four at a time made more turns a second than all at once
+#: (benchmarks/chat_stages.py; docs/performance.md).
+CALLS_AT_ONCE = 4
+
+
 class ChatRenderWarning(UserWarning):
     """A `ChatRenderer` rendered or parsed a turn differently from the server: the
     session renders on the server from then on (issued once per session)."""
@@ -173,6 +185,12 @@ class ChatRenderer:
     from a finished render, only shared while in flight, so no prompt carries a time
     older than the render it shares. ``cache_size=0`` renders every request.
 
+    Its calls run on a thread of its own, at most four at a time, in the order they
+    came: of a burst of turns that end in the same decode step (their
+    derenders, then their next renders), the first go back to the server while the
+    rest wait, rather than every call of the burst finishing near its end, as when all
+    of them take turns on the thread at once.
+
     Needs vLLM importable in this process (the ``[server]`` extra); built on first use,
     in a worker thread (importing vLLM takes seconds).
 
@@ -229,6 +247,9 @@ class ChatRenderer:
         self._clock = True
         self.rendered = 0
         self.reused = 0
+        #: calls running at once on the renderer's loop; the rest wait their turn
+        self._at_once = CALLS_AT_ONCE
+        self._turns: asyncio.Semaphore | None = None
 
     def __repr__(self) -> str:
         return f"ChatRenderer({self.model!r}, {' '.join(self.server_args)!r})"
@@ -264,6 +285,7 @@ class ChatRenderer:
         from starlette.datastructures import State
         from vllm.entrypoints.launchers.render.app_state import init_render_app_state
 
+        self._turns = asyncio.Semaphore(self._at_once)  # this loop's
         state = State()
         await init_render_app_state(config, state, args)
         self._clock = _reads_clock(state, config)
@@ -272,10 +294,17 @@ class ChatRenderer:
 
     async def _there(self, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run ``work()`` on the renderer's own loop (vLLM's renderer reads files and
-        templates and computes: never on the caller's loop)."""
+        templates and computes: never on the caller's loop), when its turn comes
+        (``CALLS_AT_ONCE``)."""
         await self.start()
         assert self._loop is not None
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work(), self._loop))
+
+        async def in_turn() -> T:
+            assert self._turns is not None
+            async with self._turns:
+                return await work()
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(in_turn(), self._loop))
 
     async def aclose(self) -> None:
         """Stop the renderer's thread (a later call starts it again). Idempotent."""
