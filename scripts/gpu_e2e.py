@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import json
 import os
 import statistics
@@ -510,9 +511,14 @@ class Paths:
     receiver, timed round by round."""
 
     def __init__(
-        self, row: Row, tensors: Mapping[str, Any], device: Device, *, lag: bool = True
-    ) -> None:
+        self, row: Row, tensors: Mapping[str, Any], device: Device, *, lag: bool = True,
+        stalls: Any = None, stall_s: float = 0.015,
+    ) -> None:  # fmt: skip
         self.row = row
+        #: where `--stall-dump` writes every thread's stack when the loop has not run for
+        #: ``stall_s`` during asyncsync's rounds (faulthandler's watchdog, which needs no GIL)
+        self.stalls = stalls
+        self.stall_s = stall_s
         #: a 1 ms timer on the loop during asyncsync's rounds (its lag); it wakes the
         #: loop a thousand times a second, each time taking the GIL from the send
         self.with_lag = lag
@@ -541,8 +547,11 @@ class Paths:
 
         self.device.sync()
         gc.callbacks.append(self._on_gc)
+        watchdog: asyncio.Task[None] | None = None
         try:
             async with LoopLagMonitor(interval=0.001 if self.with_lag else 3600) as lag:
+                if self.stalls is not None:
+                    watchdog = self._watch(version)
                 self._counting = True
                 began = time.perf_counter()
                 report = await self.publisher.publish(self.tensors, version=version)
@@ -551,12 +560,28 @@ class Paths:
         finally:
             self._counting = False
             gc.callbacks.remove(self._on_gc)
+            if watchdog is not None:
+                watchdog.cancel()
+                faulthandler.cancel_dump_traceback_later()
         self.lag.extend(lag.samples)
         self.row.report_ceiling_gb_per_s = report.ceiling_gb_per_s
         self.row.report_efficiency = report.efficiency
         for phase, value in report.seconds.items():
             self.phases.setdefault(phase, []).append(value)
         return seconds
+
+    def _watch(self, version: str) -> asyncio.Task[None]:
+        """Re-arms faulthandler's watchdog every millisecond from the loop: when the loop
+        stalls for ``stall_s``, every thread's stack is written at that moment."""
+        self.stalls.write(f"--- round {version}\n")
+        self.stalls.flush()
+
+        async def rearm() -> None:
+            while True:
+                faulthandler.dump_traceback_later(self.stall_s, file=self.stalls)
+                await asyncio.sleep(0.001)
+
+        return asyncio.get_running_loop().create_task(rearm())
 
     async def theirs(self) -> float:
         self.device.sync()
@@ -625,7 +650,10 @@ async def run_model(
             gc.freeze()
         row.ceiling_gb_per_s = ceiling
         row.default_packed = expected_default
-        paths = Paths(row, tensors, device, lag=not args.no_lag)
+        paths = Paths(
+            row, tensors, device, lag=not args.no_lag, stalls=args.stalls,
+            stall_s=args.stall_ms / 1000,
+        )  # fmt: skip
         options = az.backends.IPC(
             allow_insecure_serialization=True,
             packed=packed,
@@ -784,16 +812,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-lag", action="store_true", help="time asyncsync's rounds without the 1 ms timer"
     )
+    parser.add_argument(
+        "--stall-dump",
+        type=Path,
+        help="a diagnostic: write every thread's stack here whenever the loop stalls for "
+        "--stall-ms during asyncsync's rounds (faulthandler's watchdog thread, which needs "
+        "no GIL and so sees a C call that holds it; it reads the other threads' frames "
+        "unlocked and can crash the run, as it did once on an H100 after four dumps: use "
+        "it to find a stall, not for the table)",
+    )
+    parser.add_argument("--stall-ms", type=float, default=15.0)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--markdown", type=Path, help="write the table here")
     args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # this checkout's asyncsync, when it is not installed
     if args.command == "receive":
         receive(args.spec, args.standins)
         return 0
     args.buffer_bytes = int(args.buffer_mb * (1 << 20))
+    args.stalls = args.stall_dump.open("w") if args.stall_dump is not None else None
     args.modes = [mode == "packed" for mode in args.modes]
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    sys.path.insert(0, str(ROOT))  # this checkout's asyncsync, when it is not installed
     if args.standins:
         install_standins()
     elif not _cuda():

@@ -161,6 +161,40 @@ def test_digests_see_every_byte(gpu_e2e: ModuleType) -> None:
     assert gpu_e2e.digests(a, chunk=100) == gpu_e2e.digests(a)
 
 
+@pytest.mark.asyncio
+async def test_the_stall_dump_names_what_holds_the_loop(
+    gpu_e2e: ModuleType, tmp_path: Path
+) -> None:
+    """``--stall-dump``: while a round is watched, a loop that does not run for
+    ``stall_s`` gets every thread's stack written at that moment, the stalling frame
+    among them; a loop that keeps running gets none; the watchdog is disarmed after."""
+    import asyncio
+    import faulthandler
+    import time
+
+    def hold_the_loop() -> None:
+        time.sleep(0.15)  # stands in for a C call holding the GIL
+
+    row = gpu_e2e.Row(model="moe", mode="unpacked", tensors=1, bytes=1)
+    with (tmp_path / "stalls.txt").open("w") as stalls:
+        paths = gpu_e2e.Paths(row, {}, None, stalls=stalls, stall_s=0.05)
+        quiet = paths._watch("quiet")
+        await asyncio.sleep(0.2)  # the loop runs: nothing is written
+        quiet.cancel()
+        faulthandler.cancel_dump_traceback_later()
+        stalled = paths._watch("stalled")
+        await asyncio.sleep(0.01)
+        hold_the_loop()
+        stalled.cancel()
+        faulthandler.cancel_dump_traceback_later()
+        await asyncio.sleep(0.1)  # disarmed: no dump after the round
+    text = (tmp_path / "stalls.txt").read_text()
+    before, after = text.split("--- round stalled\n")
+    assert before == "--- round quiet\n"
+    assert after.count("Timeout (0:00:00.050000)!") == 1
+    assert "in hold_the_loop" in after
+
+
 @pytest.mark.server_deps
 @pytest.mark.timeout(600)
 def test_the_e2e_run_on_cpu_with_the_cuda_standins(tmp_path: Path) -> None:
