@@ -82,6 +82,10 @@ NO_LOGPROBS = "vLLM `/v1/chat/completions` without logprobs (reference)"
 #: the gateway from a bare HTTP client: its own cost, without an SDK's
 BARE_OPENAI = "`ChatGateway`, OpenAI chat from bare aiohttp (renderer)"
 BARE_ANTHROPIC = "`ChatGateway`, Anthropic from bare aiohttp (renderer)"
+#: sessions that ask for no logprobs (``record_logprobs=False``): compared with vLLM's
+#: endpoints that compute none (chat without logprobs; ``/v1/messages``)
+LEAN_CHAT = "`ChatSession` + `ChatRenderer`, `record_logprobs=False`"
+LEAN_MESSAGES = "`ChatSession.messages_create` + `ChatRenderer`, `record_logprobs=False`"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
 ANTHROPIC_TOOLS = [
@@ -211,11 +215,20 @@ def vllm_messages(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
 
 
 def session_chat(
-    fleet: az.Fleet, renderer: az.ChatRenderer | None, prefix: str, shape: Shape = SAME
+    fleet: az.Fleet,
+    renderer: az.ChatRenderer | None,
+    prefix: str,
+    shape: Shape = SAME,
+    *,
+    record_logprobs: bool = True,
 ) -> Episode:
     async def episode(i: int) -> None:
         session = az.ChatSession(
-            fleet, session_id=f"{prefix}-{i}-{time.monotonic_ns()}", tools=TOOLS, renderer=renderer
+            fleet,
+            session_id=f"{prefix}-{i}-{time.monotonic_ns()}",
+            tools=TOOLS,
+            renderer=renderer,
+            record_logprobs=record_logprobs,
         )
         question = shape.question(i)
         first = await session.create(question, **shape.sampling)
@@ -224,10 +237,15 @@ def session_chat(
     return episode
 
 
-def session_messages(fleet: az.Fleet, renderer: az.ChatRenderer | None) -> Episode:
+def session_messages(
+    fleet: az.Fleet, renderer: az.ChatRenderer | None, *, record_logprobs: bool = True
+) -> Episode:
     async def episode(i: int) -> None:
         session = az.ChatSession(
-            fleet, session_id=f"m-{i}-{time.monotonic_ns()}", renderer=renderer
+            fleet,
+            session_id=f"m-{i}-{time.monotonic_ns()}",
+            renderer=renderer,
+            record_logprobs=record_logprobs,
         )
         body = {"model": "m", "max_tokens": 64, "tools": ANTHROPIC_TOOLS, "temperature": 0}
         first = await session.messages_create(**body, messages=QUESTION)
@@ -574,6 +592,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 NO_LOGPROBS: vllm_chat(http, server.url, model, logprobs=False),
                 BARE_OPENAI: gateway_bare(gateway, http, "openai"),
                 BARE_ANTHROPIC: gateway_bare(gateway, http, "anthropic"),
+                LEAN_CHAT: session_chat(fleet, renderer, "l", record_logprobs=False),
+                LEAN_MESSAGES: session_messages(fleet, renderer, record_logprobs=False),
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
@@ -721,7 +741,11 @@ def table(
                 runs[name], runs[names[0]], latency=concurrency == "1"
             )
             base = (
-                names[4] if "messages" in name.lower() or "anthropic" in name.lower() else names[0]
+                names[4]
+                if "messages" in name.lower() or "anthropic" in name.lower()
+                else NO_LOGPROBS
+                if name == LEAN_CHAT
+                else names[0]
             )
             vs = paired(runs[name], runs[base], latency=concurrency == "1")
             ratios[concurrency][name] = vs
@@ -807,7 +831,8 @@ def main() -> None:
         "is the median of the rounds' ratios (each case against its baseline in the same "
         "round); CPU and calls per turn are the median round's; "
         "the Anthropic "
-        "cases are compared with vLLM's own `/v1/messages`, the others with its "
+        "cases are compared with vLLM's own `/v1/messages`, the chat session without "
+        "logprobs with vLLM's chat without them, the others with its "
         "`/v1/chat/completions`; server calls per turn from its `/metrics` "
         "(`http_requests_total`); CPU per turn at concurrency 32 only (at 1 the server's "
         "engine spins between steps and its CPU measures time, not work). The "
@@ -835,6 +860,15 @@ def main() -> None:
         f"{to_chat['1'][names[5]]:.2f}x its latency at 1 and makes "
         f"{to_chat['32'][names[5]]:.2f}x its throughput at 32 "
         f"({to_chat[ISOLATED][names[5]]:.2f}x with the server alone on its core).",
+        "",
+        f"Sessions that ask for no logprobs (`record_logprobs=False`, for a trainer that "
+        f"computes its own), each against vLLM's endpoint that computes none: the chat "
+        f"session {ratios['1'][LEAN_CHAT]:.2f}x the latency of vLLM's chat without "
+        f"logprobs at 1 and {ratios['32'][LEAN_CHAT]:.2f}x its throughput at 32 "
+        f"({ratios[ISOLATED][LEAN_CHAT]:.2f}x with the server alone on its core); "
+        f"`messages_create` {ratios['1'][LEAN_MESSAGES]:.2f}x and "
+        f"{ratios['32'][LEAN_MESSAGES]:.2f}x ({ratios[ISOLATED][LEAN_MESSAGES]:.2f}x) of "
+        f"vLLM's `/v1/messages`.",
         "",
         f"Server calls per turn at concurrency 32: vLLM's own chat: "
         f"{calls_of(results, names[0])}; the session, the server rendering: "

@@ -704,6 +704,86 @@ async def test_export_writes_one_line_per_trajectory_with_its_lineage(
         assert all(root["loss_mask"][turn["start"] : turn["end"]])
 
 
+def _generate_bodies(fake: FakeVLLMServer) -> list[dict[str, Any]]:
+    sent = fake.requests_to("/inference/v1/generate")
+    return [json.loads(r.body)["sampling_params"] for r in sent]
+
+
+def _sampled(trajectory: az.Trajectory) -> list[int]:
+    return [i for i, m in enumerate(trajectory.loss_mask) if m]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("api", ["chat", "anthropic", "responses"])
+async def test_a_session_that_records_no_logprobs_asks_the_servers_for_none(
+    fake: FakeVLLMServer, fleet: az.Fleet, api: str
+) -> None:
+    """``record_logprobs=False``: no generation asks for logprobs, and the trajectory
+    has the same ids, loss mask and versions as a recording session's, with no logprob
+    on its sampled tokens (which `to_lists` says, unless told not to require them)."""
+    lean = az.ChatSession(fleet, record_logprobs=False)
+    await LOOPS[api](lean)
+    sent = _generate_bodies(fake)
+    assert len(sent) == 2
+    assert all("logprobs" not in params for params in sent)
+    full = az.ChatSession(fleet)
+    await LOOPS[api](full)
+    assert [params.get("logprobs") for params in _generate_bodies(fake)[2:]] == [0, 0]
+    (ours,), (theirs,) = lean.trajectories(), full.trajectories()
+    assert ours.token_ids == theirs.token_ids
+    assert ours.loss_mask == theirs.loss_mask
+    assert ours.weight_versions == theirs.weight_versions
+    assert _sampled(ours)
+    assert all(ours.logprobs[i] is None for i in _sampled(ours))
+    assert all(theirs.logprobs[i] is not None for i in _sampled(theirs))
+    with pytest.raises(ValueError, match="require_logprobs=False"):
+        ours.to_lists()
+    data = ours.to_lists(require_logprobs=False)
+    assert data["token_ids"] == theirs.token_ids
+    assert data["loss_mask"] == theirs.loss_mask
+
+
+@pytest.mark.asyncio
+async def test_a_session_that_records_no_logprobs_still_answers_a_request_that_asks(
+    fake: FakeVLLMServer, fleet: az.Fleet
+) -> None:
+    session = az.ChatSession(fleet, record_logprobs=False)
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = await session.create(messages, tools=[CHAT_TOOL], temperature=0, logprobs=True,
+                                 top_logprobs=2)  # fmt: skip
+    assert _generate_bodies(fake)[-1]["logprobs"] == 2
+    assert len(reply.logprobs) == len(reply.token_ids)
+    assert reply.to_dict()["choices"][0]["logprobs"]["content"]
+    assert_exact(session)  # every sampled token has its logprob: this turn asked
+
+
+@pytest.mark.asyncio
+async def test_a_session_that_records_no_logprobs_without_scale_out_asks_for_none() -> None:
+    async with (
+        FakeVLLMServer(chat=scripted(CALL, ANSWER), scale_out=False) as fake,
+        az.Fleet([fake.url]) as fleet,
+    ):
+        session = az.ChatSession(fleet, record_logprobs=False)
+        with pytest.warns(az.ChatFallbackWarning):
+            await chat_loop(session)
+        sent = [json.loads(r.body) for r in fake.requests_to("/v1/chat/completions")]
+        assert len(sent) == 2
+        assert all("logprobs" not in body and "top_logprobs" not in body for body in sent)
+        assert all(body["return_token_ids"] is True for body in sent)
+        for trajectory in session.trajectories():
+            assert all(trajectory.logprobs[i] is None for i in _sampled(trajectory))
+
+
+@pytest.mark.asyncio
+async def test_the_gateways_sessions_take_its_record_logprobs(fleet: az.Fleet) -> None:
+    assert az.ChatGateway(fleet).session("a").record_logprobs is True
+    assert az.ChatGateway(fleet, record_logprobs=False).session("b").record_logprobs is False
+    with pytest.raises(TypeError, match="record_logprobs must be True or False"):
+        az.ChatGateway(fleet, record_logprobs=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="record_logprobs must be True or False"):
+        az.ChatSession(fleet, record_logprobs=0)  # type: ignore[arg-type]
+
+
 @pytest.mark.asyncio
 async def test_without_scale_out_turns_go_through_chat_completions_checked() -> None:
     async with (

@@ -571,6 +571,46 @@ async def test_anthropic_sdk_tool_loop_through_the_gateway_is_exact(chat: ChatSe
     assert_exact_export(session, chat.model_dir)
 
 
+async def test_a_gateway_that_records_no_logprobs_gets_the_same_trajectory_without_them(
+    chat: ChatServers,
+) -> None:
+    """``record_logprobs=False`` against the real server, in the Anthropic dialect (where
+    vLLM's own ``/v1/messages`` computes no logprobs either): the tool loop's trajectory
+    has exactly the recording session's ids, mask and versions; the server sent no
+    logprob for any sampled token."""
+
+    async def loop(session: az.ChatSession) -> None:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
+        body = {"model": "any", "max_tokens": 64, "tools": [ANTHROPIC_TOOL], "temperature": 0}
+        first = await session.messages_create(**body, messages=messages)
+        answer = first.to_anthropic()
+        use = answer["content"][0]
+        assert use["type"] == "tool_use"
+        messages += [
+            {"role": "assistant", "content": answer["content"]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}],
+            },
+        ]
+        second = await session.messages_create(**body, messages=messages)
+        assert second.to_anthropic()["stop_reason"] == "end_turn"
+
+    async with az.Fleet([chat.url]) as fleet:
+        lean = az.ChatGateway(fleet, record_logprobs=False).session("lean")
+        full = az.ChatGateway(fleet).session("full")
+        await loop(lean)
+        await loop(full)
+    (ours,), (theirs,) = lean.trajectories(), full.trajectories()
+    assert ours.token_ids == theirs.token_ids
+    assert ours.loss_mask == theirs.loss_mask
+    assert ours.weight_versions == theirs.weight_versions
+    assert [c.logprobs for c in ours.completions] == [None, None]
+    assert all(c.logprobs for c in theirs.completions)
+    assert ours.to_lists(require_logprobs=False)["token_ids"] == theirs.token_ids
+    assert_exact_export(full, chat.model_dir)
+
+
 async def test_openai_agents_responses_and_chat_models_over_the_gateway(chat: ChatServers) -> None:
     import openai
     from agents import (

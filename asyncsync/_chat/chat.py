@@ -218,7 +218,8 @@ class ChatSession:
 
     Every turn goes to the session's server (``session_id`` is the fleet's session
     affinity), sampled ids are never re-tokenized, and each sampled token's logprob is
-    recorded whatever the request asked for. Turns of one session run one at a time. A
+    recorded whatever the request asked for (unless ``record_logprobs=False``). Turns of
+    one session run one at a time. A
     request that does not continue the last turn starts a branch (see the module
     docstring); `trajectories` returns every branch, each exact, with its `Lineage`.
 
@@ -234,6 +235,12 @@ class ChatSession:
             bridges anyway.
         renderer: render and parse in this process with vLLM's own code (a
             `ChatRenderer`, checked against the server), instead of on the server.
+        record_logprobs: ask the server for each sampled token's logprob on every turn
+            (the default). False, for a trainer that computes its own: a turn asks for
+            logprobs only when its request does (OpenAI's ``logprobs``), so the servers
+            compute none otherwise, as vLLM's own endpoints do; the trajectory's sampled
+            tokens then have no logprob (``to_lists(require_logprobs=False)``), and ids,
+            loss mask and weight versions are the same.
     """
 
     def __init__(
@@ -244,6 +251,7 @@ class ChatSession:
         tools: Sequence[Mapping[str, Any]] | None = None,
         on_unstable: OnUnstable = "fork",
         renderer: ChatRenderer | None = None,
+        record_logprobs: bool = True,
     ) -> None:
         if on_unstable not in ON_UNSTABLE:
             raise ValueError(f"on_unstable must be one of {ON_UNSTABLE}, got {on_unstable!r}")
@@ -251,11 +259,16 @@ class ChatSession:
             raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
         if renderer is not None and not isinstance(renderer, ChatRenderer):
             raise TypeError(f"renderer must be a ChatRenderer, got {type(renderer).__name__}")
+        if not isinstance(record_logprobs, bool):
+            raise TypeError(
+                f"record_logprobs must be True or False, got {type(record_logprobs).__name__}"
+            )
         self.fleet = fleet
         self.session_id = session_id if session_id is not None else uuid.uuid4().hex
         self.tools = [dict(t) for t in tools] if tools is not None else None
         self.on_unstable: OnUnstable = on_unstable
         self.renderer = renderer
+        self.record_logprobs = record_logprobs
         self._chat = chat_servers(fleet)
         self._renders = SessionRenders(fleet, renderer, self.session_id, self._chat)
         self._branches: list[Branch] = []
@@ -842,7 +855,11 @@ class ChatSession:
     ) -> ChatReply:
         limit = await self._context(plan.prompt)
         sampling = _sampling(
-            plan.rendered.sampling_params, turn.max_tokens, len(plan.prompt), limit
+            plan.rendered.sampling_params,
+            turn.max_tokens,
+            len(plan.prompt),
+            limit,
+            record_logprobs=self.record_logprobs,
         )
         streamed: list[ChatDelta] = []
         if sink is None:
@@ -958,8 +975,9 @@ class ChatSession:
         if turn.max_tokens is not None:
             request["max_completion_tokens"] = turn.max_tokens
             request.pop("max_tokens", None)
-        top = request.get("top_logprobs") or 0
-        body = chat_fallback_body(request, int(top))
+        asked = bool(request.get("logprobs"))
+        top = int(request.get("top_logprobs") or 0) if asked or self.record_logprobs else None
+        body = chat_fallback_body(request, top)
         # admitted like a generation and counted in flight (the fleet's one rule)
         async with self.fleet.admitted(session_id=self.session_id) as client:
             url = client.base_url
@@ -1055,13 +1073,19 @@ _NOT_SENT = frozenset({"n", "output_kind", "skip_clone", "max_tokens", "logprobs
 
 
 def _sampling(
-    params: Mapping[str, Any], requested: int | None, prompt_len: int, limit: int | None
+    params: Mapping[str, Any],
+    requested: int | None,
+    prompt_len: int,
+    limit: int | None,
+    *,
+    record_logprobs: bool = True,
 ) -> Sampling:
     """The generation's `Sampling`: render's sampling parameters (the server's defaults
     and the request's own; those `Sampling` has no field for in its ``extra_params``),
-    logprobs of every sampled token, and ``max_tokens`` for the session's prompt (which
-    is not the length render saw)."""
-    out = _sampling_fields(params, requested, prompt_len, limit)
+    logprobs of every sampled token (with ``record_logprobs``; else only when the
+    request asked), and ``max_tokens`` for the session's prompt (which is not the length
+    render saw)."""
+    out = _sampling_fields(params, requested, prompt_len, limit, record_logprobs)
     other = {k: out.pop(k) for k in list(out) if k not in _FIELD_NAMES}
     return Sampling(**out, extra_params=other or None)
 
@@ -1070,11 +1094,17 @@ _FIELD_NAMES = frozenset(FIELDS)
 
 
 def _sampling_fields(
-    params: Mapping[str, Any], requested: int | None, prompt_len: int, limit: int | None
+    params: Mapping[str, Any],
+    requested: int | None,
+    prompt_len: int,
+    limit: int | None,
+    record_logprobs: bool = True,
 ) -> dict[str, Any]:
     out = {k: v for k, v in params.items() if v is not None and k not in _NOT_SENT}
-    top = params.get("logprobs")
-    out["logprobs"] = int(top) if isinstance(top, int) and top > 0 else 0
+    top = params.get("logprobs")  # an int when the request asked for logprobs, else None
+    asked = top if isinstance(top, int) and not isinstance(top, bool) and top >= 0 else None
+    if asked is not None or record_logprobs:
+        out["logprobs"] = asked or 0
     room = None if limit is None else limit - prompt_len
     if requested is None:
         out["max_tokens"] = room if room is not None else params.get("max_tokens")

@@ -532,6 +532,9 @@ class ChatGateway:
         renderer: a `ChatRenderer` the sessions render and parse with in this process.
         session_headers: the headers a request under ``/v1`` names its session with
             (first found wins; then the body's ``metadata.user_id`` or ``user``).
+        record_logprobs: ``record_logprobs`` of the sessions it creates (see
+            `ChatSession`; False: the servers compute logprobs only for a request that
+            asks, as vLLM's own endpoints do).
     """
 
     def __init__(
@@ -545,7 +548,12 @@ class ChatGateway:
         api_key: str | None = None,
         renderer: ChatRenderer | None = None,
         session_headers: Sequence[str] = DEFAULT_SESSION_HEADERS,
+        record_logprobs: bool = True,
     ) -> None:
+        if not isinstance(record_logprobs, bool):
+            raise TypeError(
+                f"record_logprobs must be True or False, got {type(record_logprobs).__name__}"
+            )
         if isinstance(session_headers, str) or not all(
             isinstance(h, str) and h for h in session_headers
         ):
@@ -559,6 +567,7 @@ class ChatGateway:
         self._on_unstable: OnUnstable = on_unstable
         self._api_key = api_key
         self._renderer = renderer
+        self._record_logprobs = record_logprobs
         self._sessions: dict[str, ChatSession] = {}
         self.api = ChatAPI(
             self.session, session_headers=session_headers, known=self._sessions.__contains__
@@ -576,6 +585,7 @@ class ChatGateway:
                 tools=self._tools,
                 on_unstable=self._on_unstable,
                 renderer=self._renderer,
+                record_logprobs=self._record_logprobs,
             )
         return found
 

@@ -488,17 +488,13 @@ def derender_body(
     return body
 
 
-def chat_fallback_body(request: Mapping[str, Any], top_logprobs: int) -> dict[str, Any]:
+def chat_fallback_body(request: Mapping[str, Any], top_logprobs: int | None) -> dict[str, Any]:
     """A plain chat completion asking for the exact ids and each sampled token's
-    logprob (``top_logprobs`` candidates besides)."""
-    return {
-        **request,
-        "stream": False,
-        "n": 1,
-        "return_token_ids": True,
-        "logprobs": True,
-        "top_logprobs": top_logprobs,
-    }
+    logprob (``top_logprobs`` candidates besides; None: no logprobs asked)."""
+    body = {**request, "stream": False, "n": 1, "return_token_ids": True}
+    if top_logprobs is not None:
+        body.update(logprobs=True, top_logprobs=top_logprobs)
+    return body
 
 
 # ------------------------------------------------------------------ parsers
