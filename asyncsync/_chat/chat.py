@@ -1098,7 +1098,7 @@ def _sampling_fields(
     requested: int | None,
     prompt_len: int,
     limit: int | None,
-    record_logprobs: bool = True,
+    record_logprobs: bool,
 ) -> dict[str, Any]:
     out = {k: v for k, v in params.items() if v is not None and k not in _NOT_SENT}
     top = params.get("logprobs")  # an int when the request asked for logprobs, else None
