@@ -24,6 +24,10 @@ answer) at temperature 0, so every case samples the same tokens on the same mess
   messages_create`` and ``ChatGateway`` + a real ``AsyncAnthropic`` (renderer).
 - A reference: vLLM's ``/v1/chat/completions`` without token ids and logprobs, what
   the logprobs cost (``/v1/messages`` computes none; a session records every token's).
+- References for the gateway: vLLM's own ``/v1/chat/completions`` and ``/v1/messages``
+  through the same ``AsyncOpenAI`` / ``AsyncAnthropic`` clients: what a harness whose
+  SDK client runs in this process pays for the gateway, against pointing the same
+  client at vLLM.
 
 These episodes are all the same request at temperature 0, which the renderer's cache
 would answer from memory; distinct tasks render every request, so here the renderer
@@ -86,6 +90,12 @@ BARE_ANTHROPIC = "`ChatGateway`, Anthropic from bare aiohttp (renderer)"
 #: endpoints that compute none (chat without logprobs; ``/v1/messages``)
 LEAN_CHAT = "`ChatSession` + `ChatRenderer`, `record_logprobs=False`"
 LEAN_MESSAGES = "`ChatSession.messages_create` + `ChatRenderer`, `record_logprobs=False`"
+#: vLLM's own endpoints through the SDK clients the gateway's rows use (the same
+#: clients, in this process): the gateway's rows against them leave the SDK's cost out
+SDK_CHAT = "vLLM `/v1/chat/completions` + `AsyncOpenAI` (reference)"
+SDK_MESSAGES = "vLLM `/v1/messages` + `AsyncAnthropic` (reference)"
+GATEWAY_OPENAI = "`ChatGateway` + `AsyncOpenAI` (renderer)"
+GATEWAY_ANTHROPIC = "`ChatGateway` + `AsyncAnthropic` (renderer)"
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [WEATHER_TOOL]
 ANTHROPIC_TOOLS = [
@@ -210,6 +220,51 @@ def vllm_messages(http: aiohttp.ClientSession, url: str, model: str) -> Episode:
 
     async def episode(_: int) -> None:
         await turn(anthropic_followup(await turn(QUESTION)))
+
+    return episode
+
+
+def vllm_sdk(url: str, model: str, clients: dict[str, Any], api: str) -> Episode:
+    """vLLM's own endpoint (``api``: ``"openai"`` chat with token ids and logprobs, as
+    `vllm_chat` asks; ``"anthropic"``: ``/v1/messages``) through the SDK client the
+    gateway's rows use."""
+    import anthropic
+    import openai
+
+    chat = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", http_client=clients["openai"])
+    messages = anthropic.AsyncAnthropic(
+        base_url=url, api_key="none", http_client=clients["anthropic"]
+    )
+
+    async def episode(_: int) -> None:
+        if api == "openai":
+            sampling = {"temperature": 0, "logprobs": True, "top_logprobs": 0}
+            extra = {"return_token_ids": True}
+            first = await chat.chat.completions.create(
+                model=model,
+                messages=QUESTION,
+                tools=TOOLS,
+                extra_body=extra,
+                **sampling,  # type: ignore[arg-type]
+            )
+            message = first.choices[0].message.model_dump(exclude_none=True)
+            await chat.chat.completions.create(
+                model=model,
+                messages=with_tool_result(QUESTION, message),  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                extra_body=extra,
+                **sampling,  # type: ignore[arg-type]
+            )
+        else:
+            body = {
+                "model": model,
+                "max_tokens": 64,
+                "tools": ANTHROPIC_TOOLS,
+                "extra_body": {"temperature": 0},
+            }
+            answer = await messages.messages.create(**body, messages=QUESTION)  # type: ignore[arg-type]
+            content = [b.model_dump(exclude_none=True) for b in answer.content]
+            await messages.messages.create(**body, messages=anthropic_followup(content))  # type: ignore[arg-type]
 
     return episode
 
@@ -585,15 +640,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 ),
                 "`ChatSession`, the server renders": session_chat(fleet, None, "s"),
                 "`ChatSession` + `ChatRenderer`": session_chat(fleet, renderer, "r"),
-                "`ChatGateway` + `AsyncOpenAI` (renderer)": gateway_openai(gateway, clients),
+                GATEWAY_OPENAI: gateway_openai(gateway, clients),
                 "vLLM `/v1/messages`": vllm_messages(http, server.url, model),
                 "`ChatSession.messages_create` + `ChatRenderer`": session_messages(fleet, renderer),
-                "`ChatGateway` + `AsyncAnthropic` (renderer)": gateway_anthropic(gateway, clients),
+                GATEWAY_ANTHROPIC: gateway_anthropic(gateway, clients),
                 NO_LOGPROBS: vllm_chat(http, server.url, model, logprobs=False),
                 BARE_OPENAI: gateway_bare(gateway, http, "openai"),
                 BARE_ANTHROPIC: gateway_bare(gateway, http, "anthropic"),
                 LEAN_CHAT: session_chat(fleet, renderer, "l", record_logprobs=False),
                 LEAN_MESSAGES: session_messages(fleet, renderer, record_logprobs=False),
+                SDK_CHAT: vllm_sdk(server.url, model, clients, "openai"),
+                SDK_MESSAGES: vllm_sdk(server.url, model, clients, "anthropic"),
             }
             try:
                 for episode in cases.values():  # warm-up, the server's too
@@ -814,6 +871,14 @@ def main() -> None:
     ga_alone = ratios[ISOLATED][names[6]] / ratios[ISOLATED][names[5]]
     ga_latency = ratios["1"][names[6]] / ratios["1"][names[5]]
     ga_rate = ratios["32"][names[6]] / ratios["32"][names[5]]
+    # the gateway's rows against vLLM's endpoints through the same SDK client, paired
+    same_sdk = {
+        key: tuple(
+            paired(data["runs"][gw], data["runs"][ref], latency=key == "1")
+            for gw, ref in ((GATEWAY_OPENAI, SDK_CHAT), (GATEWAY_ANTHROPIC, SDK_MESSAGES))
+        )
+        for key, data in results.items()
+    }
     lines = [
         BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.machine()}, {os.cpu_count()} cores, "
@@ -849,7 +914,15 @@ def main() -> None:
         "(its own cost, the SDK's left out), against the same session: OpenAI chat "
         f"{bare['1'][0]:.2f}x the latency, {bare['32'][0]:.2f}x the throughput "
         f"({bare[ISOLATED][0]:.2f}x); Anthropic {bare['1'][1]:.2f}x, {bare['32'][1]:.2f}x "
-        f"({bare[ISOLATED][1]:.2f}x).",
+        f"({bare[ISOLATED][1]:.2f}x). vLLM's own endpoints through the same SDK clients "
+        f"take {ratios['1'][SDK_CHAT]:.2f}x the latency of the bare client at 1 and make "
+        f"{ratios['32'][SDK_CHAT]:.2f}x the throughput at 32 ({ratios[ISOLATED][SDK_CHAT]:.2f}x) "
+        f"in the chat form, {ratios['1'][SDK_MESSAGES]:.2f}x and "
+        f"{ratios['32'][SDK_MESSAGES]:.2f}x ({ratios[ISOLATED][SDK_MESSAGES]:.2f}x) against "
+        f"`/v1/messages`; the gateway against vLLM's own endpoint, each through the same SDK "
+        f"client: OpenAI chat {same_sdk['1'][0]:.2f}x the latency, {same_sdk['32'][0]:.2f}x "
+        f"the throughput ({same_sdk[ISOLATED][0]:.2f}x); Anthropic {same_sdk['1'][1]:.2f}x, "
+        f"{same_sdk['32'][1]:.2f}x ({same_sdk[ISOLATED][1]:.2f}x).",
         "",
         f"What the logprobs cost (vLLM's `/v1/messages` computes none; a session records "
         f"every token's): vLLM's chat endpoint without them answers in "
