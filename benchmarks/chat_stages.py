@@ -18,7 +18,10 @@ Per case: turns per second, the engine's steps per turn and tokens per step (its
 ``/metrics``), CPU per turn of the server's API process, of its engine, and of this
 client. The session's calls on the renderer's thread are also timed in three parts
 (reaching its loop and its turn there, on it, back to the caller's), and the
-renderer's own rate with nothing else running is measured first. Prints a table;
+renderer's own rate with nothing else running is measured first. The client's CPU is
+split by thread as the kernel counts it (the caller's loop, the renderer's loop, vLLM's
+tokenizer pool), and a few calls are timed in CPU on their own thread: validating vLLM's
+request model, the derender's detokenization and its tool parser. Prints a table;
 writes nothing.
 
     python benchmarks/chat_stages.py             # the server's OpenMP threads on one core
@@ -32,6 +35,7 @@ import functools
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -56,6 +60,16 @@ CONCURRENCY = int(os.environ.get("CONCURRENCY", "32"))
 #: "server alone on its core")
 ISOLATE = os.environ.get("ISOLATE") == "1"
 
+#: the case whose stages are timed
+SESSION = "`ChatSession` + `ChatRenderer`"
+#: what this process's threads are, by name
+THREADS = {
+    "MainThread": "the caller's loop",
+    "asyncsync-chat-renderer": "the renderer's loop",
+    "ThreadPoolExecutor": "vLLM's renderer pool",
+}
+
+
 #: wall seconds of each timed stage of the session's turns
 STAGES: dict[str, list[float]] = defaultdict(list)
 #: the generation bodies the session sent (captured)
@@ -74,6 +88,47 @@ def _timed(owner: Any, name: str, label: str) -> None:
             STAGES[label].append(time.perf_counter() - began)
 
     setattr(owner, name, timed)
+
+
+#: CPU seconds of each timed call on its own thread (`_cpu_timed`), and the calls
+CPU: dict[str, list[float]] = defaultdict(list)
+
+
+def _cpu_timed(owner: Any, name: str, label: str) -> None:
+    """Time ``owner.name`` (a plain function) in CPU on the thread that runs it, where
+    ``owner`` has it (vLLM's internals move between versions: a diagnostic, not a
+    contract)."""
+    inner = getattr(owner, name, None)
+    if inner is None:
+        return
+
+    @functools.wraps(inner)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        began = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            CPU[label].append(time.thread_time() - began)
+
+    setattr(owner, name, timed)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by thread name
+    (the kernel's count, from ``/proc/self/task``; empty where there is none)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = defaultdict(float)
+    for thread in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = (
+            thread.name.rsplit("_", 1)[0] if thread.name.startswith("ThreadPool") else thread.name
+        )
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
 
 
 def _time_hand_offs() -> None:
@@ -204,7 +259,7 @@ async def main() -> None:
                     http, server.url, bodies
                 ),
                 "`Fleet.generate`, the same prompts and sampling": through_fleet(fleet, bodies),
-                "`ChatSession` + `ChatRenderer`": session,
+                SESSION: session,
                 "the same, the renderer's calls all at once": bc.session_chat(
                     fleet, all_at_once, "all"
                 ),
@@ -218,21 +273,57 @@ async def main() -> None:
             ):
                 _timed(owner, name, label)
             _time_hand_offs()
+            from vllm.renderers.online_derenderer import OnlineDerenderer
+
+            _cpu_timed(_render.ChatRenderer, "_validated", "validating vLLM's request model")
+            _cpu_timed(OnlineDerenderer, "_detokenize_delta", "the derender's detokenization")
+            _cpu_timed(OnlineDerenderer, "_parse_and_assemble", "the derender's tool parser")
             runs: dict[str, list[bc.Run]] = {name: [] for name in cases}
+            threads: dict[str, dict[str, float]] = {name: defaultdict(float) for name in cases}
             session_stages: list[dict[str, list[float]]] = []
+            session_cpu: dict[str, list[float]] = defaultdict(list)
             isolated_core = cores[-1] if ISOLATE and len(cores) > 1 else None
             with bc.server_alone(pgid, isolated_core, set(cores)):
                 for _ in range(3):
                     for name, episode in cases.items():
                         STAGES.clear()
+                        CPU.clear()
+                        before = thread_cpu()
                         runs[name].append(await bc.drive(episode, EPISODES, CONCURRENCY, probe))
-                        if name == "`ChatSession` + `ChatRenderer`":
+                        for thread, seconds in thread_cpu().items():
+                            threads[name][thread] += seconds - before.get(thread, 0.0)
+                        if name == SESSION:
                             session_stages.append(dict(STAGES))
+                            for label, times in CPU.items():
+                                session_cpu[label].extend(times)
         await renderer.aclose()
         await all_at_once.aclose()
         os.sched_setaffinity(0, cores)
     report(runs, session_stages)
+    report_cpu(threads, session_cpu, rounds=3)
     print(f"\nthe renderer alone in this process: {alone}")
+
+
+def report_cpu(
+    threads: dict[str, dict[str, float]], calls: dict[str, list[float]], *, rounds: int
+) -> None:
+    """This client's CPU a turn by thread, per case; the session's timed calls."""
+    turns = 2 * EPISODES * rounds
+    print("\nthis client's CPU a turn by thread (the kernel's count, all rounds):")
+    for name, use in threads.items():
+        named: dict[str, float] = defaultdict(float)
+        for thread, seconds in use.items():
+            kind = next((v for k, v in THREADS.items() if thread.startswith(k)), thread)
+            named[kind] += seconds
+        parts = ", ".join(
+            f"{kind} {1e3 * seconds / turns:.2f} ms"
+            for kind, seconds in sorted(named.items(), key=lambda kv: -kv[1])
+            if seconds * 1e3 / turns >= 0.01
+        )
+        print(f"  {name}: {parts}")
+    print("the session's calls timed in CPU on their own thread: per turn, mean")
+    for label, times in calls.items():
+        print(f"  {label:34s} {len(times) / turns:5.2f}  {1e6 * statistics.mean(times):7.1f} us")
 
 
 def report(runs: dict[str, list[bc.Run]], stages: list[dict[str, list[float]]]) -> None:
