@@ -228,45 +228,56 @@ def vllm_sdk(url: str, model: str, clients: dict[str, Any], api: str) -> Episode
     """vLLM's own endpoint (``api``: ``"openai"`` chat with token ids and logprobs, as
     `vllm_chat` asks; ``"anthropic"``: ``/v1/messages``) through the SDK client the
     gateway's rows use."""
-    import anthropic
-    import openai
+    if api == "openai":
+        import openai
 
-    chat = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", http_client=clients["openai"])
+        chat = openai.AsyncOpenAI(
+            base_url=url + "/v1", api_key="none", http_client=clients["openai"]
+        )
+        sampling = {"logprobs": True, "top_logprobs": 0, "extra_body": {"return_token_ids": True}}
+
+        async def episode(_: int) -> None:
+            await openai_tool_loop(chat, model, **sampling)
+
+        return episode
+    import anthropic
+
     messages = anthropic.AsyncAnthropic(
         base_url=url, api_key="none", http_client=clients["anthropic"]
     )
 
-    async def episode(_: int) -> None:
-        if api == "openai":
-            sampling = {"temperature": 0, "logprobs": True, "top_logprobs": 0}
-            extra = {"return_token_ids": True}
-            first = await chat.chat.completions.create(
-                model=model,
-                messages=QUESTION,
-                tools=TOOLS,
-                extra_body=extra,
-                **sampling,  # type: ignore[arg-type]
-            )
-            message = first.choices[0].message.model_dump(exclude_none=True)
-            await chat.chat.completions.create(
-                model=model,
-                messages=with_tool_result(QUESTION, message),  # type: ignore[arg-type]
-                tools=TOOLS,  # type: ignore[arg-type]
-                extra_body=extra,
-                **sampling,  # type: ignore[arg-type]
-            )
-        else:
-            body = {
-                "model": model,
-                "max_tokens": 64,
-                "tools": ANTHROPIC_TOOLS,
-                "extra_body": {"temperature": 0},
-            }
-            answer = await messages.messages.create(**body, messages=QUESTION)  # type: ignore[arg-type]
-            content = [b.model_dump(exclude_none=True) for b in answer.content]
-            await messages.messages.create(**body, messages=anthropic_followup(content))  # type: ignore[arg-type]
+    async def anthropic_episode(_: int) -> None:
+        await anthropic_tool_loop(messages, model)
 
-    return episode
+    return anthropic_episode
+
+
+async def openai_tool_loop(client: Any, model: str, **sampling: Any) -> None:
+    """The episode's two turns through an ``AsyncOpenAI`` client, at temperature 0."""
+    first = await client.chat.completions.create(
+        model=model, messages=QUESTION, tools=TOOLS, temperature=0, **sampling
+    )
+    message = first.choices[0].message.model_dump(exclude_none=True)
+    await client.chat.completions.create(
+        model=model,
+        messages=with_tool_result(QUESTION, message),
+        tools=TOOLS,
+        temperature=0,
+        **sampling,
+    )
+
+
+async def anthropic_tool_loop(client: Any, model: str) -> None:
+    """The episode's two turns through an ``AsyncAnthropic`` client, at temperature 0."""
+    body = {
+        "model": model,
+        "max_tokens": 64,
+        "tools": ANTHROPIC_TOOLS,
+        "extra_body": {"temperature": 0},
+    }
+    first = await client.messages.create(**body, messages=QUESTION)
+    content = [b.model_dump(exclude_none=True) for b in first.content]
+    await client.messages.create(**body, messages=anthropic_followup(content))
 
 
 def session_chat(
@@ -319,19 +330,7 @@ def gateway_openai(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episode:
             api_key="none",
             http_client=clients["openai"],
         )
-        first = await client.chat.completions.create(
-            model="policy",
-            messages=QUESTION,
-            tools=TOOLS,
-            temperature=0,  # type: ignore[arg-type]
-        )
-        message = first.choices[0].message.model_dump(exclude_none=True)
-        await client.chat.completions.create(
-            model="policy",
-            messages=with_tool_result(QUESTION, message),
-            tools=TOOLS,  # type: ignore[arg-type]
-            temperature=0,
-        )
+        await openai_tool_loop(client, "policy")
 
     return episode
 
@@ -345,15 +344,7 @@ def gateway_anthropic(gateway: az.ChatGateway, clients: dict[str, Any]) -> Episo
             api_key="none",
             http_client=clients["anthropic"],
         )
-        body = {
-            "model": "policy",
-            "max_tokens": 64,
-            "tools": ANTHROPIC_TOOLS,
-            "extra_body": {"temperature": 0},
-        }
-        first = await client.messages.create(**body, messages=QUESTION)  # type: ignore[arg-type]
-        content = [b.model_dump(exclude_none=True) for b in first.content]
-        await client.messages.create(**body, messages=anthropic_followup(content))  # type: ignore[arg-type]
+        await anthropic_tool_loop(client, "policy")
 
     return episode
 
